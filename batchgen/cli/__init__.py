@@ -1,0 +1,58 @@
+"""The ``batchgen`` command line.
+
+Each command lives in its own module and is imported only when it runs, so
+``batchgen status`` never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from batchgen import __version__
+
+# command name -> "module:attribute"; each later feature adds its line here.
+COMMANDS: dict[str, str] = {
+    "toy-model": "batchgen.cli.toy_model:toy_model",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use."""
+
+    def __init__(self, *args, lazy_commands: dict[str, str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy_commands = lazy_commands
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.lazy_commands])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = self.lazy_commands.get(cmd_name)
+        if target is None:
+            return super().get_command(ctx, cmd_name)
+        module_name, attr = target.split(":")
+        command = getattr(importlib.import_module(module_name), attr)
+        assert isinstance(command, click.Command), target
+        return command
+
+
+@click.group(
+    cls=LazyGroup,
+    lazy_commands=COMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.version_option(__version__, prog_name="batchgen")
+def main() -> None:
+    """batchgen: batch LLM inference that never loses a row.
+
+    Submit a JSONL file of prompts to Redis streams, run GPU (or CPU) workers
+    that generate with continuous batching over a paged KV cache, and download
+    one Parquet row per input line.
+
+    \b
+    Quick start on one machine (embedded Redis, nothing else to install):
+      batchgen toy-model ./tiny --arch llama --size tiny
+      batchgen run prompts.jsonl --model ./tiny -o out.parquet
+    """

@@ -1,0 +1,78 @@
+"""Shared fixtures: a real private redis-server and toy checkpoints.
+
+No Redis is ever mocked: tests talk to a redis-server process started here,
+which they may kill -9 and restart on the same data dir.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from batchgen.jobs.redis_server import RedisServer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One private redis-server (AOF on) shared by the session's tests."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """URL of the shared server, flushed before each test."""
+    if redis_server.process is None or redis_server.process.poll() is not None:
+        redis_server.start()  # a test killed it; bring it back on the same dir
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own, to kill and restart at will."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="session")
+def toy_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``toy_model(arch, size="tiny", **kw)``: a cached toy checkpoint directory."""
+    from batchgen.toy import write_toy_checkpoint
+
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", size: str = "tiny", **kwargs) -> Path:
+        key = (arch, size, *sorted(kwargs.items()))
+        if key not in cache:
+            name = "-".join(str(part) for part in (arch, size, *kwargs.values()))
+            out = tmp_path_factory.mktemp(f"toy-{name}")
+            cache[key] = write_toy_checkpoint(out, arch=arch, size=size, **kwargs)
+        return cache[key]
+
+    return make

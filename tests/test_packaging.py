@@ -1,0 +1,78 @@
+"""The installed distribution claims only ``batchgen``; editable installs work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import batchgen
+
+REPO = Path(__file__).resolve().parents[1]
+PARTS = {"worker": "batchgen/worker", "kernels": "batchgen/kernels", "jobs": "batchgen/jobs"}
+
+
+def test_wheel_has_only_batchgen_at_the_top(tmp_path: Path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("batchgen-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {name.split("/")[0] for name in names}
+    assert top == {"batchgen", f"batchgen-{batchgen.__version__}.dist-info"}
+
+    # every module of each part is in the wheel, under its batchgen.* name
+    for folder, installed in PARTS.items():
+        sources = sorted(p.relative_to(REPO / folder) for p in (REPO / folder).rglob("*.py"))
+        assert sources, folder
+        for rel in sources:
+            assert f"{installed}/{rel.as_posix()}" in names, (folder, rel)
+
+    entry_points = zipfile.ZipFile(wheel).read(
+        f"batchgen-{batchgen.__version__}.dist-info/entry_points.txt"
+    )
+    assert b"batchgen = batchgen.cli:main" in entry_points
+
+
+def test_editable_install_imports_from_the_repo(tmp_path: Path):
+    code = (
+        "import batchgen.worker, batchgen.jobs, batchgen.kernels, os\n"
+        "print(os.path.realpath(batchgen.worker.__file__))\n"
+        "print(os.path.realpath(batchgen.jobs.__file__))\n"
+        "print(os.path.realpath(batchgen.kernels.__file__))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == [
+        str(REPO / "worker" / "__init__.py"),
+        str(REPO / "jobs" / "__init__.py"),
+        str(REPO / "kernels" / "__init__.py"),
+    ]
+
+
+def test_generic_top_level_names_are_not_importable(tmp_path: Path):
+    for name in ("worker", "jobs", "kernels"):
+        out = subprocess.run(
+            [sys.executable, "-c", f"import {name}"], cwd=tmp_path, capture_output=True, text=True
+        )
+        assert out.returncode == 1
+        assert f"No module named '{name}'" in out.stderr
+
+
+def test_control_plane_imports_without_torch(tmp_path: Path):
+    # jobs/ must never import torch or the worker (DESIGN.md)
+    code = (
+        "import sys, pkgutil, importlib, batchgen.jobs\n"
+        "for m in pkgutil.walk_packages(batchgen.jobs.__path__, 'batchgen.jobs.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('batchgen.worker'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
