@@ -15,6 +15,13 @@ from batchgen import __version__
 # command name -> "module:attribute"; each later feature adds its line here.
 COMMANDS: dict[str, str] = {
     "toy-model": "batchgen.cli.toy_model:toy_model",
+    "submit": "batchgen.cli.submit:submit",
+    "status": "batchgen.cli.status:status",
+    "jobs": "batchgen.cli.jobs:jobs",
+    "cancel": "batchgen.cli.cancel:cancel",
+    "download": "batchgen.cli.download:download",
+    "worker": "batchgen.cli.worker:worker",
+    "run": "batchgen.cli.run:run",
 }
 
 

@@ -1,0 +1,105 @@
+"""Shared CLI pieces: the --redis option, sampling flags, and one-line errors."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+REDIS_HELP = (
+    "Redis URL (redis://, rediss://, unix://); default $BATCHGEN_REDIS_URL, else the "
+    "embedded server shared by every batchgen command on this machine."
+)
+
+
+def redis_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--redis", "redis_url", metavar="URL", default=None, help=REDIS_HELP)(func)
+
+
+def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Job-level sampling defaults; a line's own fields override them."""
+    options = [
+        click.option("--max-tokens", type=int, default=None, help="Default 16."),
+        click.option("--temperature", type=float, default=None, help="Default 0 (greedy)."),
+        click.option("--top-p", type=float, default=None, help="In (0, 1]; default 1."),
+        click.option("--top-k", type=int, default=None, help="0 turns it off (default)."),
+        click.option("--seed", type=int, default=None, help="Per-request sampling seed."),
+        click.option(
+            "--stop", multiple=True, metavar="STR", help="Stop string (repeat for several)."
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def job_defaults(**flags: Any) -> dict[str, Any]:
+    from batchgen.jobs.params import ParamError, job_defaults
+
+    try:
+        return job_defaults(flags)
+    except ParamError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Named errors and unreachable Redis become one line on stderr and an exit code."""
+    import redis
+
+    from batchgen.jobs.connection import describe_connection_error
+    from batchgen.jobs.errors import BatchgenError
+
+    try:
+        yield
+    except BatchgenError as exc:
+        click.echo(f"batchgen: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        click.echo(f"batchgen: error: {describe_connection_error(exc)}", err=True)
+        sys.exit(1)
+    except redis.ResponseError as exc:
+        from batchgen.jobs.connection import is_oom
+
+        if is_oom(exc):
+            click.echo("batchgen: error: Redis is out of memory (queue full)", err=True)
+            sys.exit(1)
+        raise
+
+
+def handles_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with user_errors():
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
+def connect(redis_url: str | None):
+    """(client, keys, target) for a command."""
+    from batchgen.jobs.connection import connect, resolve
+    from batchgen.jobs.keys import Keys
+
+    target = resolve(redis_url)
+    return connect(target.url), Keys.from_env(), target
+
+
+def progress_bar(done: int, total: int, width: int = 30) -> str:
+    filled = int(width * done / total) if total else width
+    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -1,0 +1,82 @@
+"""``batchgen run``: submit + an in-process worker + finalize + copy, in one command."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from batchgen.cli._common import (
+    connect,
+    handles_errors,
+    job_defaults,
+    progress_bar,
+    redis_option,
+    sampling_options,
+)
+
+
+@click.command("run")
+@click.argument("prompts", type=click.Path(dir_okay=False))
+@click.option("--model", required=True, help="Model path (HF checkpoint directory).")
+@click.option("-o", "--output", "dest", required=True, help="Parquet file to write.")
+@sampling_options
+@click.option("--device", default=None, help="cpu, cuda, ... (default: the engine's choice).")
+@click.option("--max-num-seqs", type=int, default=256, show_default=True)
+@click.option("--num-kv-blocks", type=int, default=None)
+@click.option("--job-id", default=None, help="Name the job (re-running it resumes it).")
+@click.option("--skip-invalid", is_flag=True, help="Run the valid lines; report the others.")
+@redis_option
+@handles_errors
+def run(
+    prompts: str, model: str, dest: str, max_tokens: int | None, temperature: float | None,
+    top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...],
+    device: str | None, max_num_seqs: int, num_kv_blocks: int | None, job_id: str | None,
+    skip_invalid: bool, redis_url: str | None,
+) -> None:  # fmt: skip
+    """Generate for every line of PROMPTS and write OUTPUT, all in this process.
+
+    Uses the embedded Redis (or --redis) exactly like submit + worker +
+    download would, so the rows are the same; a progress bar shows on stderr.
+    """
+    from batchgen.jobs.download import download
+    from batchgen.jobs.keys import prefix_from_env
+    from batchgen.jobs.names import check_job_id, default_output
+    from batchgen.jobs.records import JobState, load_job
+    from batchgen.jobs.submit import new_job_id, submit
+    from batchgen.jobs.tasks import run_pending
+    from batchgen.worker.loop.config import LoopConfig
+    from batchgen.worker.loop.engine_api import load_engine
+    from batchgen.worker.loop.runner import QueueLoop
+
+    defaults = job_defaults(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        stop=stop,
+    )  # fmt: skip
+    job_id = check_job_id(job_id) if job_id else new_job_id()
+    conn, keys, target = connect(redis_url)
+    result = submit(
+        conn, keys, source_path=prompts, model=model, output=default_output(job_id),
+        defaults=defaults, job_id=job_id, skip_invalid=skip_invalid,
+    )  # fmt: skip
+    for error in result.errors:
+        click.echo(f"skipped {error}", err=True)
+    api = load_engine(model, device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks)
+    config = LoopConfig(model=model, redis_url=target.url, prefix=prefix_from_env(),
+                        block_ms=200, flush_interval_s=1.0)  # fmt: skip
+    tty = sys.stderr.isatty()
+
+    def finished() -> bool:
+        record = load_job(conn, keys, job_id)
+        line = f"\r{job_id} {progress_bar(record.finished_rows, record.total)} {record.state.value}"
+        if tty:
+            click.echo(line, err=True, nl=False)
+        return record.state not in (JobState.QUEUED, JobState.RUNNING)
+
+    QueueLoop(conn, api, config).run(until=finished)
+    run_pending(conn, keys)
+    if tty:
+        click.echo("", err=True)
+    path, rows = download(conn, keys, job_id, dest)
+    state = load_job(conn, keys, job_id).state.value
+    click.echo(f"{job_id}: {state}, wrote {rows} rows to {path}")

@@ -1,0 +1,85 @@
+"""``batchgen status``: a job's (or every job's) progress."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import datetime
+
+import click
+
+from batchgen.cli._common import connect, duration, handles_errors, progress_bar, redis_option
+
+
+def _render(s) -> str:
+    d = s.to_dict()
+    lines = [
+        f"job        {d['job_id']}  ({d['model']})",
+        f"state      {d['state']}" + ("  [submit incomplete]" if d["submit_incomplete"] else ""),
+        f"progress   {progress_bar(d['done'] + d['failed'], d['total'])}",
+        f"requests   done {d['done']}, failed {d['failed']}, in flight {d['in_flight']}, "
+        f"queued {d['queued']} (skipped invalid lines: {d['skipped_invalid']})",
+        f"tokens     in {d['prompt_tokens']}, out {d['completion_tokens']}, "
+        f"cached {d['cached_tokens']}; {d['tokens_per_s']} tok/s",
+        f"eta        {duration(d['eta_s'])}",
+        f"workers    {d['live_workers']} live"
+        + (f": {', '.join(d['workers'])}" if d["workers"] else ""),
+        f"output     {d['output']}",
+        f"created    {datetime.fromtimestamp(d['created_at']).isoformat(timespec='seconds')}",
+    ]
+    if d["error"]:
+        lines.append(f"error      {d['error']}")
+    return "\n".join(lines)
+
+
+def _table(statuses) -> str:
+    if not statuses:
+        return "no jobs"
+    out = [f"{'JOB':<28} {'STATE':<11} {'PROGRESS':<44} {'TOK/S':>8} {'ETA':>7}"]
+    for s in statuses:
+        r = s.record
+        bar = progress_bar(r.finished_rows, r.total, 20)
+        out.append(
+            f"{r.id:<28} {r.state.value:<11} {bar:<44} {s.tokens_per_s:>8.0f} {duration(s.eta_s):>7}"
+        )
+    return "\n".join(out)
+
+
+@click.command("status")
+@click.argument("job_id", required=False)
+@click.option(
+    "--watch", is_flag=True, help="Redraw every second until the job ends (Ctrl-C stops)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@redis_option
+@handles_errors
+def status(job_id: str | None, watch: bool, as_json: bool, redis_url: str | None) -> None:
+    """Show JOB_ID's state, counts, tokens, speed, ETA and live workers; all jobs without one.
+
+    States: queued, running, finalizing, completed, failed, cancelling, cancelled.
+    """
+    from batchgen.jobs.names import check_job_id
+    from batchgen.jobs.status import all_statuses, job_status
+
+    conn, keys, _ = connect(redis_url)
+    if job_id:
+        check_job_id(job_id)
+    while True:
+        if job_id:
+            s = job_status(conn, keys, job_id)
+            text = json.dumps(s.to_dict()) if as_json else _render(s)
+            finished = s.record.state.terminal
+        else:
+            statuses = all_statuses(conn, keys)
+            text = json.dumps([x.to_dict() for x in statuses]) if as_json else _table(statuses)
+            finished = all(x.record.state.terminal for x in statuses)
+        if watch and not as_json and sys.stdout.isatty():
+            click.clear()
+        click.echo(text)
+        if not watch or finished:
+            return
+        try:
+            time.sleep(1.0)
+        except KeyboardInterrupt:
+            return

@@ -1,0 +1,93 @@
+"""``batchgen submit``: validate a JSONL file of prompts and queue it as a job."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from batchgen.cli._common import (
+    connect,
+    handles_errors,
+    job_defaults,
+    redis_option,
+    sampling_options,
+)
+
+
+@click.command("submit")
+@click.argument("prompts", type=click.Path(dir_okay=False))
+@click.option("--model", required=True, help="Model path or name; workers serve it by this name.")
+@click.option(
+    "--output",
+    metavar="URI",
+    default=None,
+    help="Directory for the job's output (local path or s3://, gs://, ...). Default: "
+    "$BATCHGEN_OUTPUT_ROOT/JOB (else $BATCHGEN_HOME/outputs/JOB) with the embedded Redis; "
+    "required with a shared Redis.",
+)
+@sampling_options
+@click.option("--job-id", default=None, help="Name the job; re-submitting it never enqueues twice.")
+@click.option("--skip-invalid", is_flag=True, help="Queue the valid lines; report the others.")
+@click.option("--json", "as_json", is_flag=True, help="Print {job_id, total, ...} as JSON.")
+@redis_option
+@handles_errors
+def submit(
+    prompts: str,
+    model: str,
+    output: str | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None,
+    stop: tuple[str, ...],
+    job_id: str | None,
+    skip_invalid: bool,
+    as_json: bool,
+    redis_url: str | None,
+) -> None:
+    """Validate PROMPTS (JSONL) and queue one request per line; print the job id.
+
+    Every line is checked before anything is queued; an invalid line stops the
+    submit with its line and column, unless --skip-invalid. Lines are native
+    ({"prompt" | "messages", "id", sampling fields, "metadata"}) or OpenAI batch
+    ({"custom_id", "method", "url", "body"}). Flags set job defaults; a line's own
+    fields override them. Unknown fields are errors (except body.model/body.user).
+    """
+    from batchgen.jobs.errors import UsageError
+    from batchgen.jobs.names import check_job_id, check_output, default_output
+    from batchgen.jobs.submit import new_job_id
+    from batchgen.jobs.submit import submit as run_submit
+
+    defaults = job_defaults(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        stop=stop,
+    )  # fmt: skip
+    job_id = check_job_id(job_id) if job_id else new_job_id()
+    out_uri = check_output(output) if output else None
+    conn, keys, target = connect(redis_url)
+    if out_uri is None:
+        if not target.embedded:
+            raise UsageError(
+                "--output is required with a shared Redis: give a directory every worker "
+                "can reach (a shared path, s3://bucket/prefix, ...)"
+            )
+        out_uri = default_output(job_id)
+    result = run_submit(
+        conn, keys, source_path=prompts, model=model, output=out_uri, defaults=defaults,
+        job_id=job_id, skip_invalid=skip_invalid,
+    )  # fmt: skip
+    if result.skipped:
+        click.echo(f"skipped {result.skipped} invalid line(s):", err=True)
+        for error in result.errors:
+            click.echo(f"  {error}", err=True)
+        if result.skipped > len(result.errors):
+            click.echo(f"  ... and {result.skipped - len(result.errors)} more", err=True)
+    if as_json:
+        click.echo(json.dumps({
+            "job_id": result.job_id, "total": result.total, "skipped": result.skipped,
+            "enqueued": result.enqueued_now, "resumed": result.resumed, "output": out_uri,
+        }))  # fmt: skip
+    else:
+        click.echo(result.job_id)

@@ -1,0 +1,73 @@
+"""``batchgen worker``: serve a model's queue with one engine per GPU (or N on CPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from batchgen.cli._common import connect, handles_errors, redis_option
+
+
+@click.command("worker")
+@click.option("--model", required=True, help="Model path or name (as jobs were submitted with).")
+@click.option("--gpus", default=None, help="'all', '0-7' or '0,2,5': one worker process per GPU.")
+@click.option("--device", default=None, help="cpu, cuda, ... (default: the engine's choice).")
+@click.option(
+    "--workers", type=int, default=None, help="Number of CPU worker processes (default 1)."
+)
+@click.option(
+    "--burst", is_flag=True, help="Exit 0 once the queue is empty and nothing is in flight."
+)
+@click.option(
+    "--max-num-seqs",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Max requests in flight per engine.",
+)
+@click.option(
+    "--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)."
+)
+@click.option("--max-model-len", type=int, default=None, help="Cap the context length.")
+@click.option(
+    "--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port."
+)
+@click.option("--claim-timeout", type=float, default=60.0, show_default=True,
+              help="Seconds before a silent worker's requests are taken over.")  # fmt: skip
+@click.option("--max-attempts", type=int, default=3, show_default=True,
+              help="Deliveries before a request is dead-lettered.")  # fmt: skip
+@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+              help="On SIGTERM: seconds to commit and hand back before exiting.")  # fmt: skip
+@redis_option
+@handles_errors
+def worker(
+    model: str, gpus: str | None, device: str | None, workers: int | None, burst: bool,
+    max_num_seqs: int, num_kv_blocks: int | None, max_model_len: int | None,
+    metrics_port: int | None, claim_timeout: float, max_attempts: int, drain_timeout: float,
+    redis_url: str | None,
+) -> None:  # fmt: skip
+    """Pull MODEL's requests from Redis, generate, and write Parquet rows.
+
+    Starts one engine process per GPU (--gpus, each with its own
+    CUDA_VISIBLE_DEVICES) or --workers N processes on --device cpu; a crashed
+    process is restarted. Also runs the finalize tasks that write finished
+    jobs' outputs. SIGTERM/SIGINT: in-flight requests are handed back to the
+    queue with their tokens so far, then it exits.
+    """
+    from batchgen.jobs.keys import prefix_from_env
+    from batchgen.worker.loop.config import LoopConfig
+    from batchgen.worker.loop.supervisor import Supervisor, plan_children
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")  # fmt: skip
+    plan = plan_children(gpus, device, workers)
+    conn, _, target = connect(redis_url)
+    base = LoopConfig(
+        model=model, redis_url=target.url, prefix=prefix_from_env(), burst=burst,
+        max_attempts=max_attempts, claim_timeout_s=claim_timeout, drain_timeout_s=drain_timeout,
+        max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+        device=plan[0]["device"],
+    )  # fmt: skip
+    sup = Supervisor(conn, base, [p["env"] for p in plan], metrics_port)
+    raise SystemExit(sup.run())

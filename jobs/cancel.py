@@ -1,0 +1,45 @@
+"""cancel: stop a job; finished rows are kept, the rest become ``cancelled`` rows.
+
+One atomic step marks the job ``cancelling`` and adds it to the queue's
+cancelled set, which workers poll: they abort its in-flight requests and drop
+its queued entries. The finalize task closes the job right away (a commit
+that arrives later is discarded) and writes the output with a ``cancelled``
+row for every input that has no committed row.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from batchgen.jobs.errors import JobConflict, JobNotFound
+from batchgen.jobs.keys import Keys, text
+from batchgen.jobs.records import JobState, queue_of_job
+from batchgen.jobs.tasks import enqueue_finalize
+
+_CANCEL = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return '' end
+if state == 'queued' or state == 'running' then
+  redis.call('HSET', KEYS[1], 'state', 'cancelling')
+  redis.call('SADD', KEYS[2], ARGV[1])
+  return 'cancelling'
+end
+return state
+"""
+
+
+def cancel(conn: redis.Redis, keys: Keys, job_id: str) -> JobState:
+    qk = queue_of_job(conn, keys, job_id)
+    raw = conn.register_script(_CANCEL)(keys=[qk.job(job_id).job, qk.cancelled], args=[job_id])
+    if not raw:
+        raise JobNotFound(f"job {job_id!r} has no record (Redis lost its state?)")
+    state = JobState(text(raw))
+    if state in (JobState.COMPLETED, JobState.FAILED):
+        raise JobConflict(f"job {job_id!r} is already {state.value}; nothing to cancel")
+    if state == JobState.FINALIZING:
+        raise JobConflict(
+            f"job {job_id!r} already has every row and is being finalized; nothing to cancel"
+        )
+    if state == JobState.CANCELLING:
+        enqueue_finalize(conn, keys, job_id)
+    return state

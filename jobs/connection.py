@@ -1,0 +1,132 @@
+"""Connecting to Redis: which server, TLS, timeouts, retries, and a safety check.
+
+The URL comes from ``--redis``, else ``BATCHGEN_REDIS_URL``, else the embedded
+server (embedded.py). ``rediss://`` verifies the server certificate
+(``ssl_cert_reqs=required`` always); a CA bundle and a client certificate come
+from the URL query (``?ssl_ca_certs=...&ssl_certfile=...&ssl_keyfile=...``) or
+``BATCHGEN_REDIS_CA`` / ``BATCHGEN_REDIS_CERT`` / ``BATCHGEN_REDIS_KEY``.
+User and password go in the URL (``rediss://user:pass@host:6380/0``).
+
+redis-py 8 defaults to a 5 s socket timeout, shorter than a long XREADGROUP
+BLOCK; callers that block pass ``block_s`` and get a socket timeout above it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+from batchgen.jobs import embedded
+from batchgen.jobs.errors import QueueFull, RedisUnavailable, UnsafeRedis
+
+ENV_URL = "BATCHGEN_REDIS_URL"
+_TLS_ENV = {
+    "ssl_ca_certs": "BATCHGEN_REDIS_CA",
+    "ssl_certfile": "BATCHGEN_REDIS_CERT",
+    "ssl_keyfile": "BATCHGEN_REDIS_KEY",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class Target:
+    url: str
+    embedded: bool  # the machine-local default server
+
+
+def resolve(url: str | None = None) -> Target:
+    """Which Redis to use; starts the embedded server when nothing is configured."""
+    chosen = url or os.environ.get(ENV_URL)
+    if chosen:
+        if not chosen.startswith(("redis://", "rediss://", "unix://")):
+            raise RedisUnavailable(
+                f"unsupported Redis URL {redact(chosen)!r}: use redis://, rediss:// or unix://"
+            )
+        return Target(chosen, embedded=False)
+    return Target(embedded.ensure_running(), embedded=True)
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def connect(
+    url: str | None = None,
+    *,
+    block_s: float = 0.0,
+    retries: int = 3,
+    check_policy: bool = True,
+) -> redis.Redis:
+    """A client for the chosen server, checked to be reachable and non-evicting.
+
+    ``retries`` reconnect attempts with jittered exponential backoff (capped at
+    2 s) are made per command before a ConnectionError surfaces.
+    """
+    target = resolve(url)
+    kwargs: dict = {
+        "socket_timeout": max(10.0, block_s + 10.0),
+        "socket_connect_timeout": 5.0,
+        "socket_keepalive": True,
+        "health_check_interval": 30,
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+    }
+    if target.url.startswith("rediss://"):
+        kwargs["ssl_cert_reqs"] = "required"  # never "none": fail closed on a bad cert
+        for arg, env in _TLS_ENV.items():
+            if os.environ.get(env) and f"{arg}=" not in target.url:
+                kwargs[arg] = os.environ[env]
+    client = redis.Redis.from_url(target.url, **kwargs)
+    if check_policy:
+        check_server(client, target.url)
+    return client
+
+
+def check_server(client: redis.Redis, url: str = "") -> None:
+    """Reachable, authenticated, and ``maxmemory-policy`` cannot evict our keys."""
+    where = redact(url) if url else "Redis"
+    try:
+        info = client.info("memory")
+    except redis.AuthenticationError as exc:
+        raise RedisUnavailable(f"Redis at {where} refused the credentials: {exc}") from exc
+    except redis.ConnectionError as exc:
+        raise RedisUnavailable(describe_connection_error(exc, url)) from exc
+    except redis.TimeoutError as exc:
+        raise RedisUnavailable(f"Redis at {where} did not answer in time: {exc}") from exc
+    policy = str(info.get("maxmemory_policy", "noeviction"))
+    if policy != "noeviction":
+        raise UnsafeRedis(
+            f"Redis at {where} has maxmemory-policy {policy}, which can silently evict queued "
+            "requests; set `maxmemory-policy noeviction` (CONFIG SET or redis.conf) or use "
+            "another server"
+        )
+
+
+def describe_connection_error(exc: BaseException, url: str = "") -> str:
+    where = redact(url) if url else "the configured server"
+    text = str(exc).strip() or type(exc).__name__
+    if "certificate" in text.lower() or "ssl" in text.lower():
+        return (
+            f"TLS handshake with Redis at {where} failed ({text}); check the CA "
+            "(ssl_ca_certs / BATCHGEN_REDIS_CA) and the server certificate"
+        )
+    return (
+        f"cannot reach Redis at {where} ({text}); is it running? Pass --redis URL or set {ENV_URL}"
+    )
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("OOM")
+
+
+def queue_full(done: int, total: int, resume_hint: str) -> QueueFull:
+    return QueueFull(
+        f"queue full: Redis is out of memory (maxmemory, noeviction) after {done} of {total} "
+        f"requests were enqueued. Start workers to drain the queue or raise maxmemory, "
+        f"then {resume_hint}"
+    )

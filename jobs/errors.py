@@ -1,0 +1,57 @@
+"""Named errors for user mistakes and unavailable services.
+
+The CLI prints ``str(error)`` on one line and exits with ``exit_code``; a user
+mistake is never a traceback. Messages say what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+
+class BatchgenError(Exception):
+    """Base of every error the CLI reports as a one-line message."""
+
+    exit_code = 1
+
+
+class UsageError(BatchgenError):
+    """A flag or argument the user gave is not acceptable."""
+
+    exit_code = 2
+
+
+class InvalidInput(BatchgenError):
+    """The prompts file has invalid lines; nothing was enqueued."""
+
+    exit_code = 2
+
+
+class UnsafeName(UsageError):
+    """A job id or output path that could escape where batchgen writes."""
+
+
+class JobNotFound(BatchgenError):
+    """No job with that id in this Redis."""
+
+
+class JobConflict(BatchgenError):
+    """A job id is reused for a different model, file or settings."""
+
+
+class JobNotReady(BatchgenError):
+    """The job has no final output yet (download before completion)."""
+
+
+class QueueFull(BatchgenError):
+    """Redis refused writes: out of memory under ``noeviction``."""
+
+
+class RedisUnavailable(BatchgenError):
+    """Redis could not be reached or refused our credentials."""
+
+
+class UnsafeRedis(BatchgenError):
+    """The Redis server would evict keys, which silently loses work."""
+
+
+class OutputError(BatchgenError):
+    """The output location could not be written or read."""

@@ -1,0 +1,287 @@
+"""Input lines -> self-contained queue entries, or an error naming line and column.
+
+Two line formats (DESIGN.md "Formats"):
+
+- native: ``{"id"?, "prompt" | "messages", <sampling params>?, "metadata"?}``
+- OpenAI batch: ``{"custom_id", "method": "POST", "url", "body"}`` where ``url`` is
+  ``/v1/chat/completions`` (``body.messages``) or ``/v1/completions``
+  (``body.prompt``); ``custom_id`` becomes the row id.
+
+Unknown fields are errors (a typo such as ``max_token`` would otherwise be
+silently ignored), except ``body.model`` and ``body.user`` in OpenAI lines, which
+are accepted and ignored: the job's ``--model`` decides the model.
+
+An entry carries the prompt or messages, every sampling parameter (job defaults
+merged with the line's own), id and metadata, so a worker needs nothing else.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from batchgen.jobs import strictjson
+from batchgen.jobs.params import CHECKS, ParamError, check
+
+MAX_LINE_BYTES = 8 << 20  # a line is read at most this far before parsing
+MAX_ID_CHARS = 1024
+MAX_METADATA_BYTES = 64 << 10
+MAX_MESSAGES = 10_000
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+NATIVE_FIELDS = frozenset({"id", "prompt", "messages", "metadata", *CHECKS})
+OPENAI_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+BODY_PARAMS = {name: name for name in CHECKS} | {"max_completion_tokens": "max_tokens"}
+BODY_IGNORED = frozenset({"model", "user"})
+BODY_FIELDS = frozenset(
+    {*BODY_PARAMS, *BODY_IGNORED, "messages", "prompt", "n", "stream", "metadata"}
+)
+URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_BOM = b"\xef\xbb\xbf"
+_LONE_SURROGATE = re.compile(
+    r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
+
+
+@dataclass(slots=True)
+class LineError:
+    line: int
+    column: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}, column {self.column}: {self.message}"
+
+
+class _FieldError(Exception):
+    def __init__(self, path: tuple[str | int, ...], message: str, at_key: bool = False) -> None:
+        super().__init__(message)
+        self.path = path
+        self.message = message
+        self.at_key = at_key  # point at the key (unknown fields), not its value
+
+
+def read_lines(
+    stream: BinaryIO, max_line_bytes: int = MAX_LINE_BYTES
+) -> Iterator[tuple[int, str | LineError]]:
+    """(line number, text) per non-blank line, or a LineError for an unreadable one.
+
+    Memory stays bounded by ``max_line_bytes``: a longer line is skipped in
+    chunks without being held. A leading UTF-8 BOM and CRLF ends are accepted.
+    """
+    number = 0
+    while True:
+        raw = stream.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        number += 1
+        if number == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM) :]
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            size = len(raw)
+            while raw and not raw.endswith(b"\n"):
+                raw = stream.readline(1 << 20)
+                size += len(raw)
+            size -= raw.endswith(b"\n")
+            yield (
+                number,
+                LineError(
+                    number, 1, f"line is {size:,} bytes, over the limit of {max_line_bytes:,} bytes"
+                ),
+            )
+            continue
+        raw = raw.rstrip(b"\r\n")
+        if not raw.strip():
+            continue
+        try:
+            yield number, raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            column = len(raw[: exc.start].decode("utf-8", "replace")) + 1
+            yield number, LineError(number, column, f"invalid UTF-8 (byte 0x{raw[exc.start]:02x})")
+
+
+def parse_line(number: int, text: str, defaults: dict[str, Any]) -> bytes | LineError:
+    """The queue entry for one line (compact UTF-8 JSON), or what is wrong with it."""
+    try:
+        value = strictjson.loads(text)
+    except strictjson.JSONLineError as exc:
+        return LineError(number, exc.column, exc.message)
+    try:
+        if not isinstance(value, dict):
+            raise _FieldError((), "a line must be a JSON object")
+        is_openai = bool(OPENAI_FIELDS & value.keys())
+        entry = _openai(value, defaults) if is_openai else _native(value, defaults)
+    except _FieldError as exc:
+        column = strictjson.value_position(text, exc.path, key=exc.at_key)
+        return LineError(number, column, exc.message)
+    try:
+        return _ENCODER.encode(entry).encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON escapes can smuggle lone surrogates, which no UTF-8 encoder accepts.
+        match = _LONE_SURROGATE.search(text)
+        column = match.start() + 1 if match else 1
+        return LineError(number, column, "unpaired surrogate escape (not valid Unicode)")
+
+
+def _native(value: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    _reject_unknown(value, NATIVE_FIELDS, ())
+    entry: dict[str, Any] = {}
+    if "id" in value:
+        entry["id"] = _row_id(value["id"], ("id",))
+    has_prompt, has_messages = "prompt" in value, "messages" in value
+    if has_prompt == has_messages:
+        raise _FieldError((), 'give exactly one of "prompt" or "messages"')
+    if has_prompt:
+        entry["p"] = _prompt(value["prompt"], ("prompt",))
+    else:
+        entry["m"] = _messages(value["messages"], ("messages",))
+    entry["s"] = _params({k: v for k, v in value.items() if k in CHECKS}, defaults, ())
+    if "metadata" in value:
+        entry["md"] = _metadata(value["metadata"], ("metadata",))
+    return entry
+
+
+def _openai(value: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    _reject_unknown(value, OPENAI_FIELDS, ())
+    for name in ("custom_id", "method", "url", "body"):
+        if name not in value:
+            raise _FieldError((), f'OpenAI batch line without "{name}"')
+    entry: dict[str, Any] = {"id": _row_id(value["custom_id"], ("custom_id",), text_only=True)}
+    if value["method"] != "POST":
+        raise _FieldError(("method",), f'method must be "POST", got {json.dumps(value["method"])}')
+    kind = URLS.get(value["url"]) if isinstance(value["url"], str) else None
+    if kind is None:
+        raise _FieldError(("url",), f"url must be one of {', '.join(URLS)}")
+    body = value["body"]
+    if not isinstance(body, dict):
+        raise _FieldError(("body",), "body must be an object")
+    _reject_unknown(body, BODY_FIELDS, ("body",))
+    other = "prompt" if kind == "messages" else "messages"
+    if other in body:
+        raise _FieldError(("body", other), f"{value['url']} takes body.{kind}, not body.{other}")
+    if kind not in body:
+        raise _FieldError(("body",), f"{value['url']} needs body.{kind}")
+    if kind == "prompt":
+        entry["p"] = _prompt(body["prompt"], ("body", "prompt"))
+    else:
+        entry["m"] = _messages(body["messages"], ("body", "messages"))
+    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
+        raise _FieldError(("body", "n"), "n must be 1 (one completion per line)")
+    if body.get("stream", False) is not False:
+        raise _FieldError(("body", "stream"), "stream must be false in a batch")
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise _FieldError(
+            ("body", "max_completion_tokens"), "give max_tokens or max_completion_tokens, not both"
+        )
+    params = {BODY_PARAMS[k]: v for k, v in body.items() if k in BODY_PARAMS}
+    paths: dict[str, tuple[str, ...]] = {
+        BODY_PARAMS[k]: ("body", k) for k in body if k in BODY_PARAMS
+    }
+    entry["s"] = _params(params, defaults, ("body",), paths)
+    if "metadata" in body:
+        entry["md"] = _metadata(body["metadata"], ("body", "metadata"))
+    return entry
+
+
+def _reject_unknown(value: dict[str, Any], allowed: frozenset[str], at: tuple[str, ...]) -> None:
+    for key in value:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, sorted(allowed), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            where = ".".join((*at, key))
+            raise _FieldError((*at, key), f"unknown field {where!r}{hint}", at_key=True)
+
+
+def _row_id(value: Any, path: tuple[str, ...], text_only: bool = False) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and not text_only:
+        return str(value)
+    if not isinstance(value, str) or not value:
+        kind = "a non-empty string" if text_only else "a non-empty string or an integer"
+        raise _FieldError(path, f"{path[-1]} must be {kind}")
+    if len(value) > MAX_ID_CHARS:
+        raise _FieldError(path, f"{path[-1]} is longer than {MAX_ID_CHARS} characters")
+    return value
+
+
+def _prompt(value: Any, path: tuple[str, ...]) -> str:
+    if isinstance(value, list):
+        raise _FieldError(path, "prompt must be one string (one prompt per line)")
+    if not isinstance(value, str):
+        raise _FieldError(path, "prompt must be a string")
+    if not value:
+        raise _FieldError(path, "prompt is empty")
+    return value
+
+
+def _messages(value: Any, path: tuple[str, ...]) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise _FieldError(path, "messages must be a non-empty list of {role, content} objects")
+    if len(value) > MAX_MESSAGES:
+        raise _FieldError(path, f"more than {MAX_MESSAGES} messages")
+    out = []
+    for i, message in enumerate(value):
+        at: tuple[str | int, ...] = (*path, i)
+        if not isinstance(message, dict):
+            raise _FieldError(at, "each message must be an object with role and content")
+        for key in message:
+            if key not in ("role", "content", "name"):
+                raise _FieldError((*at, key), f"unknown message field {key!r}", at_key=True)
+        role = message.get("role")
+        if role not in ROLES:
+            raise _FieldError((*at, "role"), f"role must be one of {', '.join(ROLES)}")
+        if "content" not in message:
+            raise _FieldError(at, "message without content")
+        normalized = {"role": role, "content": _content(message["content"], (*at, "content"))}
+        if "name" in message:
+            if not isinstance(message["name"], str):
+                raise _FieldError((*at, "name"), "name must be a string")
+            normalized["name"] = message["name"]
+        out.append(normalized)
+    if not any(m["content"] for m in out):
+        raise _FieldError(path, "every message is empty")
+    return out
+
+
+def _content(value: Any, path: tuple[str | int, ...]) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise _FieldError((*path, i), 'only {"type": "text"} content parts are supported')
+            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise _FieldError((*path, i), 'a text part is {"type": "text", "text": "..."}')
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _FieldError(path, "content must be a string or a list of text parts")
+
+
+def _params(
+    given: dict[str, Any],
+    defaults: dict[str, Any],
+    at: tuple[str, ...],
+    paths: dict[str, tuple[str, ...]] | None = None,
+) -> dict[str, Any]:
+    merged = dict(defaults)
+    for name, value in given.items():
+        try:
+            merged[name] = check(name, value)
+        except ParamError as exc:
+            raise _FieldError((paths or {}).get(name, (*at, name)), str(exc)) from None
+    return merged
+
+
+def _metadata(value: Any, path: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _FieldError(path, "metadata must be an object")
+    size = len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if size > MAX_METADATA_BYTES:
+        raise _FieldError(path, f"metadata is {size:,} bytes; at most {MAX_METADATA_BYTES:,}")
+    return value

@@ -1,0 +1,55 @@
+"""Periodic checks a worker runs for its queue: lost requests, stuck finalizes.
+
+- A job whose stream holds no entry up to its ``last_id`` any more, but has
+  fewer rows than inputs, lost entries (deleted while pending or before being
+  read, e.g. by XTRIM). It moves to ``finalizing``; finalize writes error rows
+  for the missing indices, so done + failed = total still holds.
+- A job in ``finalizing`` or ``cancelling`` gets its finalize task enqueued
+  (idempotent), in case the worker that completed it died before enqueuing.
+- A cancelled job leaves the cancelled set once none of its entries remain.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from batchgen.jobs.keys import Keys, QueueKeys, text
+from batchgen.jobs.tasks import MAX_FINALIZE_ATTEMPTS, enqueue_finalize
+
+_RECONCILE = """
+local v = redis.call('HMGET', KEYS[2], 'state', 'closed', 'enqueued', 'total', 'done', 'failed', 'last_id')
+local state = v[1]
+if not state then return 'missing' end
+if v[2] == '1' then return 'closed' end
+if state ~= 'queued' and state ~= 'running' then return state end
+local enqueued, total = tonumber(v[3]), tonumber(v[4])
+local finished = tonumber(v[5]) + tonumber(v[6])
+if enqueued < total or finished >= total or not v[7] or v[7] == '' then return state end
+if #redis.call('XRANGE', KEYS[1], '-', v[7], 'COUNT', 1) > 0 then return state end
+redis.call('HSET', KEYS[2], 'state', 'finalizing', 'lost', total - finished)
+return 'lost'
+"""
+
+
+def sweep(conn: redis.Redis, keys: Keys, qk: QueueKeys) -> list[str]:
+    """One pass over the queue's unfinished jobs; the jobs whose finalize was enqueued."""
+    enqueued = []
+    reconcile = conn.register_script(_RECONCILE)
+    for raw in conn.smembers(qk.active):
+        job_id = text(raw)
+        jk = qk.job(job_id)
+        state = text(reconcile(keys=[qk.stream, jk.job]))
+        if state == "missing":
+            conn.srem(qk.active, job_id)
+            continue
+        if state in ("lost", "finalizing", "cancelling"):
+            attempts = int(conn.hget(jk.job, "finalize_attempts") or 0)
+            if attempts < MAX_FINALIZE_ATTEMPTS and enqueue_finalize(conn, keys, job_id):
+                enqueued.append(job_id)
+    for raw in conn.smembers(qk.cancelled):
+        job_id = text(raw)
+        last_id = text(conn.hget(qk.job(job_id).job, "last_id"))
+        leftover = last_id and conn.xrange(qk.stream, "-", last_id, count=1)
+        if not leftover and not conn.sismember(qk.active, job_id):
+            conn.srem(qk.cancelled, job_id)
+    return enqueued

@@ -1,0 +1,91 @@
+"""Rules for names and output locations, so nothing writes or reads outside them.
+
+- A job id is a plain name: letters, digits, ``.``, ``_``, ``-``; starts with a
+  letter or digit; at most 128 characters; never ``..``. So ``../x``, ``/abs``,
+  ``%2e%2e`` and NUL bytes are rejected wherever a job id is expected.
+- ``--output`` names the job's output directory: a local path (made absolute)
+  or a URI (``file://``, ``s3://``, ``gs://``, ``hdfs://``, ``abfs(s)://``). It may
+  not contain NUL, ``..`` segments or percent-escapes (``%2e%2e`` is how ``..``
+  hides). Without ``--output`` the job writes to ``OUTPUT_ROOT/JOB`` where
+  OUTPUT_ROOT is ``$BATCHGEN_OUTPUT_ROOT`` or ``$BATCHGEN_HOME/outputs``.
+- Everything a job writes lies under its output directory, under names batchgen
+  makes (``parts/*.parquet``, ``result.parquet``, ``manifest.json``); a symlink
+  that would take a write outside it (a symlinked ``parts`` dir, or a job dir
+  under OUTPUT_ROOT pointing elsewhere) is refused (storage.py checks real paths).
+- ``download`` serves only files the manifest lists, each a plain file name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from batchgen.jobs import embedded
+from batchgen.jobs.errors import UnsafeName
+
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+_PERCENT = re.compile(r"%[0-9A-Fa-f]{2}")
+REMOTE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "abfs", "abfss")
+
+
+def check_job_id(job_id: str) -> str:
+    if not _JOB_ID.fullmatch(job_id) or ".." in job_id:
+        raise UnsafeName(
+            f"job id {job_id!r} is not a plain name: use letters, digits, '.', '_' and '-' "
+            "(at most 128, starting with a letter or digit, no '..')"
+        )
+    return job_id
+
+
+def check_file_name(name: str) -> str:
+    """A name inside an output directory (never a path)."""
+    if not _FILE_NAME.fullmatch(name) or ".." in name:
+        raise UnsafeName(f"{name!r} is not a plain file name")
+    return name
+
+
+def output_root() -> Path:
+    explicit = os.environ.get("BATCHGEN_OUTPUT_ROOT")
+    return Path(explicit).expanduser() if explicit else embedded.home() / "outputs"
+
+
+def check_output(raw: str) -> str:
+    """The job output directory URI for ``--output``, or UnsafeName."""
+    if "\x00" in raw:
+        raise UnsafeName("--output contains a NUL byte")
+    if _PERCENT.search(raw):
+        raise UnsafeName(
+            f"--output {raw!r} contains percent-escapes; write the path plainly (no %XX)"
+        )
+    scheme, sep, rest = raw.partition("://")
+    path = rest if sep else raw
+    if any(part == ".." for part in re.split(r"[/\\]", path)):
+        raise UnsafeName(f"--output {raw!r} contains '..'; give the directory without it")
+    if not sep:
+        local = os.path.abspath(os.path.expanduser(raw))
+        return local.rstrip("/") or "/"
+    if scheme == "file":
+        if not rest.startswith("/"):
+            raise UnsafeName(f"--output {raw!r}: a file:// URI needs an absolute path")
+        return rest.rstrip("/") or "/"
+    if scheme not in REMOTE_SCHEMES:
+        raise UnsafeName(
+            f"--output {raw!r}: unsupported scheme {scheme!r}; use a local path or "
+            + ", ".join(f"{s}://" for s in REMOTE_SCHEMES)
+        )
+    if not rest.strip("/"):
+        raise UnsafeName(f"--output {raw!r} names no bucket or directory")
+    return f"{scheme}://{rest.rstrip('/')}"
+
+
+def default_output(job_id: str) -> str:
+    """``OUTPUT_ROOT/JOB``, refusing a job dir that is a symlink out of the root."""
+    root = output_root()
+    job_dir = root / check_job_id(job_id)
+    if job_dir.exists() or job_dir.is_symlink():
+        real_root = os.path.realpath(root)
+        if not os.path.realpath(job_dir).startswith(real_root + os.sep):
+            raise UnsafeName(f"{job_dir} points outside the output root {root}; remove it")
+    return os.path.abspath(job_dir)

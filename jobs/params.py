@@ -1,0 +1,125 @@
+"""Sampling parameters: names, defaults and the checks every value must pass.
+
+The same checks serve a line's fields and the CLI's job defaults, so
+``--temperature -1`` and ``"temperature": -1`` fail with the same words. Names
+match the engine's ``SamplingParams``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+MAX_TOKENS_LIMIT = 1 << 20  # far above any context window; 10**9 is a typo
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1000
+MAX_STOP_TOKEN_IDS = 64
+
+# Job defaults when neither the CLI nor the line says (the engine's defaults).
+DEFAULTS: dict[str, Any] = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
+class ParamError(ValueError):
+    """``str(error)`` says what is wrong with the value; the caller adds where."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(
+        value
+    )
+
+
+def _int_in(low: int, high: int, hint: str = "") -> Callable[[str, Any], Any]:
+    def check(name: str, value: Any) -> int:
+        if not _is_int(value) or not low <= value <= high:
+            raise ParamError(
+                f"{name} must be an integer from {low} to {high}{hint}, got {_show(value)}"
+            )
+        return int(value)
+
+    return check
+
+
+def _number_in(
+    low: float, high: float, low_open: bool = False, what: str = ""
+) -> Callable[[str, Any], Any]:
+    def check(name: str, value: Any) -> float:
+        ok = _is_number(value) and (low < value if low_open else low <= value) and value <= high
+        if not ok:
+            bounds = what or f"{'>' if low_open else '>='} {low:g} and <= {high:g}"
+            raise ParamError(f"{name} must be a number {bounds}, got {_show(value)}")
+        return float(value)
+
+    return check
+
+
+def _stop(name: str, value: Any) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ParamError(f"{name} must be a string or a list of strings, got {_show(value)}")
+    if len(items) > MAX_STOPS:
+        raise ParamError(f"{name} has {len(items)} strings; at most {MAX_STOPS} allowed")
+    for s in items:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise ParamError(f"each {name} string must have 1 to {MAX_STOP_CHARS} characters")
+    return list(items)
+
+
+def _stop_token_ids(name: str, value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(t) and 0 <= t < 1 << 31 for t in value):
+        raise ParamError(f"{name} must be a list of token ids (integers >= 0), got {_show(value)}")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise ParamError(f"{name} has {len(value)} ids; at most {MAX_STOP_TOKEN_IDS} allowed")
+    return list(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ParamError(f"{name} must be true or false, got {_show(value)}")
+    return value
+
+
+CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "max_tokens": _int_in(1, MAX_TOKENS_LIMIT),
+    "temperature": _number_in(0.0, 100.0),
+    "top_p": _number_in(0.0, 1.0, low_open=True, what="in (0, 1]"),
+    "top_k": _int_in(0, 1 << 20, " (0 turns it off)"),
+    "min_p": _number_in(0.0, 1.0),
+    "seed": _int_in(0, (1 << 63) - 1),
+    "stop": _stop,
+    "stop_token_ids": _stop_token_ids,
+    "ignore_eos": _bool,
+    "repetition_penalty": _number_in(0.0, 100.0, low_open=True),
+    "presence_penalty": _number_in(-2.0, 2.0),
+    "frequency_penalty": _number_in(-2.0, 2.0),
+}
+
+
+def check(name: str, value: Any) -> Any:
+    """The normalized value, or ParamError."""
+    return CHECKS[name](name, value)
+
+
+def job_defaults(overrides: dict[str, Any]) -> dict[str, Any]:
+    """DEFAULTS updated with the CLI's values (None = not given), each checked."""
+    out = dict(DEFAULTS)
+    for name, value in overrides.items():
+        if value is None or value == () or value == []:
+            continue
+        try:
+            out[name] = check(name, list(value) if isinstance(value, tuple) else value)
+        except ParamError as exc:
+            flag = "--" + name.replace("_", "-")
+            raise ParamError(f"{flag}: {exc}") from None
+    return out
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."

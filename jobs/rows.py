@@ -1,0 +1,97 @@
+"""Output rows: one per input line, the same columns in parts and the final file."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+import pyarrow as pa
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop string / token
+    LENGTH = "length"  # max_tokens reached
+    ERROR = "error"  # could not run; see the error column
+    CANCELLED = "cancelled"  # the job was cancelled before this row was made
+
+
+_TS = pa.timestamp("ms", tz="UTC")
+SCHEMA = pa.schema(
+    [
+        pa.field("index", pa.int64(), nullable=False),  # 0-based input order (valid lines)
+        pa.field("id", pa.string()),  # the line's id / custom_id
+        pa.field("text", pa.string()),
+        pa.field("token_ids", pa.list_(pa.int32())),  # generated tokens
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("error", pa.string()),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("cached_tokens", pa.int32()),
+        pa.field("attempts", pa.int32()),  # deliveries that ran it, hand-backs included
+        pa.field("preemptions", pa.int32()),
+        pa.field("worker", pa.string()),
+        pa.field("queued_at", _TS),
+        pa.field("finished_at", _TS),
+        pa.field("metadata", pa.string()),  # the line's metadata object, as JSON
+    ]
+)
+
+
+@dataclass(slots=True)
+class Row:
+    index: int
+    id: str | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.ERROR
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    attempts: int = 0
+    preemptions: int = 0
+    worker: str | None = None
+    queued_at: int | None = None  # unix ms
+    finished_at: int | None = None  # unix ms
+    metadata: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED)
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["finish_reason"] = self.finish_reason.value
+        return out
+
+
+_NAMES = [f.name for f in SCHEMA]
+
+
+def to_table(rows: Sequence[Row]) -> pa.Table:
+    columns: dict[str, list] = {name: [] for name in _NAMES}
+    for row in rows:
+        columns["index"].append(row.index)
+        columns["id"].append(row.id)
+        columns["text"].append(row.text)
+        columns["token_ids"].append(row.token_ids)
+        columns["finish_reason"].append(row.finish_reason.value)
+        columns["error"].append(row.error)
+        columns["prompt_tokens"].append(row.prompt_tokens)
+        columns["completion_tokens"].append(row.completion_tokens)
+        columns["cached_tokens"].append(row.cached_tokens)
+        columns["attempts"].append(row.attempts)
+        columns["preemptions"].append(row.preemptions)
+        columns["worker"].append(row.worker)
+        columns["queued_at"].append(row.queued_at)
+        columns["finished_at"].append(row.finished_at)
+        columns["metadata"].append(row.metadata)
+    return pa.Table.from_pydict(columns, schema=SCHEMA)
+
+
+def from_dict(data: dict) -> Row:
+    """A Row from ``to_dict`` output (error rows kept in Redis use this)."""
+    data = dict(data)
+    data["finish_reason"] = FinishReason(data["finish_reason"])
+    return Row(**data)

@@ -1,0 +1,10 @@
+"""The queue loop: Redis stream entries in, engine requests, Parquet rows out.
+
+It knows nothing of attention; the engine knows nothing of Redis (DESIGN.md).
+"""
+
+from batchgen.worker.loop.config import LoopConfig
+from batchgen.worker.loop.engine_api import EngineAPI, EngineLike
+from batchgen.worker.loop.runner import QueueLoop
+
+__all__ = ["EngineAPI", "EngineLike", "LoopConfig", "QueueLoop"]

@@ -1,0 +1,67 @@
+"""What the loop needs from the engine, and loading the real one lazily.
+
+The loop is written against ``EngineLike`` (the engine's public interface); the
+real ``batchgen.worker.Engine`` is imported only when a worker starts, so this
+package imports without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class EngineLike(Protocol):
+    max_model_len: int
+
+    def encode(self, prompt: str | list[dict[str, str]]) -> list[int]: ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: Any,
+        *,
+        resume_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> None: ...
+
+    def step(self) -> list[Any]: ...
+
+    def abort(self, request_id: str) -> Any: ...
+
+    def drain(self) -> list[Any]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def free_capacity(self) -> int: ...
+
+    def stats(self) -> Any: ...
+
+
+@dataclass(slots=True)
+class EngineAPI:
+    engine: EngineLike
+    sampling_params: Callable[..., Any]  # SamplingParams(**entry["s"]); ValueError when bad
+    rejected: tuple[type[BaseException], ...]  # add_request's "can never run" errors
+
+
+def load_engine(
+    model: str,
+    *,
+    device: str | None = None,
+    max_num_seqs: int = 256,
+    num_kv_blocks: int | None = None,
+    max_model_len: int | None = None,
+) -> EngineAPI:
+    worker: Any = importlib.import_module("batchgen.worker")
+    engine = worker.Engine.from_pretrained(
+        model,
+        device=device,
+        max_num_seqs=max_num_seqs,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=max_model_len,
+    )
+    return EngineAPI(engine, worker.SamplingParams, (worker.RequestRejected,))

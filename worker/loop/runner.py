@@ -1,0 +1,226 @@
+"""The queue loop: keep the engine's in-flight set full from the stream, commit rows.
+
+Each tick: upkeep (heartbeat, refresh, reclaim, cancel poll, sweep; each on its
+own interval), read at most ``free_capacity()`` new entries (blocking on Redis
+only when the engine is idle and nothing waits to be committed), admit them,
+run one engine step, and flush the sink when due. Requests that cannot run
+become error rows. On SIGTERM/SIGINT it stops admitting, commits finished
+rows, hands unfinished requests back with their tokens so far, and exits
+within ``drain_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from batchgen.jobs.keys import Keys
+from batchgen.jobs.queue import Delivery, HandBack, hand_back, read_new
+from batchgen.jobs.sink import PartSink
+from batchgen.jobs.submit import ensure_group
+from batchgen.jobs.tasks import enqueue_finalize
+from batchgen.worker.loop.config import LoopConfig
+from batchgen.worker.loop.engine_api import EngineAPI
+from batchgen.worker.loop.flight import Flight, error_row, output_row
+from batchgen.worker.loop.upkeep import Upkeep
+
+log = logging.getLogger(__name__)
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+class QueueLoop:
+    def __init__(self, conn: redis.Redis, api: EngineAPI, config: LoopConfig) -> None:
+        self.conn = conn
+        self.api = api
+        self.engine = api.engine
+        self.config = config
+        self.keys = Keys(config.prefix)
+        self.qk = self.keys.queue_for_model(config.model)
+        self.inflight: dict[str, Flight] = {}  # entry id (= engine request id) -> flight
+        self.sink = PartSink(
+            self.qk,
+            config.name,
+            flush_rows=config.flush_rows,
+            flush_interval_s=config.flush_interval_s,
+        )
+        self.upkeep = Upkeep(self)
+        self.rejections: tuple[type[BaseException], ...] = (*api.rejected, ValueError)
+        self.stopping = False
+        self.counters: dict[str, int] = {}
+        self._backoff_until = 0.0
+        self._backoff_s = 0.1
+
+    # -- running ---------------------------------------------------------------
+
+    def run(self, until: Callable[[], bool] | None = None) -> int:
+        """Serve the queue until stopped (or drained in burst mode, or ``until()``)."""
+        self._install_signals()
+        ensure_group(self.conn, self.qk)
+        self.conn.hset(self.keys.queues, self.qk.tag, self.upkeep.queue_name)
+        try:
+            while not self.stopping:
+                read = self.tick()
+                idle = not self.inflight and self.sink.empty and read == 0
+                if idle and self.config.burst and self.upkeep.drained():
+                    break
+                if until is not None and self.upkeep.due("until", 0.25) and until():
+                    break
+        finally:
+            self.shutdown()
+        return 0
+
+    def stop(self, *_: object) -> None:
+        if self.stopping:  # a second signal: leave now; entries stay pending, get reclaimed
+            raise SystemExit(130)
+        self.stopping = True
+
+    def tick(self) -> int:
+        """One iteration; how many entries were read."""
+        self.upkeep.run()
+        read = 0
+        block = None
+        capacity = self.engine.free_capacity()
+        if capacity > 0 and not self.stopping and time.monotonic() >= self._backoff_until:
+            idle = not self.engine.has_unfinished() and self.sink.empty
+            block = self.config.block_ms if idle else None
+            try:
+                deliveries = read_new(self.conn, self.qk, self.config.name, capacity, block)
+                self._redis_ok()
+            except _REDIS_DOWN as exc:
+                self._redis_down(exc)
+                deliveries = []
+            read = len(deliveries)
+            self.admit(deliveries)
+        stepped = False
+        if self.engine.has_unfinished():
+            for out in self.engine.step():
+                self.finished(out)
+            stepped = True
+        if self.sink.due(idle=not self.engine.has_unfinished() and read == 0):
+            self.flush()
+        elif not stepped and read == 0 and block is None:
+            time.sleep(0.01)  # nothing ran and nothing blocked: do not spin
+        return read
+
+    # -- requests --------------------------------------------------------------
+
+    def admit(self, deliveries: list[Delivery]) -> None:
+        for d in deliveries:
+            job = self.upkeep.job(d.job_id)
+            if job is None or d.job_id in self.upkeep.cancelled:
+                self.sink.drop([d.entry_id])
+                self._count("dropped")
+                continue
+            if d.attempts > self.config.max_attempts:
+                self.upkeep.dead_letter(
+                    d,
+                    f"delivered {d.attempts} times (max_attempts {self.config.max_attempts}); "
+                    "the worker running it stopped every time",
+                )
+                continue
+            self._start(d, job.output)
+
+    def _start(self, d: Delivery, output: str) -> None:
+        try:
+            params = self.api.sampling_params(**d.request["s"])
+        except (TypeError, ValueError) as exc:
+            return self._error(d, output, f"invalid sampling parameters: {exc}")
+        prompt = d.request["p"] if "p" in d.request else d.request["m"]
+        try:
+            token_ids = self.engine.encode(prompt)
+        except Exception as exc:  # a tokenizer or chat-template failure fails this row only
+            return self._error(d, output, f"cannot tokenize the prompt: {exc}")
+        limit = self.engine.max_model_len
+        if len(token_ids) >= limit:
+            return self._error(
+                d,
+                output,
+                f"prompt is {len(token_ids)} tokens; the model's context is {limit} tokens",
+                len(token_ids),
+            )
+        try:
+            self.engine.add_request(
+                d.entry_id, token_ids, params, resume_token_ids=d.resume or None
+            )
+        except self.rejections as exc:
+            return self._error(d, output, f"request rejected: {exc}", len(token_ids))
+        self.inflight[d.entry_id] = Flight(d, output, len(token_ids))
+
+    def _error(self, d: Delivery, output: str, message: str, prompt_tokens: int = 0) -> None:
+        row = error_row(d, message, self.config.name, prompt_tokens)
+        self.sink.add(d.job_id, output, d.entry_id, row)
+        self._count("rows_error")
+
+    def finished(self, out) -> None:
+        flight = self.inflight.pop(out.request_id, None)
+        if flight is None:
+            return  # aborted meanwhile (cancelled, or claimed by another worker)
+        row = output_row(flight, out, self.config.name)
+        self.sink.add(flight.delivery.job_id, flight.output, flight.delivery.entry_id, row)
+        self._count("rows_error" if row.failed else "rows_ok")
+        self._count("prompt_tokens", row.prompt_tokens)
+        self._count("generation_tokens", row.completion_tokens)
+
+    def abort(self, entry_id: str) -> None:
+        if self.inflight.pop(entry_id, None) is not None:
+            self.engine.abort(entry_id)
+
+    # -- Redis steps -----------------------------------------------------------
+
+    def flush(self) -> bool:
+        result = self.sink.flush(self.conn)
+        if result is None:
+            self._redis_down(RuntimeError("commit failed"))
+            return False
+        self._redis_ok()
+        self._count("commits")
+        self._count("rows_lost_to_duplicates", result.lost)
+        for job_id in result.missing:
+            log.error("job %s is gone from Redis (state lost?); dropped its rows", job_id)
+        for job_id in result.finished:
+            enqueue_finalize(self.conn, self.keys, job_id)
+        return True
+
+    def shutdown(self) -> None:
+        """Stop admitting; commit what finished; hand back what did not; retire."""
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        outputs = self.engine.drain() if self.engine.has_unfinished() else []
+        while not self.sink.empty and time.monotonic() < deadline and not self.flush():
+            time.sleep(0.2)
+        self.sink.crash.reached("before_hand_back")
+        items = []
+        for out in outputs:
+            flight = self.inflight.pop(out.request_id, None)
+            if flight is not None:
+                items.append(HandBack(flight.delivery, list(out.token_ids), out.num_preemptions))
+        while items and time.monotonic() < deadline:
+            try:
+                self._count("handed_back", hand_back(self.conn, self.qk, self.config.name, items))
+                break
+            except _REDIS_DOWN as exc:
+                log.warning("hand-back failed (%s); retrying until the drain timeout", exc)
+                time.sleep(0.2)
+        self.upkeep.retire()
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def _redis_down(self, exc: BaseException) -> None:
+        log.warning("Redis unavailable (%s); retrying in %.1fs", exc, self._backoff_s)
+        self._backoff_until = time.monotonic() + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, 5.0)
+
+    def _redis_ok(self) -> None:
+        self._backoff_s = 0.1
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.stop)
+            signal.signal(signal.SIGINT, self.stop)

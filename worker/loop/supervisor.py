@@ -1,0 +1,212 @@
+"""The worker supervisor: one engine process per GPU (or N on CPU), kept alive.
+
+It imports no torch itself (except to count GPUs for ``--gpus``). Children run
+``python -m batchgen.worker.loop``; a child that crashes is restarted with
+backoff (given up after repeated failures right at start: a broken model or
+config), one that exits 0 in burst mode is done. The supervisor also runs the
+finalize tasks (rq, JSON serializer) and serves Prometheus metrics. SIGTERM or
+SIGINT is forwarded to the children, which hand their requests back and exit
+within their drain timeout; stragglers are killed after it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import redis
+
+from batchgen.jobs.errors import UsageError
+from batchgen.jobs.heartbeat import live_workers
+from batchgen.jobs.keys import GROUP, Keys
+from batchgen.jobs.tasks import run_pending
+from batchgen.worker.loop.config import LoopConfig, default_name
+from batchgen.worker.loop.metrics import render, serve
+
+log = logging.getLogger(__name__)
+FAST_FAILURE_S = 20.0  # a child dying sooner than this after start failed to start
+MAX_FAST_FAILURES = 5
+
+
+def parse_gpus(spec: str, available: int) -> list[int]:
+    """``all``, ``0-7``, ``0,2,5`` or a mix (``0-3,6``) -> device indices."""
+    if available <= 0:
+        raise UsageError(
+            "--gpus: no CUDA device is visible on this machine (torch.cuda.device_count() is 0); "
+            "use --device cpu [--workers N]"
+        )
+    if spec.strip() == "all":
+        return list(range(available))
+    out: list[int] = []
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out += list(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise UsageError(
+            f"--gpus {spec!r}: use 'all', a range like 0-7, or a list like 0,2,5"
+        ) from None
+    bad = [g for g in out if not 0 <= g < available]
+    if bad or not out:
+        raise UsageError(f"--gpus {spec!r}: this machine has GPUs 0-{available - 1}")
+    return sorted(set(out))
+
+
+@dataclass(slots=True)
+class Child:
+    index: int
+    config: LoopConfig
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    fast_failures: int = 0
+    restart_at: float = 0.0
+    done: bool = False  # exited 0 (burst: drained)
+    names: list[str] = field(default_factory=list)
+
+    def start(self) -> None:
+        config = replace(self.config, name=f"{default_name()}-w{self.index}")
+        self.names.append(config.name)
+        cmd = [sys.executable, "-m", "batchgen.worker.loop", json.dumps(config.to_dict())]
+        self.process = subprocess.Popen(cmd, env={**os.environ, **self.env})
+        self.started = time.monotonic()
+
+
+class Supervisor:
+    def __init__(
+        self, conn: redis.Redis, base: LoopConfig, children_env: list[dict[str, str]],
+        metrics_port: int | None = None,
+    ) -> None:  # fmt: skip
+        self.conn = conn
+        self.keys = Keys(base.prefix)
+        self.id = f"sup-{os.getpid()}-{secrets.token_hex(2)}"
+        base = replace(base, supervisor=self.id)
+        self.base = base
+        self.children = [Child(i, base, env) for i, env in enumerate(children_env)]
+        self.metrics_port = metrics_port
+        self.stopping = False
+
+    def _stop(self, *_: object) -> None:
+        self.stopping = True
+
+    def metrics(self) -> str:
+        workers = [w for w in live_workers(self.conn, self.keys) if w.get("supervisor") == self.id]
+        qk = self.keys.queue_for_model(self.base.model)
+        entries = int(self.conn.xlen(qk.stream))
+        try:
+            pending = int(self.conn.xpending(qk.stream, GROUP)["pending"])
+        except redis.ResponseError:
+            pending = 0
+        return render(workers, {self.base.model: {"entries": entries, "pending": pending}})
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        server = serve(self.metrics_port, self.metrics) if self.metrics_port else None
+        for child in self.children:
+            child.start()
+        next_finalize = 0.0
+        code = 0
+        try:
+            while not self.stopping:
+                code = self._reap()
+                if code:
+                    break
+                if time.monotonic() >= next_finalize:
+                    self._finalize()
+                    next_finalize = time.monotonic() + 2.0
+                if self.base.burst and all(c.done for c in self.children):
+                    self._finalize()
+                    break
+                time.sleep(0.2)
+        finally:
+            self._terminate()
+            if server is not None:
+                server.shutdown()
+        return code
+
+    def _reap(self) -> int:
+        now = time.monotonic()
+        for child in self.children:
+            proc = child.process
+            if child.done:
+                continue
+            if proc is None:
+                if now >= child.restart_at:
+                    child.start()
+                continue
+            rc = proc.poll()
+            if rc is None:
+                continue
+            child.process = None
+            if rc == 0:
+                child.done = True
+                continue
+            lived = now - child.started
+            child.fast_failures = child.fast_failures + 1 if lived < FAST_FAILURE_S else 0
+            if child.fast_failures >= MAX_FAST_FAILURES:
+                log.error("worker %d failed %d times right after start; giving up",
+                          child.index, child.fast_failures)  # fmt: skip
+                return 1
+            delay = min(2.0**child.fast_failures, 30.0)
+            log.warning("worker %d exited with %s after %.0fs; restarting in %.0fs",
+                        child.index, rc, lived, delay)  # fmt: skip
+            child.restart_at = now + delay
+        return 0
+
+    def _finalize(self) -> None:
+        try:
+            ran = run_pending(self.conn, self.keys)
+            if ran:
+                log.info("ran %d finalize task(s)", ran)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("finalize tasks skipped: Redis unavailable (%s)", exc)
+        except Exception:
+            log.exception("finalize runner failed")
+
+    def _terminate(self) -> None:
+        live = [c.process for c in self.children if c.process is not None]
+        for proc in live:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.base.drain_timeout_s + 10
+        for proc in live:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("worker pid %d did not exit in time; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+
+
+def plan_children(
+    gpus: str | None, device: str | None, workers: int | None
+) -> list[dict[str, Any]]:
+    """Per child: its env overrides and device."""
+    if gpus is not None:
+        if workers is not None:
+            raise UsageError("--workers is for CPU workers; --gpus starts one worker per GPU")
+        if device not in (None, "cuda"):
+            raise UsageError(f"--gpus runs on CUDA; it cannot be combined with --device {device}")
+        import torch
+
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [
+            {"env": {"CUDA_VISIBLE_DEVICES": str(g)}, "device": "cuda"}
+            for g in parse_gpus(gpus, available)
+        ]
+    n = workers or 1
+    if n < 1:
+        raise UsageError("--workers must be at least 1")
+    env: dict[str, str] = {}
+    if (device or "cpu") == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    return [{"env": dict(env), "device": device} for _ in range(n)]
