@@ -71,11 +71,12 @@ def connect(
     kwargs: dict = {
         "socket_timeout": max(10.0, block_s + 10.0),
         "socket_connect_timeout": 5.0,
-        "socket_keepalive": True,
         "health_check_interval": 30,
         "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
     }
+    if not target.url.startswith("unix://"):
+        kwargs["socket_keepalive"] = True
     if target.url.startswith("rediss://"):
         kwargs["ssl_cert_reqs"] = "required"  # never "none": fail closed on a bad cert
         for arg, env in _TLS_ENV.items():
@@ -121,7 +122,7 @@ def describe_connection_error(exc: BaseException, url: str = "") -> str:
 
 
 def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith("OOM")
+    return isinstance(exc, redis.ResponseError) and "OOM command not allowed" in str(exc)
 
 
 def queue_full(done: int, total: int, resume_hint: str) -> QueueFull:

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from batchgen.jobs.errors import RedisUnavailable
 from batchgen.jobs.redis_server import find_redis_server
@@ -58,7 +60,12 @@ def url(base: Path | None = None) -> str:
 def _alive(sock: Path) -> bool:
     if not sock.exists():
         return False
-    client = redis.Redis(unix_socket_path=str(sock), socket_timeout=2, socket_connect_timeout=2)
+    client = redis.Redis(
+        unix_socket_path=str(sock),
+        socket_timeout=2,
+        socket_connect_timeout=2,
+        retry=Retry(NoBackoff(), 0),  # a probe: redis-py's default retries take seconds
+    )
     try:
         return bool(client.ping())
     except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError):

@@ -87,6 +87,7 @@ class FakeEngine:
     capacity_log: list[int] = field(default_factory=list)
     poison: str | None = None  # a prompt substring that kills the process in step()
     fail_step: bool = False
+    on_step: Any = None  # called with the step number before each step
     _stats: EngineStats = field(default_factory=EngineStats)
 
     def encode(self, prompt: Any) -> list[int]:
@@ -117,6 +118,8 @@ class FakeEngine:
         if self.fail_step:
             raise RuntimeError("engine step failed")
         self._stats.num_steps += 1
+        if self.on_step is not None:
+            self.on_step(self._stats.num_steps)
         done = []
         for req in list(self.running.values()):
             if self.poison and any(self.poison == chr(t) for t in req.prompt[:1]):

@@ -116,10 +116,10 @@ class QueueLoop:
                 self.sink.drop([d.entry_id])
                 self._count("dropped")
                 continue
-            if d.attempts > self.config.max_attempts:
+            if d.failed_attempts > self.config.max_attempts:
                 self.upkeep.dead_letter(
                     d,
-                    f"delivered {d.attempts} times (max_attempts {self.config.max_attempts}); "
+                    f"delivered {d.failed_attempts} times (max_attempts {self.config.max_attempts}); "
                     "the worker running it stopped every time",
                 )
                 continue

@@ -28,6 +28,7 @@ from batchgen.jobs.keys import queue_name, text
 from batchgen.jobs.maintenance import sweep
 from batchgen.jobs.modelinfo import fingerprint
 from batchgen.jobs.queue import Delivery, dead_letter, reclaim, refresh
+from batchgen.jobs.submit import ensure_group
 from batchgen.jobs.tasks import enqueue_finalize
 from batchgen.worker.loop.flight import error_row
 
@@ -76,6 +77,10 @@ class Upkeep:
                 sweep(self.loop.conn, self.loop.keys, self.loop.qk)
         except _REDIS_DOWN as exc:
             log.warning("upkeep skipped: Redis unavailable (%s)", exc)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            ensure_group(self.loop.conn, self.loop.qk)  # Redis lost the stream (no persistence)
 
     def job(self, job_id: str) -> JobInfo | None:
         if job_id not in self.jobs:

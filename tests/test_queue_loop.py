@@ -1,0 +1,282 @@
+"""The queue loop against a test double of the engine (unit tests; real Redis).
+
+End-to-end tests with the real engine and subprocess workers are in
+test_pipeline_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import redis
+
+from batchgen.jobs import tasks
+from batchgen.jobs.cancel import cancel
+from batchgen.jobs.finalize import LOST
+from batchgen.jobs.keys import GROUP, Keys
+from batchgen.jobs.params import DEFAULTS
+from batchgen.jobs.records import JobState, load_job
+from batchgen.jobs.submit import ensure_group, submit
+from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
+from tests.engine_double import FakeEngine, RequestRejected, SamplingParams, expected_tokens
+
+KEYS = Keys("bg")
+QK = KEYS.queue_for_model("m")
+
+
+def rconn(url: str, **kwargs: Any) -> Any:
+    """A client typed loosely: redis-py's reply unions make tests unreadable."""
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def make_job(conn, tmp_path: Path, prompts: list, job_id="j", **defaults) -> Path:
+    src = tmp_path / f"{job_id}.jsonl"
+    src.write_text(
+        "".join(json.dumps(p if isinstance(p, dict) else {"prompt": p}) + "\n" for p in prompts)
+    )
+    out = tmp_path / f"out-{job_id}"
+    submit(conn, KEYS, source_path=str(src), model="m", output=str(out),
+           defaults={**DEFAULTS, **defaults}, job_id=job_id)  # fmt: skip
+    return out
+
+
+def make_loop(conn, engine=None, **config) -> QueueLoop:
+    config = {"block_ms": 50, "flush_interval_s": 0.05, "heartbeat_s": 0.2, "sweep_interval_s": 0.2,
+              "cancel_poll_s": 0.05, "name": "w1", **config}  # fmt: skip
+    api = EngineAPI(engine or FakeEngine(), SamplingParams, (RequestRejected,))
+    return QueueLoop(conn, api, LoopConfig(model="m", **config))
+
+
+def finish(conn, loop: QueueLoop, job_id="j", timeout=10.0) -> None:
+    deadline = time.monotonic() + timeout
+
+    def done() -> bool:
+        assert time.monotonic() < deadline, "loop did not finish the job in time"
+        return load_job(conn, KEYS, job_id).state not in (JobState.QUEUED, JobState.RUNNING)
+
+    loop.run(until=done)
+    tasks.run_pending(conn, KEYS)
+
+
+def rows(out: Path) -> dict:
+    return pq.read_table(out / "result.parquet").to_pydict()
+
+
+def tokens(prompt: str) -> list[int]:
+    return [ord(c) % 256 for c in prompt]
+
+
+@pytest.fixture(autouse=True)
+def _restore_signals():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_reads_only_what_the_engine_can_admit_and_keeps_it_full(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    prompts = [f"prompt {i}" for i in range(10)]
+    out = make_job(conn, tmp_path, prompts, max_tokens=3)
+    engine = FakeEngine(max_num_seqs=4)
+    loop = make_loop(conn, engine)
+    loop.tick()
+    assert engine.added == [e.decode() for e, _ in conn.xrange(QK.stream)][:4]
+    assert conn.xpending(QK.stream, GROUP)["pending"] == 4
+    loop.tick()  # one step finished nothing (3 tokens each); still 4 in flight, none read
+    assert len(engine.added) == 4 and len(loop.inflight) == 4
+    finish(conn, loop)
+    result = rows(out)
+    assert result["index"] == list(range(10))
+    assert result["token_ids"] == [expected_tokens(tokens(p), 3) for p in prompts]
+    assert result["finish_reason"] == ["length"] * 10
+    assert set(result["worker"]) == {"w1"} and set(result["attempts"]) == {1}
+    assert load_job(conn, KEYS, "j").state == JobState.COMPLETED
+    assert conn.xlen(QK.stream) == 0 and conn.xpending(QK.stream, GROUP)["pending"] == 0
+
+
+def test_requests_that_cannot_run_become_error_rows(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    prompts = ["ok", "x" * 80, "bell \x07", {"prompt": "y" * 40, "max_tokens": 30}, "fine"]
+    out = make_job(conn, tmp_path, prompts, max_tokens=2)
+    conn.xadd(QK.stream, {"j": "j2", "i": 0, "r": "{}"})  # an entry whose job is unknown
+    finish(conn, make_loop(conn))
+    result = rows(out)
+    assert result["finish_reason"] == ["length", "error", "error", "error", "length"]
+    assert result["error"] == [
+        None,
+        "prompt is 80 tokens; the model's context is 64 tokens",
+        "cannot tokenize the prompt: bell characters are not in the vocabulary",
+        "request rejected: prompt (40) + max_tokens (30) > 64",
+        None,
+    ]
+    assert result["prompt_tokens"] == [2, 80, 0, 40, 4]
+    record = load_job(conn, KEYS, "j")
+    assert (record.state, record.done, record.failed) == (JobState.COMPLETED, 2, 3)
+    assert conn.xlen(QK.stream) == 0  # the unknown job's entry was dropped, not stuck
+
+
+def test_sigterm_hands_requests_back_with_their_tokens_and_the_next_worker_resumes(
+    redis_url, tmp_path
+):
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, ["alpha", "beta"], max_tokens=12)
+
+    def sigterm_at_step_3(step: int) -> None:
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    first = make_loop(conn, FakeEngine(on_step=sigterm_at_step_3), name="w1")
+    old_ids = [e.decode() for e, _ in conn.xrange(QK.stream)]
+    first.run()  # the signal stops it after 3 tokens each: drain, hand back, exit
+    assert first.counters["handed_back"] == 2
+    entries = conn.xrange(QK.stream)
+    assert [e.decode() for e, _ in entries] != old_ids  # the originals are acked and deleted
+    assert conn.xpending(QK.stream, GROUP)["pending"] == 0
+    for (_, fields), prompt in zip(entries, ["alpha", "beta"]):
+        extra = json.loads(fields[b"x"])
+        assert extra["resume"] == expected_tokens(tokens(prompt), 3)
+        assert (extra["a"], extra["f"]) == (1, 0)  # a graceful hand-back is not a failure
+    assert load_job(conn, KEYS, "j").last_id == entries[-1][0].decode()
+    second = FakeEngine()
+    finish(conn, make_loop(conn, second, name="w2"))
+    result = rows(out)
+    assert result["token_ids"] == [expected_tokens(tokens(p), 12) for p in ("alpha", "beta")]
+    assert result["worker"] == ["w2", "w2"] and result["attempts"] == [2, 2]
+    assert result["queued_at"][0].timestamp() == pytest.approx(int(old_ids[0].split("-")[0]) / 1000)
+
+
+def test_entries_of_a_dead_worker_are_reclaimed(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, [f"p{i}" for i in range(5)], max_tokens=2)
+    conn.xreadgroup(GROUP, "ghost", {QK.stream: ">"}, count=3)  # then it dies
+    loop = make_loop(conn, claim_timeout_s=0.3)
+    start = time.monotonic()
+    finish(conn, loop)
+    assert time.monotonic() - start >= 0.3
+    assert loop.counters["reclaimed"] == 3
+    assert rows(out)["attempts"] == [2, 2, 2, 1, 1]
+
+
+def test_entries_delivered_too_often_are_dead_lettered(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, ["poison", "fine"], max_tokens=2)
+    (entry_id, _), _ = conn.xrange(QK.stream)
+    conn.xreadgroup(GROUP, "dead1", {QK.stream: ">"}, count=1)
+    conn.xclaim(QK.stream, GROUP, "dead2", 0, [entry_id])  # delivered twice, died twice
+    conn.xclaim(QK.stream, GROUP, "dead3", 0, [entry_id])  # and a third time
+    loop = make_loop(conn, claim_timeout_s=0.1, max_attempts=3)
+    finish(conn, loop)
+    assert loop.counters["dead_lettered"] == 1
+    ((_, dead),) = conn.xrange(QK.dead)
+    reason = "delivered 4 times (max_attempts 3); the worker running it stopped every time"
+    assert (dead[b"j"], dead[b"i"], dead[b"reason"], dead[b"deliveries"]) == (
+        b"j", b"0", reason.encode(), b"4")  # fmt: skip
+    result = rows(out)
+    assert result["finish_reason"] == ["error", "length"]
+    assert result["error"] == [f"dead-lettered: {reason}", None]
+    assert result["attempts"] == [4, 1]
+
+
+def test_entries_deleted_while_pending_are_reported_lost(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, ["a", "b", "c", "d"], max_tokens=2)
+    conn.xreadgroup(GROUP, "ghost", {QK.stream: ">"}, count=2)
+    first, second = (e for e, _ in conn.xrange(QK.stream, count=2))
+    conn.xdel(QK.stream, first, second)  # deleted while pending at a dead worker
+    loop = make_loop(conn, claim_timeout_s=0.1)
+    finish(conn, loop)
+    assert loop.counters["lost_entries"] == 2
+    result = rows(out)
+    assert result["finish_reason"] == ["error", "error", "length", "length"]
+    assert result["error"][:2] == [LOST, LOST]
+    record = load_job(conn, KEYS, "j")
+    assert (record.done, record.failed, record.total) == (2, 2, 4)
+    assert conn.xpending(QK.stream, GROUP)["pending"] == 0
+
+
+def test_live_work_is_kept_fresh_and_work_taken_by_another_is_dropped(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, ["slow one", "slow two"], max_tokens=40)
+    engine = FakeEngine()
+    loop = make_loop(conn, engine, claim_timeout_s=0.4)
+    loop.tick()
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:  # 1 s of work: past the claim timeout, refreshed
+        loop.upkeep.run()
+        _, claimed, *_ = conn.xautoclaim(QK.stream, GROUP, "thief", 400, count=10)
+        assert claimed == []
+        time.sleep(0.05)
+    stolen = next(iter(loop.inflight))
+    conn.xclaim(QK.stream, GROUP, "thief", 0, [stolen])  # taken over (we looked dead)
+    loop.upkeep.refresh()
+    assert stolen not in loop.inflight and stolen not in engine.running
+    assert loop.counters["stolen"] == 1
+    del out
+
+
+def test_cancel_aborts_in_flight_requests_and_drops_queued_ones(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, [f"p{i}" for i in range(6)], max_tokens=50)
+    engine = FakeEngine(max_num_seqs=2)
+    loop = make_loop(conn, engine)
+    loop.tick()
+    assert len(engine.running) == 2
+    cancel(conn, KEYS, "j")
+    loop.upkeep.poll_cancelled()  # workers poll the cancelled set every cancel_poll_s
+    assert engine.running == {} and loop.counters["dropped"] == 2
+    loop.config.burst = True
+    loop.run()
+    tasks.run_pending(conn, KEYS)
+    assert loop.counters["dropped"] == 6 and "rows_ok" not in loop.counters
+    assert conn.xlen(QK.stream) == 0 and conn.xpending(QK.stream, GROUP)["pending"] == 0
+    assert load_job(conn, KEYS, "j").state == JobState.CANCELLED
+    assert rows(out)["finish_reason"] == ["cancelled"] * 6
+
+
+def test_burst_waits_for_entries_held_elsewhere_and_exits_when_the_stream_is_empty(
+    redis_url, tmp_path
+):
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, ["a", "b"], max_tokens=2)
+    conn.xreadgroup(GROUP, "ghost", {QK.stream: ">"}, count=1)
+    loop = make_loop(conn, burst=True, claim_timeout_s=0.5)
+    start = time.monotonic()
+    assert loop.run() == 0
+    assert time.monotonic() - start >= 0.5  # it waited and took the ghost's entry over
+    assert conn.xlen(QK.stream) == 0
+    tasks.run_pending(conn, KEYS)
+    assert rows(out)["finish_reason"] == ["length", "length"]
+
+
+def test_an_idle_worker_blocks_on_redis_instead_of_polling(redis_url):
+    conn = rconn(redis_url)
+    loop = make_loop(conn, block_ms=200)
+    ensure_group(conn, QK)
+    calls = lambda: conn.info("commandstats").get("cmdstat_xreadgroup", {}).get("calls", 0)  # noqa: E731
+    before = calls()
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        loop.tick()
+    assert calls() - before <= 6  # ~5 blocking reads in 1 s, not thousands
+
+
+def test_heartbeat_reports_in_flight_requests(redis_url, tmp_path):
+    from batchgen.jobs.status import job_status
+
+    conn = rconn(redis_url)
+    make_job(conn, tmp_path, ["a", "b", "c"], max_tokens=30)
+    loop = make_loop(conn, FakeEngine(max_num_seqs=2))
+    loop.tick()
+    loop.upkeep.beat()
+    status = job_status(conn, KEYS, "j").to_dict()
+    assert (status["in_flight"], status["queued"], status["live_workers"]) == (2, 1, 1)
+    loop.upkeep.retire()
+    assert job_status(conn, KEYS, "j").to_dict()["live_workers"] == 0
