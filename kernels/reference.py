@@ -86,8 +86,54 @@ def _gather_context(
     cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
 ) -> torch.Tensor:
     """(num_seqs, num_blocks * block_size, num_kv_heads, head_dim) from each row's blocks."""
-    blocks = cache[block_tables[:, :num_blocks].long()]  # (S, nb, bs, Hk, D)
-    return blocks.flatten(1, 2)
+    table = block_tables[:, :num_blocks].reshape(-1).long()
+    blocks = cache.index_select(0, table)  # (S * nb, bs, Hk, D)
+    return blocks.view(block_tables.shape[0], -1, *cache.shape[2:])
+
+
+def _length_buckets(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Row indices grouped by similar length, so padding each group to its own
+    longest row wastes at most about max_waste of the work (and at most 4 groups)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and len(groups) < 4:
+            group = groups[-1]
+            padded = lengths[group[0]] * (len(group) + 1)
+            if padded <= (1 + max_waste) * (sum(lengths[j] for j in group) + lengths[i]):
+                group.append(i)
+                continue
+        elif groups:
+            groups[-1].append(i)
+            continue
+        groups.append([i])
+    return groups
+
+
+def _decode_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+) -> torch.Tensor:
+    num_blocks = -(-max_context_len // k_cache.shape[1])
+    keys = _gather_context(k_cache, block_tables, num_blocks)  # (S, L, Hk, D)
+    values = _gather_context(v_cache, block_tables, num_blocks)
+    length = keys.shape[1]
+    visible = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # (S, L)
+    # SDPA's fused CPU kernel takes the strided (S, Hk, L, D) views and GQA as is
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # (S, H, 1, D)
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
 
 
 def paged_decode_attention(
@@ -103,24 +149,25 @@ def paged_decode_attention(
 
     q (num_seqs, num_heads, head_dim); context_lens (num_seqs,) int32 count the
     current token, whose K/V are already stored. Returns (num_seqs, num_heads, head_dim).
+    Sequences of very different lengths are run in a few length groups, so
+    short ones are not padded to the longest.
     """
-    num_seqs, num_heads, head_dim = q.shape
-    if num_seqs == 0:
+    if q.shape[0] == 0:
         return torch.empty_like(q)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    num_blocks = -(-max_context_len // block_size)
-    keys = _gather_context(k_cache, block_tables, num_blocks)  # (S, L, Hk, D)
-    values = _gather_context(v_cache, block_tables, num_blocks)
-    # (S, Hk, group, D) @ (S, Hk, D, L) -> (S, Hk, group, L)
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1).float()) * scale
-    length = keys.shape[1]
-    pad = torch.arange(length, device=q.device)[None, :] >= context_lens[:, None]  # (S, L)
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3).float())  # (S, Hk, group, D)
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    lengths = context_lens.tolist()
+    groups = _length_buckets(lengths)
+    if len(groups) == 1:
+        return _decode_group(
+            q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len
+        )
+    out = torch.empty_like(q)
+    for group in groups:
+        rows = torch.tensor(group, device=q.device)
+        out[rows] = _decode_group(
+            q[rows], k_cache, v_cache, block_tables[rows], context_lens[rows], scale,
+            lengths[group[0]],
+        )  # fmt: skip
+    return out
 
 
 def paged_prefill_attention(
@@ -141,10 +188,8 @@ def paged_prefill_attention(
     (num_seqs,) int32 the total length (cached + new), the new tokens being the
     last ones, their K/V already stored. Returns (num_tokens, num_heads, head_dim).
     """
-    num_heads = q.shape[1]
     out = torch.empty_like(q)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
     for i, ctx in enumerate(context_lens.tolist()):
         start, end = starts[i], starts[i + 1]
@@ -153,14 +198,23 @@ def paged_prefill_attention(
             continue
         num_blocks = -(-ctx // block_size)
         table = block_tables[i, :num_blocks].long()
-        keys = k_cache[table].flatten(0, 1)[:ctx]  # (ctx, Hk, D)
-        values = v_cache[table].flatten(0, 1)[:ctx]
-        # query t sits at position ctx - q_len + t and sees keys 0..that position
-        qpos = torch.arange(ctx - q_len, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # (q_len, ctx)
-        qh = q[start:end].transpose(0, 1).float()  # (H, q_len, D)
-        kh = keys.transpose(0, 1).float().repeat_interleave(group, dim=0)  # (H, ctx, D)
-        vh = values.transpose(0, 1).float().repeat_interleave(group, dim=0)
-        attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-        out[start:end] = attn.transpose(0, 1).to(q.dtype)
+        keys = k_cache.index_select(0, table).flatten(0, 1)[:ctx]  # (ctx, Hk, D)
+        values = v_cache.index_select(0, table).flatten(0, 1)[:ctx]
+        if ctx == q_len:
+            mask, causal = None, True  # no cached context: plain causal attention
+        else:
+            # query t sits at position ctx - q_len + t and sees keys 0..that position
+            qpos = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # (q_len, ctx)
+            causal = False
+        attn = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),  # (H, q_len, D)
+            keys.transpose(0, 1),  # (Hk, ctx, D)
+            values.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = attn.transpose(0, 1)
     return out

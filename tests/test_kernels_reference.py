@@ -124,3 +124,26 @@ def test_norms_and_activation():
     torch.testing.assert_close(normed, ref.rms_norm(x + res, w, 1e-6))
     y = torch.randn(5, 8)
     torch.testing.assert_close(ref.silu_and_mul(y), torch.nn.functional.silu(y[:, :4]) * y[:, 4:])
+
+
+def test_decode_in_length_groups_matches_dense():
+    contexts = [3, 200, 17, 150, 40, 90, 5, 260, 64, 33, 120, 8]
+    assert len(ref._length_buckets(contexts)) > 1  # the grouped path is the one under test
+    head_dim, block_size = 16, 16
+    k_cache, v_cache, tables, dense = _paged(contexts, 2, head_dim, block_size, seed=3)
+    q = torch.randn(len(contexts), 4, head_dim)
+    out = ref.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.25, max(contexts)
+    )
+    for i, (k, v) in enumerate(dense):
+        expected = _dense_attention(q[i : i + 1], k, v, 0.25)
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_length_groups_cover_every_row_once():
+    lengths = [700, 20, 650, 30, 400, 25, 390, 10, 5, 800]
+    groups = ref._length_buckets(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert len(groups) <= 4
+    for g in groups:
+        assert lengths[g[0]] == max(lengths[i] for i in g)  # padded to its first row
