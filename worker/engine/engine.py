@@ -100,6 +100,7 @@ class Engine:
         kv_cache_bytes: int | None = None,
         gpu_memory_utilization: float = 0.9,
         use_triton: bool | None = None,
+        use_cuda_graphs: bool = True,
         seed: int | None = None,
     ) -> Engine:
         """Loads an HF checkpoint directory (config.json, safetensors, tokenizer).
@@ -110,6 +111,9 @@ class Engine:
         or as many as fit ``kv_cache_bytes`` (CPU default 1 GiB), or on CUDA
         ``gpu_memory_utilization`` of the device. ``max_num_batched_tokens``
         bounds the tokens of one step (long prompts are prefilled in chunks).
+        On CUDA the Triton kernels run (``use_triton=False``: the torch
+        references) and decode steps replay CUDA graphs (``use_cuda_graphs=False``
+        turns that off). ``seed`` seeds the draws of requests without their own.
         """
         from batchgen.worker.engine.loading import build_engine
 
@@ -119,7 +123,7 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
             kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
-            use_triton=use_triton, seed=seed,
+            use_triton=use_triton, use_cuda_graphs=use_cuda_graphs, seed=seed,
         )  # fmt: skip
 
     # -- requests in ----------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from batchgen.kernels import select_ops
+from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
 from batchgen.worker.engine.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from batchgen.worker.engine.runner import ModelRunner
 from batchgen.worker.engine.sampler import Sampler
@@ -73,6 +74,7 @@ def build_engine(
     kv_cache_bytes: int | None,
     gpu_memory_utilization: float,
     use_triton: bool | None,
+    use_cuda_graphs: bool,
     seed: int | None,
 ) -> Any:
     from transformers import AutoTokenizer
@@ -106,7 +108,8 @@ def build_engine(
         raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
 
     weights = load_weights(root, config, dev, torch_dtype)
-    model = LlamaModel(config, weights, select_ops(dev, use_triton), max_model_len, dev)
+    ops = select_ops(dev, use_triton)
+    model = LlamaModel(config, weights, ops, max_model_len, dev)
     if num_kv_blocks is None:
         num_kv_blocks = num_blocks_for_budget(
             config, block_size, torch_dtype, dev, kv_cache_bytes, gpu_memory_utilization
@@ -115,7 +118,13 @@ def build_engine(
         raise UnsupportedModelError("no memory left for the KV cache; lower the model size")
     kv_caches = allocate_kv_cache(config, num_kv_blocks, block_size, torch_dtype, dev)
     eos = eos_token_ids(root, config, tokenizer)
-    runner = ModelRunner(model, kv_caches, block_size, Sampler(eos, seed), dev)
+    graphs = None
+    if use_cuda_graphs and dev.type == "cuda" and ops.name == "triton":
+        graphs = CudaGraphDecoder(
+            model, kv_caches, min(max_num_seqs, 256), max_model_len, block_size, dev
+        )
+        graphs.capture()
+    runner = ModelRunner(model, kv_caches, block_size, Sampler(eos, seed), dev, graphs)
     limits = EngineLimits(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
 from batchgen.worker.engine.request import Request
 from batchgen.worker.engine.sampler import Sampler, SampleResult
 from batchgen.worker.engine.scheduler import SchedulerPlan
@@ -47,12 +48,14 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler,
         device: torch.device,
+        graphs: CudaGraphDecoder | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = sampler
         self.device = device
+        self.graphs = graphs  # decode-only steps replay these when set
 
     def prepare(self, plan: SchedulerPlan) -> StepInputs:
         bs = self.block_size
