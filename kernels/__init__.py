@@ -1,0 +1,52 @@
+"""Kernels: every op the model calls, as a Triton kernel and a pure-torch reference.
+
+The engine asks ``select_ops(device)`` once and calls the ops through the
+returned ``KernelOps``: Triton on CUDA, the references elsewhere. Both sets
+share signatures (see ``reference.py`` for layouts and shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.kernels import reference
+from batchgen.kernels.reference import PAD_SLOT_ID
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOps:
+    name: str
+    rms_norm: Callable[..., torch.Tensor]
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[..., torch.Tensor]
+    apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    store_kv: Callable[..., None]
+    paged_decode_attention: Callable[..., torch.Tensor]
+    paged_prefill_attention: Callable[..., torch.Tensor]
+
+
+REFERENCE_OPS = KernelOps(
+    name="reference",
+    rms_norm=reference.rms_norm,
+    fused_add_rms_norm=reference.fused_add_rms_norm,
+    silu_and_mul=reference.silu_and_mul,
+    apply_rotary=reference.apply_rotary,
+    store_kv=reference.store_kv,
+    paged_decode_attention=reference.paged_decode_attention,
+    paged_prefill_attention=reference.paged_prefill_attention,
+)
+
+
+def select_ops(device: torch.device, use_triton: bool | None = None) -> KernelOps:
+    """The op set for ``device``: Triton on CUDA unless ``use_triton`` says otherwise."""
+    if use_triton is None:
+        use_triton = device.type == "cuda"
+    if not use_triton:
+        return REFERENCE_OPS
+    raise NotImplementedError("the Triton kernels have not landed yet; use the reference ops")
+
+
+__all__ = ["PAD_SLOT_ID", "REFERENCE_OPS", "KernelOps", "select_ops"]

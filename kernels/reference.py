@@ -1,0 +1,220 @@
+"""Pure-torch versions of every op the model calls.
+
+They are the CPU path of the engine (so they are vectorised, not merely
+readable) and the oracle the Triton kernels are tested against. Each Triton
+wrapper in this package has the same signature as its function here.
+
+Layouts (shared with the Triton kernels):
+- hidden states are flat over the batch: (num_tokens, ...);
+- a layer's KV cache is (num_blocks, block_size, num_kv_heads, head_dim);
+- block_tables (num_seqs, max_blocks_per_seq) int32; a row's unused tail may
+  hold any block id of that sequence (never read past context_lens);
+- slot_mapping (num_tokens,) int64: block_id * block_size + offset, or
+  PAD_SLOT_ID for padding tokens, whose K/V are not stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Slot id of padding tokens (CUDA-graph batches are padded); never a real slot.
+PAD_SLOT_ID = -1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (num_tokens, hidden) -> (num_tokens, hidden); computed in fp32 like HF."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); both (num_tokens, hidden)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (num_tokens, 2 * inter) -> silu(x[:, :inter]) * x[:, inter:]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-layout rotary embedding (rotate the two halves of head_dim).
+
+    q (num_tokens, num_heads, head_dim), k (num_tokens, num_kv_heads, head_dim),
+    positions (num_tokens,) int64, cos_cache/sin_cache (max_positions, head_dim // 2)
+    fp32 (any rope scaling is already in them). Returns new (q, k) in q's dtype.
+    """
+    cos = cos_cache[positions].unsqueeze(1)  # (num_tokens, 1, head_dim // 2)
+    sin = sin_cache[positions].unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes key/value (num_tokens, num_kv_heads, head_dim) into their cache slots."""
+    num_kv_heads, head_dim = key.shape[1:]
+    if (slot_mapping == PAD_SLOT_ID).any():
+        keep = slot_mapping != PAD_SLOT_ID
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def _gather_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
+) -> torch.Tensor:
+    """(num_seqs, num_blocks * block_size, num_kv_heads, head_dim) from each row's blocks."""
+    table = block_tables[:, :num_blocks].reshape(-1).long()
+    blocks = cache.index_select(0, table)  # (S * nb, bs, Hk, D)
+    return blocks.view(block_tables.shape[0], -1, *cache.shape[2:])
+
+
+def _length_buckets(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Row indices grouped by similar length, so padding each group to its own
+    longest row wastes at most about max_waste of the work (and at most 4 groups)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and len(groups) < 4:
+            group = groups[-1]
+            padded = lengths[group[0]] * (len(group) + 1)
+            if padded <= (1 + max_waste) * (sum(lengths[j] for j in group) + lengths[i]):
+                group.append(i)
+                continue
+        elif groups:
+            groups[-1].append(i)
+            continue
+        groups.append([i])
+    return groups
+
+
+def _decode_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+) -> torch.Tensor:
+    num_blocks = -(-max_context_len // k_cache.shape[1])
+    keys = _gather_context(k_cache, block_tables, num_blocks)  # (S, L, Hk, D)
+    values = _gather_context(v_cache, block_tables, num_blocks)
+    length = keys.shape[1]
+    visible = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # (S, L)
+    # SDPA's fused CPU kernel takes the strided (S, Hk, L, D) views and GQA as is
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # (S, H, 1, D)
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+) -> torch.Tensor:
+    """One query token per sequence over its paged context.
+
+    q (num_seqs, num_heads, head_dim); context_lens (num_seqs,) int32 count the
+    current token, whose K/V are already stored. Returns (num_seqs, num_heads, head_dim).
+    Sequences of very different lengths are run in a few length groups, so
+    short ones are not padded to the longest.
+    """
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    lengths = context_lens.tolist()
+    groups = _length_buckets(lengths)
+    if len(groups) == 1:
+        return _decode_group(
+            q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len
+        )
+    out = torch.empty_like(q)
+    for group in groups:
+        rows = torch.tensor(group, device=q.device)
+        out[rows] = _decode_group(
+            q[rows], k_cache, v_cache, block_tables[rows], context_lens[rows], scale,
+            lengths[group[0]],
+        )  # fmt: skip
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_context_len: int,
+) -> torch.Tensor:
+    """Variable-length query chunks attending causally to their whole paged context.
+
+    q (num_tokens, num_heads, head_dim) holds each sequence's new tokens back to
+    back; query_start_loc (num_seqs + 1,) int32 their offsets; context_lens
+    (num_seqs,) int32 the total length (cached + new), the new tokens being the
+    last ones, their K/V already stored. Returns (num_tokens, num_heads, head_dim).
+    """
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    for i, ctx in enumerate(context_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        num_blocks = -(-ctx // block_size)
+        table = block_tables[i, :num_blocks].long()
+        keys = k_cache.index_select(0, table).flatten(0, 1)[:ctx]  # (ctx, Hk, D)
+        values = v_cache.index_select(0, table).flatten(0, 1)[:ctx]
+        if ctx == q_len:
+            mask, causal = None, True  # no cached context: plain causal attention
+        else:
+            # query t sits at position ctx - q_len + t and sees keys 0..that position
+            qpos = torch.arange(ctx - q_len, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # (q_len, ctx)
+            causal = False
+        attn = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),  # (H, q_len, D)
+            keys.transpose(0, 1),  # (Hk, ctx, D)
+            values.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = attn.transpose(0, 1)
+    return out

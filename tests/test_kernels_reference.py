@@ -1,0 +1,149 @@
+"""The pure-torch ops (the CPU path and the kernels' oracle) against naive dense math."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from batchgen.kernels import reference as ref
+
+
+def _dense_attention(q, k, v, scale):
+    """q (q_len, H, D) at the last q_len positions of k/v (ctx, Hk, D), causal."""
+    q_len, num_heads, _ = q.shape
+    ctx, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for t in range(q_len):
+        pos = ctx - q_len + t
+        for h in range(num_heads):
+            kh = k[: pos + 1, h // group]
+            w = torch.softmax((kh @ q[t, h]) * scale, dim=0)
+            out[t, h] = w @ v[: pos + 1, h // group]
+    return out
+
+
+def _paged(contexts, num_kv_heads, head_dim, block_size, seed=0):
+    """Random K/V for each sequence, scattered into shuffled blocks of a pool."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-c // block_size) for c in contexts]
+    total = sum(blocks_needed) + 3
+    perm = torch.randperm(total, generator=gen).tolist()
+    k_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen)
+    width = max(blocks_needed)
+    tables = torch.zeros(len(contexts), width, dtype=torch.int32)
+    dense = []
+    for i, (ctx, nb) in enumerate(zip(contexts, blocks_needed)):
+        ids = [perm.pop() for _ in range(nb)]
+        tables[i, :nb] = torch.tensor(ids)
+        tables[i, nb:] = ids[-1]  # tail padded with the sequence's own last block
+        k = k_cache[ids].flatten(0, 1)[:ctx]
+        v = v_cache[ids].flatten(0, 1)[:ctx]
+        dense.append((k, v))
+    return k_cache, v_cache, tables, dense
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 3), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_matches_dense(num_heads, num_kv_heads, block_size):
+    contexts = [1, 15, 16, 17, 33, 70]
+    head_dim = 32
+    k_cache, v_cache, tables, dense = _paged(contexts, num_kv_heads, head_dim, block_size)
+    q = torch.randn(len(contexts), num_heads, head_dim)
+    scale = 1 / math.sqrt(head_dim)
+    out = ref.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), scale, max(contexts)
+    )
+    for i, (k, v) in enumerate(dense):
+        expected = _dense_attention(q[i : i + 1], k, v, scale)
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 3)])
+def test_prefill_matches_dense_with_cached_prefix(num_heads, num_kv_heads):
+    contexts = [5, 16, 40, 33]
+    q_lens = [5, 3, 17, 1]  # full prompt, chunk after a prefix hit, long chunk, decode
+    head_dim, block_size = 16, 16
+    k_cache, v_cache, tables, dense = _paged(contexts, num_kv_heads, head_dim, block_size)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], num_heads, head_dim)
+    out = ref.paged_prefill_attention(
+        q, k_cache, v_cache, tables,
+        torch.tensor(contexts, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+        0.25, max(q_lens), max(contexts),
+    )  # fmt: skip
+    for i, (k, v) in enumerate(dense):
+        expected = _dense_attention(q[starts[i] : starts[i + 1]], k, v, 0.25)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_store_kv_writes_slots_and_skips_padding():
+    k_cache = torch.zeros(3, 4, 2, 8)
+    v_cache = torch.zeros(3, 4, 2, 8)
+    key = torch.randn(3, 2, 8)
+    value = torch.randn(3, 2, 8)
+    slots = torch.tensor([9, ref.PAD_SLOT_ID, 2])
+    ref.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[2, 1], key[0]) and torch.equal(v_cache[2, 1], value[0])
+    assert torch.equal(k_cache[0, 2], key[2]) and torch.equal(v_cache[0, 2], value[2])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 2  # nothing else written
+
+
+def test_rotary_matches_hf_rotate_half():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    head_dim, base = 16, 10000.0
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    positions = torch.tensor([0, 1, 7, 100])
+    freqs = torch.arange(128).float()[:, None] * inv_freq[None, :]
+    q = torch.randn(4, 3, head_dim)
+    k = torch.randn(4, 1, head_dim)
+    q2, k2 = ref.apply_rotary(q, k, positions, freqs.cos(), freqs.sin())
+    emb = torch.cat((freqs[positions], freqs[positions]), dim=-1)
+    # HF layout: (batch, heads, seq, dim)
+    hq, hk = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos()[None], emb.sin()[None]
+    )
+    torch.testing.assert_close(q2, hq[0].transpose(0, 1))
+    torch.testing.assert_close(k2, hk[0].transpose(0, 1))
+
+
+def test_norms_and_activation():
+    x = torch.randn(5, 12)
+    res = torch.randn(5, 12)
+    w = torch.rand(12) + 0.5
+    expected = w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(ref.rms_norm(x, w, 1e-6), expected)
+    normed, new_res = ref.fused_add_rms_norm(x, res, w, 1e-6)
+    torch.testing.assert_close(new_res, x + res)
+    torch.testing.assert_close(normed, ref.rms_norm(x + res, w, 1e-6))
+    y = torch.randn(5, 8)
+    torch.testing.assert_close(ref.silu_and_mul(y), torch.nn.functional.silu(y[:, :4]) * y[:, 4:])
+
+
+def test_decode_in_length_groups_matches_dense():
+    contexts = [3, 200, 17, 150, 40, 90, 5, 260, 64, 33, 120, 8]
+    assert len(ref._length_buckets(contexts)) > 1  # the grouped path is the one under test
+    head_dim, block_size = 16, 16
+    k_cache, v_cache, tables, dense = _paged(contexts, 2, head_dim, block_size, seed=3)
+    q = torch.randn(len(contexts), 4, head_dim)
+    out = ref.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.25, max(contexts)
+    )
+    for i, (k, v) in enumerate(dense):
+        expected = _dense_attention(q[i : i + 1], k, v, 0.25)
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_length_groups_cover_every_row_once():
+    lengths = [700, 20, 650, 30, 400, 25, 390, 10, 5, 800]
+    groups = ref._length_buckets(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert len(groups) <= 4
+    for g in groups:
+        assert lengths[g[0]] == max(lengths[i] for i in g)  # padded to its first row

@@ -1,0 +1,15 @@
+"""The generation engine: continuous batching over a paged KV cache."""
+
+from batchgen.worker.engine.engine import Engine, EngineStats
+from batchgen.worker.engine.params import SamplingParams
+from batchgen.worker.engine.request import FinishReason, RequestOutput, RequestRejected, Sample
+
+__all__ = [
+    "Engine",
+    "EngineStats",
+    "FinishReason",
+    "RequestOutput",
+    "RequestRejected",
+    "Sample",
+    "SamplingParams",
+]

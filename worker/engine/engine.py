@@ -1,0 +1,373 @@
+"""The engine: requests in, finished outputs out, one scheduling step at a time.
+
+    schedule -> run model -> sample -> update (stop checks, detokenize)
+
+It knows nothing of Redis: the queue loop calls add_request / step / abort
+and takes finished outputs back; ``generate`` does the same for a list.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from batchgen.worker.engine.block_manager import BlockManager
+from batchgen.worker.engine.detokenizer import StopStringMatcher
+from batchgen.worker.engine.params import SamplingParams
+from batchgen.worker.engine.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestRejected,
+    RequestStatus,
+    Sample,
+)
+from batchgen.worker.engine.runner import ModelRunner
+from batchgen.worker.engine.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int
+    prompt_tokens: int  # prompt tokens of admitted requests
+    generation_tokens: int
+    num_preemptions: int
+    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens
+    kv_usage: float  # used blocks / all blocks
+    num_running: int
+    num_waiting: int
+
+
+@dataclass(slots=True)
+class EngineLimits:
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_kv_blocks: int
+
+
+class Engine:
+    """Build with ``Engine.from_pretrained``; see that for the knobs."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        limits: EngineLimits,
+        eos_token_ids: tuple[int, ...],
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.max_model_len = limits.max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(
+            limits.num_kv_blocks, limits.block_size, enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            limits.max_num_seqs,
+            limits.max_num_batched_tokens,
+            watermark_blocks=max(1, limits.num_kv_blocks // 100),
+        )
+        self._requests: dict[str, list[Request]] = {}  # id -> its samples (n of them)
+        self._parked: list[Request] = []  # siblings waiting for the first sample's prompt
+        self._matchers: dict[int, StopStringMatcher] = {}
+        self._arrivals = itertools.count()
+        self._generate_ids = itertools.count()
+        self._num_steps = 0
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+        self._generated = 0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        device: str | None = None,
+        dtype: str | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        use_triton: bool | None = None,
+        use_cuda_graphs: bool = True,
+        seed: int | None = None,
+    ) -> Engine:
+        """Loads an HF checkpoint directory (config.json, safetensors, tokenizer).
+
+        device: "cuda", "cpu" or None (CUDA when there is one). dtype: None
+        picks float32 on CPU and the checkpoint's half type (else bfloat16) on
+        CUDA. The KV pool is ``num_kv_blocks`` blocks of ``block_size`` tokens,
+        or as many as fit ``kv_cache_bytes`` (CPU default 1 GiB), or on CUDA
+        ``gpu_memory_utilization`` of the device. ``max_num_batched_tokens``
+        bounds the tokens of one step (long prompts are prefilled in chunks).
+        On CUDA the Triton kernels run (``use_triton=False``: the torch
+        references) and decode steps replay CUDA graphs (``use_cuda_graphs=False``
+        turns that off). ``seed`` seeds the draws of requests without their own.
+        """
+        from batchgen.worker.engine.loading import build_engine
+
+        return build_engine(
+            cls, path, device=device, dtype=dtype, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+            kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
+            use_triton=use_triton, use_cuda_graphs=use_cuda_graphs, seed=seed,
+        )  # fmt: skip
+
+    # -- requests in ----------------------------------------------------------
+    def encode(self, prompt: str | Sequence[dict[str, Any]]) -> list[int]:
+        """A string -> token ids; chat messages -> chat template with the generation prompt."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        ids = self.tokenizer.apply_chat_template(
+            list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[dict[str, Any]] | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        resume_token_ids: Sequence[int] | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queues a request. Raises RequestRejected when it can never run here."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise RequestRejected(request_id, "a request with this id is already in the engine")
+        if isinstance(prompt, str):
+            prompt_ids = self.encode(prompt)
+        elif prompt and isinstance(prompt[0], dict):
+            prompt_ids = self.encode(cast(Sequence[dict[str, Any]], prompt))
+        else:
+            prompt_ids = [int(t) for t in cast(Sequence[int], prompt)]
+        resumed = [int(t) for t in resume_token_ids or ()]
+        self._check_fits(request_id, prompt_ids, resumed, params)
+        samples = []
+        for i in range(params.n):
+            req = Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                token_ids=prompt_ids + resumed,
+                num_prompt_tokens=len(prompt_ids),
+                params=params,
+                arrival_order=next(self._arrivals),
+                priority=priority,
+                sample_index=i,
+                num_resumed_tokens=len(resumed),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            if params.stop:
+                matcher = StopStringMatcher(self.tokenizer, params.stop, params.skip_special_tokens)
+                matcher.skip(resumed)
+                self._matchers[id(req)] = matcher
+            samples.append(req)
+        self._requests[request_id] = samples
+        self.scheduler.add(samples[0])
+        for sibling in samples[1:]:  # share the prompt's blocks via the prefix cache
+            sibling.wait_for = samples[0]
+            self._parked.append(sibling)
+
+    def _check_fits(
+        self, request_id: str, prompt: list[int], resumed: list[int], params: SamplingParams
+    ) -> None:
+        if not prompt:
+            raise RequestRejected(request_id, "the prompt is empty")
+        vocab = self.runner.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt + resumed):
+            raise RequestRejected(request_id, f"token ids must be in [0, {vocab})")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                request_id,
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the model's context of {self.max_model_len} tokens",
+            )
+        blocks = self.block_manager.blocks_needed(total)
+        if blocks > self.block_manager.num_blocks:
+            raise RequestRejected(
+                request_id,
+                f"needs {blocks} KV blocks but the pool has {self.block_manager.num_blocks}; "
+                "give the engine more KV cache memory",
+            )
+        if len(resumed) >= params.max_tokens:
+            raise RequestRejected(request_id, "resumed tokens already reach max_tokens")
+
+    # -- one step -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduling step; returns the requests that finished in it."""
+        self._unpark()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        self._num_steps += 1
+        for req in plan.first_admitted:
+            self._prompt_tokens += req.num_prompt_tokens
+            self._cached_tokens += req.num_cached_tokens
+        sampling, result = self.runner.run(plan)
+        grown = self.scheduler.update(plan, result.token_ids)
+        assert grown == sampling
+        finished: list[Request] = []
+        for req, logprobs in zip(grown, result.logprobs):
+            self._generated += 1
+            if req.logprobs is not None and logprobs is not None:
+                req.logprobs.append(logprobs)
+            reason = self._stop_reason(req)
+            if reason is not None:
+                req.finish_reason = reason
+                self.scheduler.finish(req)
+                finished.append(req)
+        return self._collect(finished)
+
+    def _unpark(self) -> None:
+        if not self._parked:
+            return
+        ready = [
+            r for r in self._parked
+            if r.wait_for is None or r.wait_for.is_finished
+            or r.wait_for.num_computed_tokens >= r.wait_for.num_prompt_tokens
+        ]  # fmt: skip
+        for req in ready:
+            self._parked.remove(req)
+            req.wait_for = None
+            self.scheduler.add(req)
+
+    def _stop_reason(self, req: Request) -> FinishReason | None:
+        p = req.params
+        token = req.token_ids[-1]
+        if req.num_output_tokens > p.min_tokens - 1:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+            if token in p.stop_token_ids:
+                return FinishReason.STOP
+        matcher = self._matchers.get(id(req))
+        if matcher is not None:
+            cut = matcher.feed(req.output_token_ids)
+            if cut is not None:
+                req.stop_text = cut
+                return FinishReason.STOP
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # -- outputs --------------------------------------------------------------
+    def _collect(self, finished: list[Request]) -> list[RequestOutput]:
+        """Outputs of the top-level requests whose every sample has finished."""
+        outputs = []
+        for req in finished:
+            top_id = req.request_id if req.params.n == 1 else req.request_id.rsplit("#", 1)[0]
+            samples = self._requests.get(top_id)
+            if samples is None or not all(s.is_finished for s in samples):
+                continue
+            del self._requests[top_id]
+            outputs.append(self._output(top_id, samples))
+        return outputs
+
+    def _output(self, request_id: str, samples: list[Request]) -> RequestOutput:
+        done = []
+        for s in samples:
+            self._matchers.pop(id(s), None)
+            text = s.stop_text
+            if text is None:
+                text = self.tokenizer.decode(
+                    s.output_token_ids, skip_special_tokens=s.params.skip_special_tokens
+                )
+            reason = s.finish_reason.value if s.finish_reason else FinishReason.ABORT.value
+            done.append(Sample(s.output_token_ids, text, reason, s.logprobs))
+        first = samples[0]
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
+            token_ids=done[0].token_ids,
+            text=done[0].text,
+            finish_reason=done[0].finish_reason,
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_cached_tokens=first.num_cached_tokens,
+            num_preemptions=sum(s.num_preemptions for s in samples),
+            logprobs=done[0].logprobs,
+            samples=done,
+        )
+
+    # -- control --------------------------------------------------------------
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Takes a request out; its output holds the tokens generated so far."""
+        samples = self._requests.pop(request_id, None)
+        if samples is None:
+            return None
+        for s in samples:
+            if s in self._parked:
+                self._parked.remove(s)
+                s.status = RequestStatus.FINISHED
+            if not s.is_finished:
+                s.finish_reason = FinishReason.ABORT
+                self.scheduler.finish(s)
+        return self._output(request_id, samples)
+
+    def drain(self) -> list[RequestOutput]:
+        """Aborts everything unfinished (a worker handing its work back)."""
+        return [out for rid in list(self._requests) if (out := self.abort(rid)) is not None]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def free_capacity(self) -> int:
+        """How many more requests to add now to keep the in-flight set full: a
+        running batch of max_num_seqs plus a short queue behind it."""
+        target = self.limits.max_num_seqs + max(2, self.limits.max_num_seqs // 4)
+        return max(0, target - len(self._requests))
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_steps=self._num_steps,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generated,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_rate=self._cached_tokens / max(self._prompt_tokens, 1),
+            kv_usage=bm.num_used_blocks / bm.num_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=self.scheduler.num_waiting + len(self._parked),
+        )
+
+    # -- batch API --------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int] | Sequence[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        batch = next(self._generate_ids)
+        ids = [f"generate-{batch}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.add_request(rid, prompt, p)
+        done: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        while pending:
+            if not self.scheduler.has_work() and not self._parked:
+                raise RuntimeError(f"engine stalled with {len(pending)} requests unfinished")
+            for out in self.step():
+                if out.request_id in pending:
+                    pending.discard(out.request_id)
+                    done[out.request_id] = out
+        return [done[rid] for rid in ids]

@@ -1,0 +1,49 @@
+"""Sizing and allocating the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from batchgen.worker.models.config import ModelConfig
+
+# CPU has no "free device memory" to read; without an explicit size we take this.
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for block_size tokens."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+
+
+def num_blocks_for_budget(
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_bytes: int | None,
+    gpu_memory_utilization: float,
+) -> int:
+    """How many blocks fit: an explicit byte budget, or on CUDA a fraction of
+    the device memory left after the weights (and a margin for activations)."""
+    per_block = bytes_per_block(config, block_size, dtype)
+    if kv_cache_bytes is None:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            used_by_others = total - free
+            budget = int(total * gpu_memory_utilization) - used_by_others
+            # logits and activations of a full step come out of the same pool
+            budget -= 2 << 30
+            kv_cache_bytes = max(budget, 0)
+        else:
+            kv_cache_bytes = DEFAULT_CPU_KV_BYTES
+    return kv_cache_bytes // per_block
+
+
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One allocation; per layer a (k, v) pair of (num_blocks, block_size, num_kv_heads, head_dim)."""
+    shape = (2, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    cache = torch.zeros(shape, dtype=dtype, device=device)
+    return [(cache[0, i], cache[1, i]) for i in range(config.num_layers)]

@@ -1,0 +1,102 @@
+"""One request's state inside the engine, and what the engine hands back."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from batchgen.worker.engine.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # taken out by abort()/drain(), tokens so far kept
+
+
+class RequestRejected(ValueError):
+    """A request that can never run here (too long, bad parameters); ``reason`` says why."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id!r} rejected: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Prompt and output live in one token list; prefill is not a separate kind.
+
+    The engine computes tokens until ``num_computed_tokens`` catches up with
+    ``len(token_ids)``; chunked prefill, prefix hits, resumed and preempted
+    requests all take that same path.
+    """
+
+    request_id: str
+    token_ids: list[int]  # prompt, then every generated token
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_order: int  # FCFS tie-break; kept across preemptions
+    priority: int = 0  # lower runs first
+    sample_index: int = 0  # which of the n samples (seeded draws differ per sample)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    num_resumed_tokens: int = 0  # generated elsewhere before, handed to us
+    finish_reason: FinishReason | None = None
+    # a sibling of an n > 1 request waits until this one's prompt is computed
+    wait_for: Request | None = None
+    num_hashed_blocks: int = 0  # head of block_table already in the prefix cache
+    admitted: bool = False  # set on first admission; num_cached_tokens is measured then
+    logprobs: list[dict[int, float]] | None = None
+    stop_text: str | None = None  # text cut at a stop string
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(slots=True)
+class Sample:
+    """One of the n completions of a request."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished (or aborted) request. The top-level fields are the first sample's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    logprobs: list[dict[int, float]] | None = None
+    samples: list[Sample] = field(default_factory=list)
