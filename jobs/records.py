@@ -87,7 +87,8 @@ class JobRecord:
         out["state"] = self.state.value
         out["defaults"] = json.dumps(self.defaults, sort_keys=True)
         out["closed"] = "1" if self.closed else "0"
-        out["model_fingerprint"] = self.model_fingerprint
+        if self.model_fingerprint:  # else left for the first worker to set (HSETNX)
+            out["model_fingerprint"] = self.model_fingerprint
         return out
 
     @classmethod

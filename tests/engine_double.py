@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class RequestRejected(Exception):
-    pass
+class RequestRejected(ValueError):
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id!r} rejected: {reason}")
+        self.reason = reason
 
 
 @dataclass
@@ -101,7 +103,8 @@ class FakeEngine:
         assert isinstance(prompt, list)
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise RequestRejected(
-                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) > {self.max_model_len}"
+                request_id,
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) > {self.max_model_len}",
             )
         self.running[request_id] = _Req(request_id, prompt, params, list(resume_token_ids or []))
         self.added.append(request_id)

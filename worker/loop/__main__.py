@@ -15,6 +15,8 @@ def main(argv: list[str]) -> int:
     from batchgen.worker.loop.runner import QueueLoop
 
     config = LoopConfig.from_dict(json.loads(argv[1]))
+    if config.supervised:
+        _die_with_parent()
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {config.name} %(levelname)s %(message)s",
@@ -34,6 +36,18 @@ def main(argv: list[str]) -> int:
     )
     logging.info("serving %s (max_model_len %d)", config.model, api.engine.max_model_len)
     return QueueLoop(conn, api, config).run()
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM (and hand work back) if the supervisor dies without telling us."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ class LoopConfig:
     sweep_interval_s: float = 10.0
     cancel_poll_s: float = 1.0
     supervisor: str = ""  # the supervisor's id, for metrics
+    supervised: bool = False  # SIGINT goes to the supervisor, which forwards SIGTERM
     # engine settings, passed to Engine.from_pretrained
     device: str | None = None
     max_num_seqs: int = 256

@@ -148,7 +148,8 @@ class QueueLoop:
                 d.entry_id, token_ids, params, resume_token_ids=d.resume or None
             )
         except self.rejections as exc:
-            return self._error(d, output, f"request rejected: {exc}", len(token_ids))
+            reason = getattr(exc, "reason", None) or str(exc)
+            return self._error(d, output, f"request rejected: {reason}", len(token_ids))
         self.inflight[d.entry_id] = Flight(d, output, len(token_ids))
 
     def _error(self, d: Delivery, output: str, message: str, prompt_tokens: int = 0) -> None:
@@ -223,4 +224,7 @@ class QueueLoop:
     def _install_signals(self) -> None:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.stop)
-            signal.signal(signal.SIGINT, self.stop)
+            # Ctrl-C in a terminal hits the whole process group; under a supervisor
+            # the SIGTERM it forwards is the one to act on (a second would be "now").
+            sigint = signal.SIG_IGN if self.config.supervised else self.stop
+            signal.signal(signal.SIGINT, sigint)

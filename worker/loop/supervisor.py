@@ -88,7 +88,7 @@ class Supervisor:
         self.conn = conn
         self.keys = Keys(base.prefix)
         self.id = f"sup-{os.getpid()}-{secrets.token_hex(2)}"
-        base = replace(base, supervisor=self.id)
+        base = replace(base, supervisor=self.id, supervised=True)
         self.base = base
         self.children = [Child(i, base, env) for i, env in enumerate(children_env)]
         self.metrics_port = metrics_port
