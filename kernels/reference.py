@@ -15,6 +15,8 @@ Layouts (shared with the Triton kernels):
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -23,7 +25,9 @@ PAD_SLOT_ID = -1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x (num_tokens, hidden) -> (num_tokens, hidden); computed in fp32 like HF."""
+    """x (num_tokens, hidden) -> (num_tokens, hidden); in fp32 like HF, then weight."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, same math
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -56,14 +60,15 @@ def apply_rotary(
     positions (num_tokens,) int64, cos_cache/sin_cache (max_positions, head_dim // 2)
     fp32 (any rope scaling is already in them). Returns new (q, k) in q's dtype.
     """
+    num_heads = q.shape[1]
     cos = cos_cache[positions].unsqueeze(1)  # (num_tokens, 1, head_dim // 2)
     sin = sin_cache[positions].unsqueeze(1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)
+    qk = torch.cat((q, k), dim=1).float()  # rotate both with one set of ops
+    x1, x2 = qk.chunk(2, dim=-1)
+    out = torch.cat(
+        (torch.addcmul(x1 * cos, x2, sin, value=-1), torch.addcmul(x2 * cos, x1, sin)), dim=-1
+    ).to(q.dtype)
+    return out[:, :num_heads], out[:, num_heads:]
 
 
 def store_kv(
@@ -91,22 +96,24 @@ def _gather_context(
     return blocks.view(block_tables.shape[0], -1, *cache.shape[2:])
 
 
-def _length_buckets(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
-    """Row indices grouped by similar length, so padding each group to its own
-    longest row wastes at most about max_waste of the work (and at most 4 groups)."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and len(groups) < 4:
-            group = groups[-1]
-            padded = lengths[group[0]] * (len(group) + 1)
-            if padded <= (1 + max_waste) * (sum(lengths[j] for j in group) + lengths[i]):
-                group.append(i)
-                continue
-        elif groups:
-            groups[-1].append(i)
-            continue
-        groups.append([i])
+def _length_groups(lengths: list[int], max_waste: float = 0.3) -> list[tuple[int, int]]:
+    """Row ranges [start, end) of similar length, for rows sorted longest first
+    (the scheduler orders decodes so): each range padded to its first row wastes
+    at most about max_waste of its work. At most 3 ranges; one when unsorted."""
+    if any(a < b for a, b in itertools.pairwise(lengths)):
+        return [(0, len(lengths))]
+    groups: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, n in enumerate(lengths):
+        if (
+            i > start
+            and len(groups) < 2
+            and lengths[start] * (i - start + 1) > (1 + max_waste) * (total + n)
+        ):
+            groups.append((start, i))
+            start, total = i, 0
+        total += n
+    groups.append((start, len(lengths)))
     return groups
 
 
@@ -149,25 +156,25 @@ def paged_decode_attention(
 
     q (num_seqs, num_heads, head_dim); context_lens (num_seqs,) int32 count the
     current token, whose K/V are already stored. Returns (num_seqs, num_heads, head_dim).
-    Sequences of very different lengths are run in a few length groups, so
-    short ones are not padded to the longest.
+    Rows sorted longest first (as the scheduler orders decodes) run in a few
+    length groups, so short ones are not padded to the longest.
     """
     if q.shape[0] == 0:
         return torch.empty_like(q)
     lengths = context_lens.tolist()
-    groups = _length_buckets(lengths)
+    groups = _length_groups(lengths)
     if len(groups) == 1:
         return _decode_group(
             q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len
         )
-    out = torch.empty_like(q)
-    for group in groups:
-        rows = torch.tensor(group, device=q.device)
-        out[rows] = _decode_group(
-            q[rows], k_cache, v_cache, block_tables[rows], context_lens[rows], scale,
-            lengths[group[0]],
-        )  # fmt: skip
-    return out
+    return torch.cat(
+        [
+            _decode_group(
+                q[a:b], k_cache, v_cache, block_tables[a:b], context_lens[a:b], scale, lengths[a]
+            )
+            for a, b in groups
+        ]
+    )
 
 
 def paged_prefill_attention(

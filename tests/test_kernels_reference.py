@@ -127,8 +127,8 @@ def test_norms_and_activation():
 
 
 def test_decode_in_length_groups_matches_dense():
-    contexts = [3, 200, 17, 150, 40, 90, 5, 260, 64, 33, 120, 8]
-    assert len(ref._length_buckets(contexts)) > 1  # the grouped path is the one under test
+    contexts = sorted([3, 200, 17, 150, 40, 90, 5, 260, 64, 33, 120, 8], reverse=True)
+    assert len(ref._length_groups(contexts)) > 1  # the grouped path is the one under test
     head_dim, block_size = 16, 16
     k_cache, v_cache, tables, dense = _paged(contexts, 2, head_dim, block_size, seed=3)
     q = torch.randn(len(contexts), 4, head_dim)
@@ -140,10 +140,9 @@ def test_decode_in_length_groups_matches_dense():
         torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_length_groups_cover_every_row_once():
-    lengths = [700, 20, 650, 30, 400, 25, 390, 10, 5, 800]
-    groups = ref._length_buckets(lengths)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    assert len(groups) <= 4
-    for g in groups:
-        assert lengths[g[0]] == max(lengths[i] for i in g)  # padded to its first row
+def test_length_groups_are_contiguous_ranges_of_sorted_rows():
+    lengths = [800, 700, 650, 400, 390, 30, 25, 20, 10, 5]
+    groups = ref._length_groups(lengths)
+    assert groups == [(0, 4), (4, 5), (5, 10)]
+    assert ref._length_groups([5, 800, 10]) == [(0, 3)]  # unsorted: one padded group
+    assert ref._length_groups([100] * 8) == [(0, 8)]
