@@ -54,7 +54,8 @@ def apply_rotary(
 
     q (num_tokens, num_heads, head_dim), k (num_tokens, num_kv_heads, head_dim),
     positions (num_tokens,) int64, cos_cache/sin_cache (max_positions, head_dim // 2)
-    fp32 (any rope scaling is already in them). Returns new (q, k) in q's dtype.
+    fp32 (any rope scaling is already in them). Returns new (q, k), each in its
+    input dtype.
     """
     cos = cos_cache[positions].unsqueeze(1)  # (num_tokens, 1, head_dim // 2)
     sin = sin_cache[positions].unsqueeze(1)
@@ -102,7 +103,8 @@ def paged_decode_attention(
     """One query token per sequence over its paged context.
 
     q (num_seqs, num_heads, head_dim); context_lens (num_seqs,) int32 count the
-    current token, whose K/V are already stored. Returns (num_seqs, num_heads, head_dim).
+    current token, whose K/V are already stored (0 for a padding row, whose
+    output is zeros). Returns (num_seqs, num_heads, head_dim).
     """
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
@@ -119,6 +121,9 @@ def paged_decode_attention(
     pad = torch.arange(length, device=q.device)[None, :] >= context_lens[:, None]  # (S, L)
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # A padding row (context 0, as in padded CUDA-graph batches) has only -inf
+    # scores and a NaN softmax; it attends to nothing and yields zeros.
+    probs.masked_fill_((context_lens == 0)[:, None, None, None], 0.0)
     out = torch.matmul(probs, values.permute(0, 2, 1, 3).float())  # (S, Hk, group, D)
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 

@@ -124,3 +124,16 @@ def test_norms_and_activation():
     torch.testing.assert_close(normed, ref.rms_norm(x + res, w, 1e-6))
     y = torch.randn(5, 8)
     torch.testing.assert_close(ref.silu_and_mul(y), torch.nn.functional.silu(y[:, :4]) * y[:, 4:])
+
+
+def test_decode_padding_row_with_no_context_yields_zeros():
+    # CUDA-graph batches are padded with rows of context 0; their softmax over
+    # nothing used to be NaN. The Triton kernel writes zeros; so does the reference.
+    k_cache, v_cache, tables, dense = _paged([17, 3], 2, 16, 16)
+    q = torch.randn(2, 4, 16)
+    out = ref.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor([17, 0], dtype=torch.int32), 0.25, 17
+    )
+    assert torch.equal(out[1], torch.zeros(4, 16))
+    k, v = dense[0]
+    torch.testing.assert_close(out[:1], _dense_attention(q[:1], k, v, 0.25))
