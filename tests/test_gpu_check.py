@@ -47,7 +47,7 @@ def test_dry_run_reports_every_section_as_json(tmp_path: Path):
     assert bandwidth["copy_gb_per_s"] > 0
     assert [(r["batch"], r["context"]) for r in bandwidth["decode"]] == [(2, 17), (2, 40)]
     assert all(r["ms"] > 0 and r["fraction_of_copy"] > 0 for r in bandwidth["decode"])
-    assert len(bandwidth["target_shape_sweep"]) == 9
+    assert len(bandwidth["target_shape_sweep"]) == 9  # 3 tiles x 2 warp counts, 3 splits
     assert isinstance(bandwidth["target_met"], bool)
     if not _engine_importable():
         assert result["sections"]["engine"]["engine"] == "not available on this branch"

@@ -157,12 +157,14 @@ def decode_attention(
     *,
     num_splits: int | None = None,
     tile_size: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """``paged_decode_attention`` with the launch choices open (tests, benchmarks).
 
     num_splits: a power of two <= 64, or None for ``choose_num_splits``.
     tile_size: context tokens per loop step, a power of two >= 16, or None (64,
-    32 for head_dim > 128).
+    32 for head_dim > 128). num_warps: per program (4 keeps head_dim 128 at
+    ~96 registers without spills on sm_90).
     """
     checks.check_dim("q", q, 3, "(num_seqs, num_heads, head_dim)")
     checks.check_dim("k_cache", k_cache, 4, "(num_blocks, block_size, num_kv_heads, head_dim)")
@@ -243,7 +245,7 @@ def decode_attention(
         TILE_N=tile_size,
         NUM_SPLITS=num_splits,
         DOT_FP32=checks.dot_in_fp32(q.dtype),
-        num_warps=4,
+        num_warps=num_warps,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_kernel[(num_seqs, num_heads)](

@@ -31,28 +31,34 @@ def _store_kv_kernel(
     v_cache_stride_b,
     v_cache_stride_s,
     v_cache_stride_h,
+    num_kv_heads,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     PAD_SLOT: tl.constexpr,
 ):
-    # One program per (token, kv head): one head_dim row of K and one of V.
+    # One program per (token, block of BLOCK_H kv heads): a (BLOCK_H, HEAD_DIM_PAD)
+    # tile of K and one of V, wide enough for 16-byte vector loads per thread.
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     # Padding tokens write nothing: a masked store with no valid lanes, not a
     # branch. (A scalar & vector mask also trips the Triton 3.9 interpreter.)
-    mask = offs_d < tl.where(slot == PAD_SLOT, 0, HEAD_DIM)
+    d_limit = tl.where(slot == PAD_SLOT, 0, HEAD_DIM)
+    mask = (heads < num_kv_heads)[:, None] & (offs_d < d_limit)[None, :]
 
-    k = tl.load(key_ptr + token * key_stride_t + head * key_stride_h + offs_d, mask=mask)
-    v = tl.load(value_ptr + token * value_stride_t + head * value_stride_h + offs_d, mask=mask)
+    k_src = key_ptr + token * key_stride_t + heads[:, None] * key_stride_h
+    v_src = value_ptr + token * value_stride_t + heads[:, None] * value_stride_h
+    k = tl.load(k_src + offs_d[None, :], mask=mask)
+    v = tl.load(v_src + offs_d[None, :], mask=mask)
     k_dst = k_cache_ptr + block * k_cache_stride_b + offset * k_cache_stride_s
     v_dst = v_cache_ptr + block * v_cache_stride_b + offset * v_cache_stride_s
-    tl.store(k_dst + head * k_cache_stride_h + offs_d, k, mask=mask)
-    tl.store(v_dst + head * v_cache_stride_h + offs_d, v, mask=mask)
+    tl.store(k_dst + heads[:, None] * k_cache_stride_h + offs_d[None, :], k, mask=mask)
+    tl.store(v_dst + heads[:, None] * v_cache_stride_h + offs_d[None, :], v, mask=mask)
 
 
 def store_kv(
@@ -95,13 +101,20 @@ def store_kv(
     )
     if num_tokens == 0 or num_kv_heads == 0:
         return
-    _store_kv_kernel[(num_tokens, num_kv_heads)](
+    head_dim_pad = checks.pow2(head_dim)
+    # ~1024 elements per program (8 heads of 128), >= 8 per thread
+    block_h = min(checks.pow2(num_kv_heads), max(1, 1024 // head_dim_pad))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    _store_kv_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_kv_heads,
         BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=block_h,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=checks.pow2(head_dim),
+        HEAD_DIM_PAD=head_dim_pad,
         PAD_SLOT=PAD_SLOT_ID,
+        num_warps=max(1, min(4, block_h * head_dim_pad // 256)),
     )  # fmt: skip
