@@ -107,8 +107,9 @@ def test_triton_ops_have_the_reference_signatures(op):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_store_kv_writes_exact_slots_and_skips_padding(dtype):
-    num_blocks, block_size, heads, head_dim = 4, 16, 3, 80
+@pytest.mark.parametrize("heads,head_dim", [(3, 80), (12, 128)])  # 12 x 128: two head blocks
+def test_store_kv_writes_exact_slots_and_skips_padding(dtype, heads, head_dim):
+    num_blocks, block_size = 4, 16
     k_cache = _randn(num_blocks, block_size, heads, head_dim, dtype=dtype, seed=2)
     v_cache = _randn(num_blocks, block_size, heads, head_dim, dtype=dtype, seed=3)
     before_k, before_v = k_cache.clone(), v_cache.clone()
@@ -225,6 +226,16 @@ def test_decode_reads_a_strided_q_and_handles_single_and_empty_batches():
         q[:0], k_cache, v_cache, tables[:0], ctx[:0], 0.125, 0
     )
     assert empty.shape == (0, 4, 64)
+
+
+def test_attention_accepts_int64_index_tensors():
+    q, k_cache, v_cache, tables, ctx = _decode_case(CONTEXTS, 8, 2, 64, 16, torch.float32)
+    args = (q, k_cache, v_cache, tables.long(), ctx.long(), 0.125, 70)
+    _close(decode_attention(*args, num_splits=2), ref.paged_decode_attention(*args), torch.float32)
+    q, k_cache, v_cache, tables, ctx, starts = _prefill_case(8, 2, 64, 16, torch.float32)
+    chunks = (q, k_cache, v_cache, tables.long(), ctx.long(), starts.long(), 0.125, 17, 40)
+    expected = ref.paged_prefill_attention(*chunks)
+    _close(TRITON_OPS.paged_prefill_attention(*chunks), expected, torch.float32)
 
 
 def test_decode_rejects_bad_input():
