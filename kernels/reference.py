@@ -58,7 +58,8 @@ def apply_rotary(
 
     q (num_tokens, num_heads, head_dim), k (num_tokens, num_kv_heads, head_dim),
     positions (num_tokens,) int64, cos_cache/sin_cache (max_positions, head_dim // 2)
-    fp32 (any rope scaling is already in them). Returns new (q, k) in q's dtype.
+    fp32 (any rope scaling is already in them). Returns new (q, k), each in its
+    input dtype.
     """
     num_heads = q.shape[1]
     cos = cos_cache[positions].unsqueeze(1)  # (num_tokens, 1, head_dim // 2)
@@ -67,8 +68,8 @@ def apply_rotary(
     x1, x2 = qk.chunk(2, dim=-1)
     out = torch.cat(
         (torch.addcmul(x1 * cos, x2, sin, value=-1), torch.addcmul(x2 * cos, x1, sin)), dim=-1
-    ).to(q.dtype)
-    return out[:, :num_heads], out[:, num_heads:]
+    )
+    return out[:, :num_heads].to(q.dtype), out[:, num_heads:].to(k.dtype)
 
 
 def store_kv(
@@ -126,6 +127,8 @@ def _decode_group(
     scale: float,
     max_context_len: int,
 ) -> torch.Tensor:
+    if max_context_len == 0:  # padding rows only (CUDA-graph batches)
+        return torch.zeros_like(q)
     num_blocks = -(-max_context_len // k_cache.shape[1])
     keys = _gather_context(k_cache, block_tables, num_blocks)  # (S, L, Hk, D)
     values = _gather_context(v_cache, block_tables, num_blocks)
@@ -140,7 +143,11 @@ def _decode_group(
         scale=scale,
         enable_gqa=True,
     )
-    return out.squeeze(2)
+    out = out.squeeze(2)
+    if bool((context_lens == 0).any()):
+        # a padding row attends to nothing: all scores masked, NaN softmax; zeros out
+        out = out.masked_fill((context_lens == 0)[:, None, None], 0.0)
+    return out
 
 
 def paged_decode_attention(
@@ -155,7 +162,8 @@ def paged_decode_attention(
     """One query token per sequence over its paged context.
 
     q (num_seqs, num_heads, head_dim); context_lens (num_seqs,) int32 count the
-    current token, whose K/V are already stored. Returns (num_seqs, num_heads, head_dim).
+    current token, whose K/V are already stored (0 for a padding row, whose
+    output is zeros). Returns (num_seqs, num_heads, head_dim).
     Rows sorted longest first (as the scheduler orders decodes) run in a few
     length groups, so short ones are not padded to the longest.
     """

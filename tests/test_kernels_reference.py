@@ -146,3 +146,16 @@ def test_length_groups_are_contiguous_ranges_of_sorted_rows():
     assert groups == [(0, 4), (4, 5), (5, 10)]
     assert ref._length_groups([5, 800, 10]) == [(0, 3)]  # unsorted: one padded group
     assert ref._length_groups([100] * 8) == [(0, 8)]
+
+
+def test_decode_padding_row_with_no_context_yields_zeros():
+    # CUDA-graph batches are padded with rows of context 0; their softmax over
+    # nothing used to be NaN. The Triton kernel writes zeros; so does the reference.
+    k_cache, v_cache, tables, dense = _paged([17, 3], 2, 16, 16)
+    q = torch.randn(2, 4, 16)
+    out = ref.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor([17, 0], dtype=torch.int32), 0.25, 17
+    )
+    assert torch.equal(out[1], torch.zeros(4, 16))
+    k, v = dense[0]
+    torch.testing.assert_close(out[:1], _dense_attention(q[:1], k, v, 0.25))
