@@ -16,6 +16,7 @@ Layouts (shared with the Triton kernels):
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -170,11 +171,38 @@ def paged_decode_attention(
     if q.shape[0] == 0:
         return torch.empty_like(q)
     lengths = context_lens.tolist()
+    rows, shared = _rows_sharing_a_prefix(block_tables, lengths, k_cache.shape[1])
+    if not shared:
+        return _grouped_decode(q, k_cache, v_cache, block_tables, context_lens, scale, lengths)
+    if len(rows) == len(lengths):
+        return _cascade_decode(q, k_cache, v_cache, block_tables, context_lens, scale, shared)
+    out = torch.empty_like(q)
+    taken = set(rows)
+    rest = [i for i in range(len(lengths)) if i not in taken]
+    idx = torch.tensor(rows, device=q.device)
+    out[idx] = _cascade_decode(
+        q[idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale, shared
+    )
+    idx = torch.tensor(rest, device=q.device)
+    out[idx] = _grouped_decode(
+        q[idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale,
+        [lengths[i] for i in rest],
+    )  # fmt: skip
+    return out
+
+
+def _grouped_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    lengths: list[int],
+) -> torch.Tensor:
     groups = _length_groups(lengths)
     if len(groups) == 1:
-        return _decode_group(
-            q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len
-        )
+        return _decode_group(q, k_cache, v_cache, block_tables, context_lens, scale, max(lengths))
     return torch.cat(
         [
             _decode_group(
@@ -183,6 +211,89 @@ def paged_decode_attention(
             for a, b in groups
         ]
     )
+
+
+def _rows_sharing_a_prefix(
+    block_tables: torch.Tensor, lengths: list[int], block_size: int
+) -> tuple[list[int], int]:
+    """The largest set of rows starting with the same block, and how many
+    leading blocks they all share (0: no such set worth a cascade)."""
+    firsts = block_tables[:, 0].tolist()
+    first, count = Counter(firsts).most_common(1)[0]
+    if count < 2:
+        return [], 0
+    rows = [i for i, f in enumerate(firsts) if f == first]
+    tables = block_tables if count == len(firsts) else block_tables[torch.tensor(rows)]
+    # every row keeps at least one token of its own after the shared part
+    max_blocks = (min(lengths[i] for i in rows) - 1) // block_size
+    return rows, _shared_prefix_blocks(tables, max_blocks)
+
+
+def _shared_prefix_blocks(block_tables: torch.Tensor, max_blocks: int) -> int:
+    """How many leading blocks every row shares (a prefix-cache hit common to the batch)."""
+    if max_blocks <= 0 or block_tables.shape[0] < 2:
+        return 0
+    head = block_tables[:, :max_blocks]
+    same = (head == head[:1]).all(dim=0)  # (max_blocks,)
+    return int(same.cumprod(dim=0).sum())
+
+
+def _flash_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, Lq, D) attention and its log-sum-exp (B, H, Lq), for merging partial results."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale
+    )
+    return out, lse
+
+
+def _cascade_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    shared: int,
+) -> torch.Tensor:
+    """Decode when every row starts with the same ``shared`` blocks (a common
+    prompt prefix): all queries attend to the prefix once, as one batch, then
+    each row to its own suffix; the two softmax parts merge by log-sum-exp.
+    Every row has at least one suffix token (shared <= (min context - 1) // block_size)."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    prefix_len = shared * block_size
+    prefix = block_tables[0, :shared].long()
+    kp = k_cache.index_select(0, prefix).view(1, prefix_len, num_kv_heads, head_dim)
+    vp = v_cache.index_select(0, prefix).view(1, prefix_len, num_kv_heads, head_dim)
+    # every row's query heads of one KV head side by side: (1, Hk, S * group, D)
+    qp = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
+    qp = qp.reshape(1, num_kv_heads, num_seqs * group, head_dim)
+    out_p, lse_p = _flash_with_lse(qp, kp.transpose(1, 2), vp.transpose(1, 2), None, scale)
+    out_p = out_p.view(num_kv_heads, num_seqs, group, head_dim).transpose(0, 1)
+    lse_p = lse_p.view(num_kv_heads, num_seqs, group).transpose(0, 1)
+
+    suffix_lens = context_lens - prefix_len
+    suffix_max = int(suffix_lens.max())
+    suffix_blocks = -(-suffix_max // block_size)
+    ks = _gather_context(k_cache, block_tables[:, shared:], suffix_blocks)  # (S, Ls, Hk, D)
+    vs = _gather_context(v_cache, block_tables[:, shared:], suffix_blocks)
+    length = ks.shape[1]
+    hidden = torch.arange(length, device=q.device)[None, :] >= suffix_lens[:, None]
+    mask = torch.zeros(num_seqs, 1, 1, length, dtype=q.dtype, device=q.device)
+    mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
+    out_s, lse_s = _flash_with_lse(
+        q.view(num_seqs, num_kv_heads, group, head_dim), ks.transpose(1, 2), vs.transpose(1, 2),
+        mask, scale,
+    )  # fmt: skip
+
+    top = torch.maximum(lse_p, lse_s)
+    w_p = torch.exp(lse_p - top).unsqueeze(-1)
+    w_s = torch.exp(lse_s - top).unsqueeze(-1)
+    out = (out_p * w_p + out_s * w_s) / (w_p + w_s)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def paged_prefill_attention(
