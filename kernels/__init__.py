@@ -41,12 +41,19 @@ REFERENCE_OPS = KernelOps(
 
 
 def select_ops(device: torch.device, use_triton: bool | None = None) -> KernelOps:
-    """The op set for ``device``: Triton on CUDA unless ``use_triton`` says otherwise."""
+    """The op set for ``device``: Triton on CUDA unless ``use_triton`` says otherwise.
+
+    ``use_triton=True`` off CUDA runs the kernels through the Triton
+    interpreter, which needs TRITON_INTERPRET=1 set before the first call (the
+    kernels are defined, and triton imported, only then).
+    """
     if use_triton is None:
         use_triton = device.type == "cuda"
     if not use_triton:
         return REFERENCE_OPS
-    raise NotImplementedError("the Triton kernels have not landed yet; use the reference ops")
+    from batchgen.kernels.triton import TRITON_OPS
+
+    return TRITON_OPS
 
 
 __all__ = ["PAD_SLOT_ID", "REFERENCE_OPS", "KernelOps", "select_ops"]

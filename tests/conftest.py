@@ -12,17 +12,21 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from batchgen.jobs.redis_server import RedisServer
 
+# Without CUDA the Triton kernels run on the CPU through the interpreter;
+# triton.jit reads this when a kernel is defined, so it must precede every
+# import of batchgen.kernels.triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    import torch
-
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

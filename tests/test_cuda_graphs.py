@@ -28,9 +28,14 @@ def test_graph_replay_equals_eager_on_cuda(toy_model):
     rng = random.Random(0)
     prompts = [[rng.randrange(16, 8192) for _ in range(rng.randint(5, 90))] for _ in range(37)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    kwargs = dict(device="cuda", dtype="float32", num_kv_blocks=1024, max_num_seqs=64)
-    graphed = Engine.from_pretrained(path, use_cuda_graphs=True, **kwargs)
-    eager = Engine.from_pretrained(path, use_cuda_graphs=False, **kwargs)
+
+    def engine(graphs: bool) -> Engine:
+        return Engine.from_pretrained(
+            path, device="cuda", dtype="float32", num_kv_blocks=1024, max_num_seqs=64,
+            use_cuda_graphs=graphs,
+        )  # fmt: skip
+
+    graphed, eager = engine(True), engine(False)
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
     a = [o.token_ids for o in graphed.generate(prompts, params)]
     b = [o.token_ids for o in eager.generate(prompts, params)]

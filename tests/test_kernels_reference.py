@@ -127,8 +127,8 @@ def test_norms_and_activation():
 
 
 def test_decode_in_length_groups_matches_dense():
-    contexts = [3, 200, 17, 150, 40, 90, 5, 260, 64, 33, 120, 8]
-    assert len(ref._length_buckets(contexts)) > 1  # the grouped path is the one under test
+    contexts = sorted([3, 200, 17, 150, 40, 90, 5, 260, 64, 33, 120, 8], reverse=True)
+    assert len(ref._length_groups(contexts)) > 1  # the grouped path is the one under test
     head_dim, block_size = 16, 16
     k_cache, v_cache, tables, dense = _paged(contexts, 2, head_dim, block_size, seed=3)
     q = torch.randn(len(contexts), 4, head_dim)
@@ -140,10 +140,76 @@ def test_decode_in_length_groups_matches_dense():
         torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_length_groups_cover_every_row_once():
-    lengths = [700, 20, 650, 30, 400, 25, 390, 10, 5, 800]
-    groups = ref._length_buckets(lengths)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    assert len(groups) <= 4
-    for g in groups:
-        assert lengths[g[0]] == max(lengths[i] for i in g)  # padded to its first row
+def test_length_groups_are_contiguous_ranges_of_sorted_rows():
+    lengths = [800, 700, 650, 400, 390, 30, 25, 20, 10, 5]
+    groups = ref._length_groups(lengths)
+    assert groups == [(0, 4), (4, 5), (5, 10)]
+    assert ref._length_groups([5, 800, 10]) == [(0, 3)]  # unsorted: one padded group
+    assert ref._length_groups([100] * 8) == [(0, 8)]
+
+
+def test_decode_padding_row_with_no_context_yields_zeros():
+    # CUDA-graph batches are padded with rows of context 0; their softmax over
+    # nothing used to be NaN. The Triton kernel writes zeros; so does the reference.
+    k_cache, v_cache, tables, dense = _paged([17, 3], 2, 16, 16)
+    q = torch.randn(2, 4, 16)
+    out = ref.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor([17, 0], dtype=torch.int32), 0.25, 17
+    )
+    assert torch.equal(out[1], torch.zeros(4, 16))
+    k, v = dense[0]
+    torch.testing.assert_close(out[:1], _dense_attention(q[:1], k, v, 0.25))
+
+
+def test_decode_with_a_prefix_shared_by_every_row_matches_dense():
+    # rows 0..3 share their first 3 blocks (a common 48-token prompt prefix)
+    block_size, head_dim, num_kv_heads = 16, 16, 2
+    contexts = [70, 64, 49, 55]
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(40, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(40, block_size, num_kv_heads, head_dim, generator=gen)
+    shared = [7, 30, 2]
+    own = [[11, 12], [13], [14], [15, 16]]
+    tables = torch.tensor([shared + o + [o[-1]] * (2 - len(o)) for o in own], dtype=torch.int32)
+    assert ref._shared_prefix_blocks(tables, (min(contexts) - 1) // block_size) == 3
+    q = torch.randn(4, 4, head_dim, generator=gen)
+    out = ref.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.3, max(contexts)
+    )
+    for i, ctx in enumerate(contexts):
+        ids = tables[i].long()
+        k = k_cache[ids].flatten(0, 1)[:ctx]
+        v = v_cache[ids].flatten(0, 1)[:ctx]
+        torch.testing.assert_close(
+            out[i : i + 1], _dense_attention(q[i : i + 1], k, v, 0.3), atol=1e-5, rtol=1e-5
+        )
+
+
+def test_shared_prefix_needs_every_row_and_a_token_of_suffix():
+    tables = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 5, 6]], dtype=torch.int32)
+    assert ref._shared_prefix_blocks(tables, 2) == 1
+    assert ref._shared_prefix_blocks(tables, 0) == 0
+    assert ref._shared_prefix_blocks(tables[:1], 2) == 0  # one row: nothing to share
+
+
+def test_decode_with_a_prefix_shared_by_some_rows_matches_dense():
+    block_size, head_dim = 16, 16
+    gen = torch.Generator().manual_seed(6)
+    k_cache = torch.randn(40, block_size, 2, head_dim, generator=gen)
+    v_cache = torch.randn(40, block_size, 2, head_dim, generator=gen)
+    tables = torch.tensor(
+        [[7, 30, 11], [9, 10, 20], [7, 30, 13], [21, 22, 23], [7, 30, 15]], dtype=torch.int32
+    )
+    contexts = [45, 44, 40, 39, 33]
+    assert ref._rows_sharing_a_prefix(tables, contexts, block_size) == ([0, 2, 4], 2)
+    q = torch.randn(5, 4, head_dim, generator=gen)
+    out = ref.paged_decode_attention(
+        q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.3, 45
+    )
+    for i, ctx in enumerate(contexts):
+        ids = tables[i].long()
+        k = k_cache[ids].flatten(0, 1)[:ctx]
+        v = v_cache[ids].flatten(0, 1)[:ctx]
+        torch.testing.assert_close(
+            out[i : i + 1], _dense_attention(q[i : i + 1], k, v, 0.3), atol=1e-5, rtol=1e-5
+        )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from batchgen.worker.models.config import ModelConfig
@@ -45,5 +48,17 @@ def allocate_kv_cache(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One allocation; per layer a (k, v) pair of (num_blocks, block_size, num_kv_heads, head_dim)."""
     shape = (2, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    cache = torch.zeros(shape, dtype=dtype, device=device)
+    if device.type == "cpu":
+        cache = _lazy_zeros(shape, dtype)
+    else:
+        cache = torch.zeros(shape, dtype=dtype, device=device)
     return [(cache[0, i], cache[1, i]) for i in range(config.num_layers)]
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros backed by an anonymous mmap: the OS hands out zero pages on first
+    touch, so a large pool costs memory only for the blocks actually used."""
+    numel = math.prod(shape)
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(size, 1))
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)

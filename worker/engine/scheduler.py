@@ -90,6 +90,8 @@ class Scheduler:
             i += 1
         if not plan.preempted:
             self._admit(plan, budget)
+        # longest context first: attention can then take similar lengths together
+        plan.decodes.sort(key=lambda r: r.num_computed_tokens, reverse=True)
         return plan
 
     def _grow(self, req: Request, num_new: int, plan: SchedulerPlan, scheduled: set[int]) -> bool:

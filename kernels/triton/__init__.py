@@ -1,0 +1,32 @@
+"""The Triton op set: same signatures and semantics as ``batchgen.kernels.reference``.
+
+Kernels are defined when this package is imported; to run them on the CPU
+through the Triton interpreter, set TRITON_INTERPRET=1 before that import.
+The package's attributes stay the modules (``store_kv`` is the module, its op
+is ``store_kv.store_kv``); the ops are reached through ``TRITON_OPS``.
+"""
+
+from __future__ import annotations
+
+from batchgen.kernels import KernelOps
+from batchgen.kernels.triton import (
+    activation,
+    decode_attention,
+    norm,
+    prefill_attention,
+    rotary,
+    store_kv,
+)
+
+TRITON_OPS = KernelOps(
+    name="triton",
+    rms_norm=norm.rms_norm,
+    fused_add_rms_norm=norm.fused_add_rms_norm,
+    silu_and_mul=activation.silu_and_mul,
+    apply_rotary=rotary.apply_rotary,
+    store_kv=store_kv.store_kv,
+    paged_decode_attention=decode_attention.paged_decode_attention,
+    paged_prefill_attention=prefill_attention.paged_prefill_attention,
+)
+
+__all__ = ["TRITON_OPS"]

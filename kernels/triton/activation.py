@@ -1,0 +1,55 @@
+"""SiLU-and-mul: silu(x[..., :inter]) * x[..., inter:] for the MLP's gate/up output.
+
+Grid (num_rows, cdiv(inter, BLOCK)). silu is computed in fp32 and rounded to
+the input dtype before the multiply, matching torch's F.silu(gate) * up.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from batchgen.kernels.triton import checks
+
+BLOCK = 1024  # columns per program
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,  # (num_rows, 2 * inter): gate then up
+    out_ptr,  # (num_rows, inter)
+    x_stride,
+    out_stride,
+    inter,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * x_stride + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + offs, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (..., 2 * inter) -> (..., inter), ``reference.silu_and_mul``; no size limit."""
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"x must end in an even dimension (gate and up), got {tuple(x.shape)}")
+    checks.check_dtype("x", x, checks.FLOAT_DTYPES)
+    device = checks.check_device(x=x)
+    inter = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=device)
+    if out.numel() == 0:
+        return out
+    rows = x.reshape(-1, 2 * inter)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out_rows = out.view(-1, inter)
+    grid = (rows.shape[0], triton.cdiv(inter, BLOCK))
+    _silu_and_mul_kernel[grid](
+        rows, out_rows, rows.stride(0), out_rows.stride(0), inter, BLOCK=BLOCK
+    )
+    return out

@@ -1,0 +1,82 @@
+"""Host-side argument checks shared by the Triton wrappers.
+
+Wrong caller input raises ``ValueError`` (shapes, sizes, devices) or
+``TypeError`` (dtypes) with a message that names the argument; the kernels
+themselves only ``assert`` internal invariants.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+# Read once at import, like triton.jit does: kernels defined while
+# TRITON_INTERPRET=1 run on the CPU through the interpreter.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum): tl.arange sizes must be powers of two."""
+    return max(triton.next_power_of_2(n), minimum)
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether kernels must upcast tl.dot operands to fp32.
+
+    The Triton 3.x interpreter's tl.dot multiplies bfloat16 operands as their
+    raw uint16 bits (it stores bf16 as np.uint16), so under TRITON_INTERPRET
+    bf16 dots are done in fp32. Compiled kernels keep bf16 tensor-core dots.
+    """
+    return INTERPRETED and dtype == torch.bfloat16
+
+
+def check_device(**tensors: torch.Tensor) -> torch.device:
+    """All tensors on one device, which Triton can run on; returns it."""
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    if any(d != first for d in devices.values()):
+        listed = ", ".join(f"{name}={d}" for name, d in devices.items())
+        raise ValueError(f"tensors must share one device, got {listed}")
+    if first.type != "cuda" and not INTERPRETED:
+        raise ValueError(
+            f"Triton ops need CUDA tensors, got {first}; use the reference ops on this device "
+            "(select_ops) or set TRITON_INTERPRET=1 before importing them to run the interpreter"
+        )
+    return first
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise TypeError(f"{name} must be one of {names}, got {t.dtype}")
+
+
+def check_same_dtype(**tensors: torch.Tensor) -> None:
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    if len(set(dtypes.values())) > 1:
+        listed = ", ".join(f"{name}={d}" for name, d in dtypes.items())
+        raise TypeError(f"dtypes must match, got {listed}")
+
+
+def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(t.shape)}")
+
+
+def check_dim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    """Kernels vectorise along the last dimension; other strides are passed in."""
+    for name, t in tensors.items():
+        if t.numel() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must be contiguous in its last dimension (stride {t.stride()})"
+            )

@@ -1,0 +1,248 @@
+"""Paged prefill attention: variable-length query chunks attending causally to
+their own new tokens and to the cached context in the pages.
+
+One kernel serves full prompts, chunked prefill, prefix-cache hits and q_len 1
+rows: a sequence's new tokens are the last q_len of its context_len tokens,
+their K/V already stored, so every key is read from the paged cache.
+
+Grid (num_seqs * num_q_blocks, num_kv_heads), num_q_blocks = cdiv(max_query_len,
+BLOCK_Q). A program owns BLOCK_Q query tokens of one sequence times the GROUP
+query heads of one KV head, flattened into BLOCK_M = BLOCK_Q * GROUP (+ padding)
+rows (row r is token r // GROUP, head r % GROUP), so each K/V tile is loaded once
+for the whole GQA group. Programs past their sequence's q_len loop zero times
+and store nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from batchgen.kernels.triton import checks
+from batchgen.kernels.triton.attention_tile import (
+    LOG2E,
+    kv_row_offsets,
+    online_softmax_step,
+    qk_scores,
+)
+
+MAX_HEAD_DIM = 256  # head_dim pads to a power of two <= this (register budget)
+MAX_GROUP = 128  # query heads per KV head; BLOCK_M grows to cover the group
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # (num_tokens, num_heads, head_dim)
+    k_cache_ptr,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache_ptr,  # same shape and strides as k_cache
+    block_tables_ptr,  # (num_seqs, max_blocks_per_seq) int32/int64
+    context_lens_ptr,  # (num_seqs,) cached + new tokens
+    query_start_loc_ptr,  # (num_seqs + 1,) offsets of each sequence's rows in q
+    out_ptr,  # (num_tokens, num_heads, head_dim)
+    qk_scale,  # softmax scale * log2(e)
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    block_tables_stride_s,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    num_q_blocks,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0) // num_q_blocks
+    q_block = tl.program_id(0) % num_q_blocks
+    kv_head = tl.program_id(1)
+
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + seq + 1) - q_start).to(tl.int32)
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
+    first_q = q_block * BLOCK_Q
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_n = tl.arange(0, TILE_N)
+    q_idx = first_q + offs_m // GROUP  # (BLOCK_M,) token index within the chunk
+    heads = kv_head * GROUP + offs_m % GROUP  # (BLOCK_M,) query head
+    row_mask = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    d_mask = offs_d < HEAD_DIM
+    q_pos = context_len - q_len + q_idx  # (BLOCK_M,) absolute position: sees keys <= q_pos
+
+    q_ptrs = q_ptr + (q_start + q_idx)[:, None] * q_stride_t + heads[:, None] * q_stride_h
+    q = tl.load(q_ptrs + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    # Keys up to the block's last query position; none for an idle program.
+    last_q = tl.minimum(first_q + BLOCK_Q, q_len)
+    num_keys = tl.where(first_q < q_len, context_len - q_len + last_q, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride_s
+    for start in range(0, num_keys, TILE_N):
+        pos = start + offs_n  # (TILE_N,)
+        pos_mask = pos < num_keys
+        rows = kv_row_offsets(
+            table_row, pos, pos_mask, kv_head,
+            cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_SIZE,
+        )  # fmt: skip
+        k_t = tl.load(  # (HEAD_DIM_PAD, TILE_N)
+            k_cache_ptr + rows[None, :] + offs_d[:, None],
+            mask=d_mask[:, None] & pos_mask[None, :],
+            other=0.0,
+        )
+        v = tl.load(  # (TILE_N, HEAD_DIM_PAD)
+            v_cache_ptr + rows[:, None] + offs_d[None, :],
+            mask=pos_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        s = qk_scores(q, k_t, DOT_FP32) * qk_scale  # (BLOCK_M, TILE_N)
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
+
+    # l_i == 0 (with acc == 0) only in idle programs, whose store is masked anyway.
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + (q_start + q_idx)[:, None] * out_stride_t + heads[:, None] * out_stride_h
+    tl.store(
+        out_ptrs + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_context_len: int,
+) -> torch.Tensor:
+    """Variable-length causal attention over the paged context (``reference.paged_prefill_attention``).
+
+    q (num_tokens, num_heads, head_dim) may be a strided view, contiguous in
+    head_dim; caches share q's dtype (fp16, bf16 or fp32; fp32 accumulation).
+    max_query_len must bound the chunks' lengths (it sizes the grid: rows past
+    it are not computed); max_context_len must bound context_lens. Limits:
+    head_dim <= 256, at most 128 query heads per KV head. Returns a new
+    contiguous (num_tokens, num_heads, head_dim).
+    """
+    return prefill_attention(
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+        scale, max_query_len, max_context_len,
+    )  # fmt: skip
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_context_len: int,
+    *,
+    block_m: int | None = None,
+    tile_size: int | None = None,
+) -> torch.Tensor:
+    """``paged_prefill_attention`` with the tile sizes open (tests, benchmarks).
+
+    block_m: query rows (tokens x group heads) per program, a power of two >= 16
+    and >= the group; tile_size: keys per loop step, a power of two >= 16.
+    """
+    checks.check_dim("q", q, 3, "(num_tokens, num_heads, head_dim)")
+    checks.check_dim("k_cache", k_cache, 4, "(num_blocks, block_size, num_kv_heads, head_dim)")
+    checks.check_dim("block_tables", block_tables, 2, "(num_seqs, max_blocks_per_seq)")
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    num_seqs = block_tables.shape[0]
+    checks.check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    checks.check_shape("context_lens", context_lens, (num_seqs,))
+    checks.check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    if cache_head_dim != head_dim:
+        raise ValueError(f"cache head_dim {cache_head_dim} != q head_dim {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    if head_dim > MAX_HEAD_DIM or group > MAX_GROUP:
+        raise ValueError(
+            f"head_dim {head_dim} (max {MAX_HEAD_DIM}) or heads per KV head {group} "
+            f"(max {MAX_GROUP}) beyond the kernel's limits"
+        )
+    if max_context_len > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"max_context_len {max_context_len} exceeds the block table's capacity "
+            f"{block_tables.shape[1]} blocks x {block_size}"
+        )
+    if max_query_len > max(max_context_len, 0):
+        raise ValueError(f"max_query_len {max_query_len} > max_context_len {max_context_len}")
+    checks.check_dtype("q", q, checks.FLOAT_DTYPES)
+    checks.check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
+    for name, t in (
+        ("block_tables", block_tables),
+        ("context_lens", context_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        checks.check_dtype(name, t, checks.INDEX_DTYPES)
+    device = checks.check_device(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+        context_lens=context_lens, query_start_loc=query_start_loc,
+    )  # fmt: skip
+    checks.check_last_dim_contiguous(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+        context_lens=context_lens, query_start_loc=query_start_loc,
+    )  # fmt: skip
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}"
+        )
+
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
+    if num_tokens == 0 or num_seqs == 0 or num_heads == 0 or max_query_len <= 0:
+        return out
+    head_dim_pad = checks.pow2(head_dim, 16)
+    if block_m is None:
+        # Enough rows for the longest chunk's group, capped at 64 (128 with
+        # big groups): short decode-like chunks do not pay for 64 rows.
+        block_m = min(checks.pow2(max_query_len * group, 16), checks.pow2(group, 64))
+    if tile_size is None:
+        tile_size = 64 if head_dim_pad <= 128 else 32
+    for name, value in (("block_m", block_m), ("tile_size", tile_size)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if block_m < group:
+        raise ValueError(f"block_m {block_m} is smaller than the {group} heads per KV head")
+    block_q = block_m // group
+    num_q_blocks = triton.cdiv(max_query_len, block_q)
+    _prefill_kernel[(num_seqs * num_q_blocks, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_q_blocks,
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        TILE_N=tile_size,
+        DOT_FP32=checks.dot_in_fp32(q.dtype),
+        num_warps=4 if head_dim_pad <= 128 else 8,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,85 @@
+"""benchmarks/gpu_check.py runs as a plain script; its dry run (CPU, Triton
+interpreter, tiny shapes) checks the structure the GPU run will print."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+
+
+def _engine_importable() -> bool:
+    return hasattr(importlib.import_module("batchgen.worker"), "Engine")
+
+
+def test_dry_run_reports_every_section_as_json(tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    out_file = tmp_path / "result.json"
+    # the engine section is left out once the engine lands: its dry run is the
+    # engine's business and costs a model load on the CPU
+    sections = "correctness,bandwidth" + ("" if _engine_importable() else ",engine")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--sections", sections, "--out", str(out_file)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert json.loads(out_file.read_text()) == result
+    assert result["mode"] == "dry-run"
+    assert result["env"]["batchgen"] == str(REPO / "batchgen")
+
+    correctness = result["sections"]["correctness"]
+    assert correctness["all_pass"] is True, correctness
+    assert {"store_kv", "decode", "decode_8_splits", "prefill", "norms", "apply_rotary"} <= set(
+        correctness
+    )
+    assert correctness["store_kv"]["max_abs_err"] == 0.0
+
+    bandwidth = result["sections"]["bandwidth"]
+    assert bandwidth["copy_gb_per_s"] > 0
+    assert [(r["batch"], r["context"]) for r in bandwidth["decode"]] == [(2, 17), (2, 40)]
+    assert all(r["ms"] > 0 and r["fraction_of_copy"] > 0 for r in bandwidth["decode"])
+    assert len(bandwidth["target_shape_sweep"]) == 9  # 3 tiles x 2 warp counts, 3 splits
+    assert isinstance(bandwidth["target_met"], bool)
+    if not _engine_importable():
+        assert result["sections"]["engine"]["engine"] == "not available on this branch"
+    assert "decode" in proc.stderr and "copy bandwidth" in proc.stderr  # the table
+
+
+def test_a_failing_section_is_reported_and_the_rest_still_run(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # dataclasses look it up
+    spec.loader.exec_module(gpu_check)
+
+    def broken(bench):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(
+        gpu_check, "SECTIONS", {"broken": broken, "fine": lambda bench: {"ok": True}}
+    )
+    result = gpu_check.main(["--dry-run", "--sections", "broken,fine"])
+    assert result["sections"]["broken"]["error"] == "RuntimeError('kernel exploded')"
+    assert "kernel exploded" in result["sections"]["broken"]["traceback"]
+    assert result["sections"]["fine"]["ok"] is True
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(result))
+
+
+@pytest.mark.gpu
+def test_gpu_check_correctness_on_the_device():
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--sections", "correctness"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["sections"]["correctness"]["all_pass"] is True
