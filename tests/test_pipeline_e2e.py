@@ -201,7 +201,7 @@ def test_cancel_mid_job(model, workers, env, redis_url, tmp_path):
     lines = [{"prompt": f"story {i}", "max_tokens": 200} for i in range(40)]
     submit(env, model, write_jsonl(tmp_path / "p.jsonl", lines), "cancelme", tmp_path)
     workers(model, "--max-num-seqs", "4")
-    conn = redis.Redis.from_url(env["BATCHGEN_REDIS_URL"])
+    conn: Any = redis.Redis.from_url(env["BATCHGEN_REDIS_URL"])
     wait_for(lambda: load_job(conn, KEYS, "cancelme").done >= 2, 300, "two rows")
     out = batchgen(env, "cancel", "cancelme")
     assert out.returncode == 0 and out.stdout == "cancelme cancelling (a worker finalizes it)\n"
@@ -222,7 +222,7 @@ def test_a_worker_killed_mid_job_and_a_new_one_give_exactly_one_row_per_line(
     lines = [{"prompt": f"Tell the tale of number {i}", "max_tokens": 48} for i in range(40)]
     submit(env, model, write_jsonl(tmp_path / "p.jsonl", lines), "killed", tmp_path)
     first = workers(model, "--max-num-seqs", "4", "--claim-timeout", "3")
-    conn = redis.Redis.from_url(redis_url)
+    conn: Any = redis.Redis.from_url(redis_url)
     wait_for(lambda: load_job(conn, KEYS, "killed").done >= 4, 300, "some rows")
     os.killpg(first.pid, signal.SIGKILL)  # supervisor and engine process, mid-decode
     first.wait()
@@ -243,7 +243,7 @@ def test_sigterm_hands_back_and_the_next_worker_resumes(
     lines = [{"prompt": f"Once upon a time {i}", "max_tokens": 200} for i in range(4)]
     submit(env, model, write_jsonl(tmp_path / "p.jsonl", lines), "handback", tmp_path)
     first = workers(model, "--max-num-seqs", "4")
-    conn = redis.Redis.from_url(redis_url)
+    conn: Any = redis.Redis.from_url(redis_url)
     qk = KEYS.queue_for_model(str(model))
     wait_for(lambda: conn.xpending(qk.stream, GROUP)["pending"] > 0, 300, "requests in flight")
     time.sleep(1.0)  # let them generate some tokens (200 take a few seconds)
