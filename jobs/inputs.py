@@ -68,18 +68,26 @@ class _FieldError(Exception):
 
 
 def read_lines(
-    stream: BinaryIO, max_line_bytes: int = MAX_LINE_BYTES
+    stream: BinaryIO,
+    max_line_bytes: int = MAX_LINE_BYTES,
+    first_number: int = 1,
+    limit: int | None = None,
 ) -> Iterator[tuple[int, str | LineError]]:
     """(line number, text) per non-blank line, or a LineError for an unreadable one.
 
     Memory stays bounded by ``max_line_bytes``: a longer line is skipped in
-    chunks without being held. A leading UTF-8 BOM and CRLF ends are accepted.
+    chunks without being held. A UTF-8 BOM at the start of the file and CRLF
+    ends are accepted. ``first_number``/``limit``: read a range of the file that
+    starts here, at line ``first_number``, and ends (at a line boundary) ``limit``
+    bytes on.
     """
-    number = 0
-    while True:
+    number = first_number - 1
+    consumed = 0
+    while limit is None or consumed < limit:
         raw = stream.readline(max_line_bytes + 1)
         if not raw:
             return
+        consumed += len(raw)
         number += 1
         if number == 1 and raw.startswith(_BOM):
             raw = raw[len(_BOM) :]
@@ -88,6 +96,7 @@ def read_lines(
             while raw and not raw.endswith(b"\n"):
                 raw = stream.readline(1 << 20)
                 size += len(raw)
+                consumed += len(raw)
             size -= raw.endswith(b"\n")
             yield (
                 number,
@@ -116,7 +125,8 @@ def parse_line(number: int, text: str, defaults: dict[str, Any]) -> bytes | Line
         if not isinstance(value, dict):
             raise _FieldError((), "a line must be a JSON object")
         is_openai = bool(OPENAI_FIELDS & value.keys())
-        entry = _openai(value, defaults) if is_openai else _native(value, defaults)
+        kind = _openai if is_openai else _native
+        entry = kind(value, defaults, len(text))
     except _FieldError as exc:
         column = strictjson.value_position(text, exc.path, key=exc.at_key)
         return LineError(number, column, exc.message)
@@ -129,7 +139,7 @@ def parse_line(number: int, text: str, defaults: dict[str, Any]) -> bytes | Line
         return LineError(number, column, "unpaired surrogate escape (not valid Unicode)")
 
 
-def _native(value: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+def _native(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) -> dict[str, Any]:
     _reject_unknown(value, NATIVE_FIELDS, ())
     entry: dict[str, Any] = {}
     if "id" in value:
@@ -143,11 +153,11 @@ def _native(value: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
         entry["m"] = _messages(value["messages"], ("messages",))
     entry["s"] = _params({k: v for k, v in value.items() if k in CHECKS}, defaults, ())
     if "metadata" in value:
-        entry["md"] = _metadata(value["metadata"], ("metadata",))
+        entry["md"] = _metadata(value["metadata"], ("metadata",), line_chars)
     return entry
 
 
-def _openai(value: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+def _openai(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) -> dict[str, Any]:
     _reject_unknown(value, OPENAI_FIELDS, ())
     for name in ("custom_id", "method", "url", "body"):
         if name not in value:
@@ -185,7 +195,7 @@ def _openai(value: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     }
     entry["s"] = _params(params, defaults, ("body",), paths)
     if "metadata" in body:
-        entry["md"] = _metadata(body["metadata"], ("body", "metadata"))
+        entry["md"] = _metadata(body["metadata"], ("body", "metadata"), line_chars)
     return entry
 
 
@@ -278,10 +288,12 @@ def _params(
     return merged
 
 
-def _metadata(value: Any, path: tuple[str, ...]) -> dict[str, Any]:
+def _metadata(value: Any, path: tuple[str, ...], line_chars: int) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _FieldError(path, "metadata must be an object")
-    size = len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if line_chars * 4 < MAX_METADATA_BYTES:
+        return value  # re-serialized, it cannot outgrow this short a line much
+    size = len(_ENCODER.encode(value).encode("utf-8", "surrogatepass"))
     if size > MAX_METADATA_BYTES:
         raise _FieldError(path, f"metadata is {size:,} bytes; at most {MAX_METADATA_BYTES:,}")
     return value

@@ -64,18 +64,17 @@ def _float(text: str) -> float:
     return value
 
 
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_pairs, parse_constant=_constant, parse_int=_int, parse_float=_float
+)
+
+
 def loads(text: str) -> Any:
     """Parse ``text`` strictly; raise JSONLineError(column, message)."""
     if text.count("[") + text.count("{") > MAX_DEPTH:
         _check_depth(text)
     try:
-        return json.loads(
-            text,
-            object_pairs_hook=_pairs,
-            parse_constant=_constant,
-            parse_int=_int,
-            parse_float=_float,
-        )
+        return _DECODER.decode(text)
     except _Reject as reject:
         raise _located(text, reject) from None
     except json.JSONDecodeError as exc:

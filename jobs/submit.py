@@ -1,8 +1,8 @@
 """submit: validate the whole file, create the job, append its requests to the stream.
 
-Pass 1 parses and validates every line into a spool file of ready entries
-(nothing touches Redis before the whole file is known good, unless
-``skip_invalid``). Pass 2 appends the spool in chunks, each chunk one Lua call
+Pass 1 (validate.py) parses and validates every line into spool files of
+ready entries, in parallel for big files (nothing touches Redis before the
+whole file is known good, unless ``skip_invalid``). Pass 2 appends the spool in chunks, each chunk one Lua call
 that XADDs its entries and advances the job's ``enqueued`` counter atomically,
 and only if ``enqueued`` still equals the chunk's start. So:
 
@@ -16,26 +16,26 @@ and only if ``enqueued`` still equals the chunk's start. So:
 
 from __future__ import annotations
 
-import hashlib
+import os
 import secrets
-import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import IO, Any, BinaryIO
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 
 from batchgen.jobs.connection import is_oom, queue_full
 from batchgen.jobs.errors import InvalidInput, JobConflict, UsageError
-from batchgen.jobs.inputs import MAX_LINE_BYTES, LineError, parse_line, read_lines
+from batchgen.jobs.inputs import MAX_LINE_BYTES, LineError
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys, queue_name, queue_tag, text
 from batchgen.jobs.names import check_job_id
 from batchgen.jobs.records import JobRecord, JobState
+from batchgen.jobs.validate import SpoolDir, validate_file
 
 CHUNK_ENTRIES = 2000
 CHUNK_BYTES = 4 << 20
-SHOWN_ERRORS = 20
 
 _CHUNK = """
 local v = redis.call('HMGET', KEYS[2], 'enqueued', 'state')
@@ -61,14 +61,6 @@ return 1
 
 
 @dataclass(slots=True)
-class Validation:
-    total: int = 0
-    error_count: int = 0
-    errors: list[LineError] = field(default_factory=list)  # the first few
-    sha256: str = ""
-
-
-@dataclass(slots=True)
 class SubmitResult:
     job_id: str
     total: int
@@ -76,32 +68,6 @@ class SubmitResult:
     errors: list[LineError]  # the first invalid lines (skip_invalid)
     enqueued_now: int  # entries this call appended
     resumed: bool  # the job existed (an interrupted or repeated submit)
-
-
-def validate(
-    source: BinaryIO,
-    defaults: dict[str, Any],
-    spool: IO[bytes],
-    max_line_bytes: int = MAX_LINE_BYTES,
-) -> Validation:
-    """Parse every line; write each valid entry (one JSON a line) to ``spool``."""
-    result = Validation()
-    digest = hashlib.sha256()
-    write, update = spool.write, digest.update
-    for number, line in read_lines(source, max_line_bytes):
-        entry = line if isinstance(line, LineError) else parse_line(number, line, defaults)
-        if isinstance(entry, LineError):
-            result.error_count += 1
-            if len(result.errors) < SHOWN_ERRORS:
-                result.errors.append(entry)
-            continue
-        write(entry)
-        write(b"\n")
-        update(entry)
-        update(b"\n")
-        result.total += 1
-    result.sha256 = digest.hexdigest()
-    return result
 
 
 def new_job_id() -> str:
@@ -131,12 +97,10 @@ def submit(
     progress: Callable[[int, int], None] | None = None,
 ) -> SubmitResult:
     job_id = check_job_id(job_id) if job_id else new_job_id()
-    try:
-        source = open(source_path, "rb")  # noqa: SIM115 - closed below
-    except OSError as exc:
-        raise UsageError(f"cannot read {source_path}: {exc.strerror}") from exc
-    with source, tempfile.TemporaryFile(prefix="batchgen-submit-") as spool:
-        checked = validate(source, defaults, spool, max_line_bytes)
+    if not os.path.isfile(source_path) or not os.access(source_path, os.R_OK):
+        raise UsageError(f"cannot read {source_path}: not a readable file")
+    with SpoolDir() as spool_dir:
+        checked = validate_file(source_path, defaults, spool_dir, max_line_bytes)
         if checked.error_count and not skip_invalid:
             shown = "\n  ".join(str(e) for e in checked.errors)
             more = checked.error_count - len(checked.errors)
@@ -163,8 +127,7 @@ def submit(
             created_at=time.time(),
         )
         resumed, start = _create(conn, keys, qk, record)
-        spool.seek(0)
-        appended = _enqueue(conn, qk, job_id, spool, start, checked.total, progress)
+        appended = _enqueue(conn, qk, job_id, checked.entries(), start, checked.total, progress)
     return SubmitResult(
         job_id, checked.total, checked.error_count, checked.errors, appended, resumed
     )
@@ -203,49 +166,94 @@ def _enqueue(
     conn: redis.Redis,
     qk: QueueKeys,
     job_id: str,
-    spool: IO[bytes],
+    entries: Iterator[bytes],
     start: int,
     total: int,
     progress: Callable[[int, int], None] | None,
 ) -> int:
-    script = conn.register_script(_CHUNK)
-    jk = qk.job(job_id)
     for _ in range(start):  # skip what an earlier submit already appended
-        spool.readline()
-    position, chunk, size = start, [], 0
-    appended = 0
-    for line in spool:
-        chunk.append(line[:-1])
-        size += len(line)
-        if len(chunk) >= CHUNK_ENTRIES or size >= CHUNK_BYTES:
-            appended += _append(script, qk, jk.job, job_id, position, chunk, total)
-            position += len(chunk)
-            chunk, size = [], 0
-            if progress:
-                progress(position, total)
-    if chunk:
-        appended += _append(script, qk, jk.job, job_id, position, chunk, total)
-        if progress:
-            progress(position + len(chunk), total)
-    return appended
-
-
-def _append(script, qk: QueueKeys, job_key: str, job_id: str, start: int, chunk, total) -> int:
+        next(entries)
+    sender = _ChunkSender(conn, qk, job_id, total)
+    position, chunk, size = start, list[bytes](), 0
     try:
-        enqueued, state = script(keys=[qk.stream, job_key], args=[job_id, start, *chunk])
-    except redis.ResponseError as exc:
-        if is_oom(exc):
-            raise queue_full(
-                start, total, f"re-run the same submit with --job-id {job_id} to enqueue the rest"
-            ) from exc
-        raise
-    if enqueued == -1:
-        raise JobConflict(f"job {job_id!r} disappeared from Redis while submitting")
-    if enqueued == -2:
-        raise JobConflict(f"job {job_id!r} was cancelled while submitting ({text(state)})")
-    if enqueued != start + len(chunk):
+        for entry in entries:
+            chunk.append(entry)
+            size += len(entry) + 1
+            if len(chunk) >= CHUNK_ENTRIES or size >= CHUNK_BYTES:
+                sender.send(position, chunk)
+                position += len(chunk)
+                chunk, size = [], 0
+                if progress:
+                    progress(position, total)
+        if chunk:
+            sender.send(position, chunk)
+            position += len(chunk)
+        sender.finish()
+    finally:
+        sender.close()
+    if progress:
+        progress(position, total)
+    return position - start
+
+
+class _ChunkSender:
+    """Chunk scripts on one connection, ``WINDOW`` in flight: Redis runs one chunk
+    while this process packs the next. Replies are checked in order; a chunk
+    sent after a failed one finds ``enqueued`` unchanged and appends nothing."""
+
+    WINDOW = 2
+
+    def __init__(self, conn: redis.Redis, qk: QueueKeys, job_id: str, total: int) -> None:
+        self.sha = conn.script_load(_CHUNK)
+        self.pool = conn.connection_pool
+        self.connection = self.pool.get_connection()
+        self.keys = (qk.stream, qk.job(job_id).job)
+        self.job_id = job_id
+        self.total = total
+        self.in_flight: deque[tuple[int, int]] = deque()
+        self.broken = False
+
+    def send(self, start: int, chunk: list[bytes]) -> None:
+        packed = self.connection.pack_command(
+            "EVALSHA", self.sha, 2, *self.keys, self.job_id, start, *chunk
+        )
+        self.connection.send_packed_command(packed, check_health=False)
+        self.in_flight.append((start, len(chunk)))
+        if len(self.in_flight) > self.WINDOW:
+            self._receive()
+
+    def finish(self) -> None:
+        while self.in_flight:
+            self._receive()
+
+    def close(self) -> None:
+        if self.broken or self.in_flight:
+            self.connection.disconnect()  # unread replies must not reach the next user
+        self.pool.release(self.connection)
+
+    def _receive(self) -> None:
+        start, n = self.in_flight.popleft()
+        try:
+            enqueued, state = self.connection.read_response()
+        except redis.ResponseError as exc:
+            self.broken = True
+            if is_oom(exc):
+                raise queue_full(
+                    start, self.total,
+                    f"re-run the same submit with --job-id {self.job_id} to enqueue the rest",
+                ) from exc  # fmt: skip
+            raise
+        except BaseException:
+            self.broken = True
+            raise
+        if enqueued == start + n:
+            return
+        self.broken = True
+        if enqueued == -1:
+            raise JobConflict(f"job {self.job_id!r} disappeared from Redis while submitting")
+        if enqueued == -2:
+            raise JobConflict(f"job {self.job_id!r} was cancelled while submitting ({text(state)})")
         raise JobConflict(
-            f"job {job_id!r} is being submitted by another process too "
+            f"job {self.job_id!r} is being submitted by another process too "
             f"(it has {enqueued} requests, this one expected {start}); let that one finish"
         )
-    return len(chunk)

@@ -107,20 +107,20 @@ def test_crashed_submit_resumes_where_it_stopped(redis_url, tmp_path, monkeypatc
     conn = rconn(redis_url)
     path = write_prompts(tmp_path / "p.jsonl", 95)
     monkeypatch.setattr(submit_mod, "CHUNK_ENTRIES", 10)
-    real_append, calls = submit_mod._append, list[int]()
+    real_send, calls = submit_mod._ChunkSender.send, list[int]()
 
-    def dying_append(*args, **kwargs):
+    def dying_send(self, start, chunk):
         if len(calls) == 3:
             raise KeyboardInterrupt  # the submitting process dies between chunks
         calls.append(1)
-        return real_append(*args, **kwargs)
+        return real_send(self, start, chunk)
 
-    monkeypatch.setattr(submit_mod, "_append", dying_append)
+    monkeypatch.setattr(submit_mod._ChunkSender, "send", dying_send)
     with pytest.raises(KeyboardInterrupt):
         run(conn, path)
     assert load_job(conn, KEYS, "job1").enqueued == 30
     assert stream_indices(conn) == list(range(30))
-    monkeypatch.setattr(submit_mod, "_append", real_append)
+    monkeypatch.setattr(submit_mod._ChunkSender, "send", real_send)
     result = run(conn, path)
     assert (result.resumed, result.enqueued_now) == (True, 65)
     assert stream_indices(conn) == list(range(95))
@@ -130,10 +130,11 @@ def test_crashed_submit_resumes_where_it_stopped(redis_url, tmp_path, monkeypatc
 def test_a_racing_submit_cannot_append_a_chunk_twice(redis_url, tmp_path):
     conn = rconn(redis_url)
     run(conn, write_prompts(tmp_path / "p.jsonl", 3))
-    qk = KEYS.queue_for_model("m")
-    script = conn.register_script(submit_mod._CHUNK)
+    sender = submit_mod._ChunkSender(conn, KEYS.queue_for_model("m"), "job1", 3)
+    sender.send(0, [b"{}"])  # a second submitter that read enqueued=0 before the first ran
     with pytest.raises(JobConflict, match=r"being submitted by another process too \(it has 3"):
-        submit_mod._append(script, qk, qk.job("job1").job, "job1", 0, [b"{}"], 3)
+        sender.finish()
+    sender.close()
     assert stream_indices(conn) == [0, 1, 2]
 
 

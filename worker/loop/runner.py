@@ -51,6 +51,7 @@ class QueueLoop:
         self.upkeep = Upkeep(self)
         self.rejections: tuple[type[BaseException], ...] = (*api.rejected, ValueError)
         self.stopping = False
+        self.finished_jobs = False  # the last flush completed a job (``until`` may hold now)
         self.counters: dict[str, int] = {}
         self._backoff_until = 0.0
         self._backoff_s = 0.1
@@ -68,7 +69,9 @@ class QueueLoop:
                 idle = not self.inflight and self.sink.empty and read == 0
                 if idle and self.config.burst and self.upkeep.drained():
                     break
-                if until is not None and self.upkeep.due("until", 0.25) and until():
+                check = self.finished_jobs or self.upkeep.due("until", 0.25)
+                self.finished_jobs = False
+                if until is not None and check and until():
                     break
         finally:
             self.shutdown()
@@ -185,6 +188,7 @@ class QueueLoop:
             log.error("job %s is gone from Redis (state lost?); dropped its rows", job_id)
         for job_id in result.finished:
             enqueue_finalize(self.conn, self.keys, job_id)
+        self.finished_jobs = bool(result.finished)
         return True
 
     def shutdown(self) -> None:

@@ -1,0 +1,58 @@
+"""Pass 1 of submit gives the same answer however many processes validate the file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from batchgen.jobs.params import DEFAULTS
+from batchgen.jobs.validate import SpoolDir, _ranges, validate_file
+
+
+@pytest.fixture
+def messy(tmp_path):
+    lines = []
+    for i in range(300):
+        if i % 37 == 5:
+            lines.append('{"prompt": ""}')
+        elif i % 50 == 7:
+            lines.append("")
+        elif i == 120:
+            lines.append('{"prompt": "' + "x" * 5000 + '"}')  # over the 4 KiB limit below
+        else:
+            lines.append(json.dumps({"id": i, "prompt": f"p{i}"}))
+    path = tmp_path / "messy.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
+    return path
+
+
+def test_parallel_validation_equals_sequential(messy):
+    with SpoolDir() as one_dir, SpoolDir() as many_dir:
+        one = validate_file(str(messy), dict(DEFAULTS), one_dir, max_line_bytes=4096, procs=1)
+        many = validate_file(str(messy), dict(DEFAULTS), many_dir, max_line_bytes=4096, procs=3)
+        assert len(many.spools) == 3
+        assert (many.total, many.error_count, many.sha256) == (
+            one.total,
+            one.error_count,
+            one.sha256,
+        )
+        assert [str(e) for e in many.errors] == [str(e) for e in one.errors]
+        assert list(many.entries()) == list(one.entries())
+    assert one.error_count == 9  # 8 empty prompts + the long line
+    assert [e.line for e in one.errors] == [6, 43, 80, 117, 121, 154, 191, 228, 265]
+    assert (
+        str(one.errors[4])
+        == "line 121, column 1: line is 5,015 bytes, over the limit of 4,096 bytes"
+    )
+    assert one.total == 300 - 9 - 6  # minus errors and blank lines
+
+
+def test_ranges_cut_at_line_boundaries_and_number_lines(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"a\nbb\nccc\n\ndddd\n")
+    data = path.read_bytes()
+    # 15 bytes, cut targets 5 and 10, each moved on past the line it falls in;
+    # the third range would be empty
+    assert _ranges(str(path), 3) == [(0, 9, 1), (9, 15, 4)]
+    assert _ranges(str(path), 1) == [(0, len(data), 1)]
