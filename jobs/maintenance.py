@@ -7,13 +7,18 @@
 - A job in ``finalizing`` or ``cancelling`` gets its finalize task enqueued
   (idempotent), in case the worker that completed it died before enqueuing.
 - A cancelled job leaves the cancelled set once none of its entries remain.
+- Consumers of dead workers (no heartbeat, nothing pending, idle for long) are
+  removed from the group, so restarts do not pile them up. Never one with
+  pending entries: XGROUP DELCONSUMER would drop those for good.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 
-from batchgen.jobs.keys import Keys, QueueKeys, text
+from batchgen.jobs.keys import GROUP, Keys, QueueKeys, text
 from batchgen.jobs.tasks import MAX_FINALIZE_ATTEMPTS, enqueue_finalize
 
 _RECONCILE = """
@@ -52,4 +57,25 @@ def sweep(conn: redis.Redis, keys: Keys, qk: QueueKeys) -> list[str]:
         leftover = last_id and conn.xrange(qk.stream, "-", last_id, count=1)
         if not leftover and not conn.sismember(qk.active, job_id):
             conn.srem(qk.cancelled, job_id)
+    prune_consumers(conn, keys, qk)
     return enqueued
+
+
+def prune_consumers(
+    conn: redis.Redis, keys: Keys, qk: QueueKeys, idle_ms: int = 600_000
+) -> list[str]:
+    """Remove dead workers' consumer entries that hold nothing; their names."""
+    try:
+        consumers: Any = conn.xinfo_consumers(qk.stream, GROUP)
+    except redis.ResponseError:
+        return []  # no stream or group yet
+    removed = []
+    for consumer in consumers:
+        name = text(consumer["name"])
+        if int(consumer["pending"]) or int(consumer["idle"]) < idle_ms:
+            continue
+        if conn.exists(keys.worker(name)):
+            continue  # alive, just quiet
+        conn.xgroup_delconsumer(qk.stream, GROUP, name)
+        removed.append(name)
+    return removed

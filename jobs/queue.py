@@ -211,6 +211,7 @@ class HandBack:
     delivery: Delivery
     token_ids: list[int]  # generated so far, the resumed ones included
     preemptions: int = 0
+    failed: bool = False  # the worker's engine failed: this delivery counts as a crash
 
 
 def hand_back(conn: redis.Redis, qk: QueueKeys, consumer: str, items: list[HandBack]) -> int:
@@ -229,7 +230,7 @@ def hand_back(conn: redis.Redis, qk: QueueKeys, consumer: str, items: list[HandB
         extra = {
             "resume": item.token_ids,
             "a": d.attempts,
-            "f": d.failed_attempts - 1,
+            "f": d.failed_attempts - (0 if item.failed else 1),
             "q": d.queued_at,
             "pre": d.preemptions + item.preemptions,
         }

@@ -90,6 +90,7 @@ class FakeEngine:
     poison: str | None = None  # a prompt substring that kills the process in step()
     fail_step: bool = False
     on_step: Any = None  # called with the step number before each step
+    raise_on: str | None = None  # step() raises while a request with this prompt runs
     _stats: EngineStats = field(default_factory=EngineStats)
 
     def encode(self, prompt: Any) -> list[int]:
@@ -123,6 +124,10 @@ class FakeEngine:
         self._stats.num_steps += 1
         if self.on_step is not None:
             self.on_step(self._stats.num_steps)
+        if self.raise_on is not None:
+            bad = self.encode(self.raise_on)
+            if any(req.prompt == bad for req in self.running.values()):
+                raise RuntimeError("CUDA error: an illegal memory access (the double)")
         done = []
         for req in list(self.running.values()):
             if self.poison and any(self.poison == chr(t) for t in req.prompt[:1]):

@@ -266,3 +266,22 @@ def test_cancel_fills_cancelled_rows_and_keeps_finished_ones(redis_url, tmp_path
     first = ["length"] if state == "running" else ["cancelled"]
     assert table["finish_reason"] == [*first, "cancelled", "cancelled"]
     assert cancel(conn, KEYS, "j") == JobState.CANCELLED
+
+
+def test_dead_consumers_with_nothing_pending_are_pruned(redis_url, tmp_path):
+    from batchgen.jobs import heartbeat
+    from batchgen.jobs.maintenance import prune_consumers
+
+    conn = rconn(redis_url)
+    _, qk = make_job(conn, tmp_path, 3)
+    deliver(conn, qk, "holder", count=1)  # dead, but holds an entry: kept
+    deliver(conn, qk, "gone", count=1)
+    conn.xack(qk.stream, GROUP, *[p["message_id"] for p in conn.xpending_range(
+        qk.stream, GROUP, "-", "+", 10, consumername="gone")])  # fmt: skip
+    deliver(conn, qk, "alive", count=1)
+    conn.xack(qk.stream, GROUP, *[p["message_id"] for p in conn.xpending_range(
+        qk.stream, GROUP, "-", "+", 10, consumername="alive")])  # fmt: skip
+    heartbeat.beat(conn, KEYS, "alive", {"name": "alive"}, 30)
+    assert prune_consumers(conn, KEYS, qk, idle_ms=0) == ["gone"]
+    names = sorted(c["name"] for c in conn.xinfo_consumers(qk.stream, GROUP))
+    assert names == [b"alive", b"holder"]

@@ -185,6 +185,41 @@ def test_entries_delivered_too_often_are_dead_lettered(redis_url, tmp_path):
     assert result["attempts"] == [4, 1]
 
 
+def test_an_engine_failure_hands_everything_back_as_a_failed_attempt(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, ["a", "b"], max_tokens=5)
+    engine = FakeEngine()
+    engine.on_step = lambda step: setattr(engine, "fail_step", step >= 2)
+    loop = make_loop(conn, engine)
+    assert loop.run() == 1  # the supervisor restarts it with a fresh engine
+    extras = [json.loads(f[b"x"]) for _, f in conn.xrange(QK.stream)]
+    # two steps ran (2 tokens each) before the third raised
+    assert [(x["a"], x["f"], len(x["resume"])) for x in extras] == [(1, 1, 2), (1, 1, 2)]
+    finish(conn, make_loop(conn, name="w2"))
+    result = rows(out)
+    assert result["token_ids"] == [expected_tokens(tokens(p), 5) for p in ("a", "b")]
+    assert result["attempts"] == [2, 2]
+
+
+def test_a_poison_request_is_dead_lettered_alone(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    prompts = ["a", "b", "POISON", "c"]
+    out = make_job(conn, tmp_path, prompts, max_tokens=3)
+    lifetimes = 0
+    while load_job(conn, KEYS, "j").state in (JobState.QUEUED, JobState.RUNNING):
+        lifetimes += 1
+        assert lifetimes <= 6, "the poison request was not isolated"
+        make_loop(conn, FakeEngine(raise_on="POISON"), name=f"w{lifetimes}", burst=True).run()
+    tasks.run_pending(conn, KEYS)
+    result = rows(out)
+    assert result["finish_reason"] == ["length", "length", "error", "length"]
+    for i in (0, 1, 3):  # its batch-mates crashed with it, then ran alone and finished
+        assert result["token_ids"][i] == expected_tokens(tokens(prompts[i]), 3)
+    assert result["error"][2] == (
+        "dead-lettered: delivered 4 times (max_attempts 3); the worker running it stopped every time"
+    )
+
+
 def test_entries_deleted_while_pending_are_reported_lost(redis_url, tmp_path):
     conn = rconn(redis_url)
     out = make_job(conn, tmp_path, ["a", "b", "c", "d"], max_tokens=2)

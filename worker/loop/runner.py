@@ -7,6 +7,12 @@ run one engine step, and flush the sink when due. Requests that cannot run
 become error rows. On SIGTERM/SIGINT it stops admitting, commits finished
 rows, hands unfinished requests back with their tokens so far, and exits
 within ``drain_timeout_s``.
+
+Isolation: a request on its last allowed attempt after crashes (a worker died
+or the engine raised while it ran) runs alone, so a poison request is
+dead-lettered by itself and its batch-mates are not. An exception in an engine
+step hands everything back (counted as a failed attempt) and exits 1; the
+supervisor starts a fresh engine.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ class QueueLoop:
         self.keys = Keys(config.prefix)
         self.qk = self.keys.queue_for_model(config.model)
         self.inflight: dict[str, Flight] = {}  # entry id (= engine request id) -> flight
+        self.solo: list[Delivery] = []  # last-chance suspects, to run one at a time
+        self.solo_running: str | None = None
+        self.engine_failed = False
         self.sink = PartSink(
             self.qk,
             config.name,
@@ -75,7 +84,7 @@ class QueueLoop:
                     break
         finally:
             self.shutdown()
-        return 0
+        return 1 if self.engine_failed else 0
 
     def stop(self, *_: object) -> None:
         if self.stopping:  # a second signal: leave now; entries stay pending, get reclaimed
@@ -87,7 +96,9 @@ class QueueLoop:
         self.upkeep.run()
         read = 0
         block = None
-        capacity = self.engine.free_capacity()
+        if self.solo and not self.inflight and not self.stopping:
+            self._start_solo()
+        capacity = 0 if (self.solo or self.solo_running) else self.engine.free_capacity()
         if capacity > 0 and not self.stopping and time.monotonic() >= self._backoff_until:
             idle = not self.engine.has_unfinished() and self.sink.empty
             block = self.config.block_ms if idle else None
@@ -101,7 +112,13 @@ class QueueLoop:
             self.admit(deliveries)
         stepped = False
         if self.engine.has_unfinished():
-            for out in self.engine.step():
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                log.exception("engine step failed; handing the in-flight requests back, exiting")
+                self.engine_failed = self.stopping = True
+                return read
+            for out in outputs:
                 self.finished(out)
             stepped = True
         if self.sink.due(idle=not self.engine.has_unfinished() and read == 0):
@@ -126,7 +143,20 @@ class QueueLoop:
                     "the worker running it stopped every time",
                 )
                 continue
+            if 1 < d.failed_attempts == self.config.max_attempts:
+                self.solo.append(d)  # its last chance: alone, so it fails by itself
+                continue
             self._start(d, job.output)
+
+    def _start_solo(self) -> None:
+        d = self.solo.pop(0)
+        job = self.upkeep.job(d.job_id)
+        if job is None or d.job_id in self.upkeep.cancelled:
+            self.sink.drop([d.entry_id])
+            return
+        self._start(d, job.output)
+        if d.entry_id in self.inflight:
+            self.solo_running = d.entry_id
 
     def _start(self, d: Delivery, output: str) -> None:
         try:
@@ -161,6 +191,8 @@ class QueueLoop:
         self._count("rows_error")
 
     def finished(self, out) -> None:
+        if out.request_id == self.solo_running:
+            self.solo_running = None
         flight = self.inflight.pop(out.request_id, None)
         if flight is None:
             return  # aborted meanwhile (cancelled, or claimed by another worker)
@@ -171,6 +203,8 @@ class QueueLoop:
         self._count("generation_tokens", row.completion_tokens)
 
     def abort(self, entry_id: str) -> None:
+        if entry_id == self.solo_running:
+            self.solo_running = None
         if self.inflight.pop(entry_id, None) is not None:
             self.engine.abort(entry_id)
 
@@ -194,15 +228,26 @@ class QueueLoop:
     def shutdown(self) -> None:
         """Stop admitting; commit what finished; hand back what did not; retire."""
         deadline = time.monotonic() + self.config.drain_timeout_s
-        outputs = self.engine.drain() if self.engine.has_unfinished() else []
+        try:
+            outputs = self.engine.drain() if self.engine.has_unfinished() else []
+        except Exception:
+            log.exception("engine drain failed; handing requests back without their new tokens")
+            outputs = []
         while not self.sink.empty and time.monotonic() < deadline and not self.flush():
             time.sleep(0.2)
         self.sink.crash.reached("before_hand_back")
+        failed = self.engine_failed  # the engine raised: this attempt counts as a failure
         items = []
         for out in outputs:
             flight = self.inflight.pop(out.request_id, None)
             if flight is not None:
-                items.append(HandBack(flight.delivery, list(out.token_ids), out.num_preemptions))
+                tokens = list(out.token_ids)
+                items.append(HandBack(flight.delivery, tokens, out.num_preemptions, failed))
+        for flight in self.inflight.values():  # the engine could not say: tokens as received
+            items.append(HandBack(flight.delivery, list(flight.delivery.resume), 0, failed))
+        self.inflight.clear()
+        items += [HandBack(d, list(d.resume)) for d in self.solo]
+        self.solo.clear()
         while items and time.monotonic() < deadline:
             try:
                 self._count("handed_back", hand_back(self.conn, self.qk, self.config.name, items))

@@ -99,15 +99,21 @@ class Upkeep:
         doomed = [e for e, f in self.loop.inflight.items() if f.delivery.job_id in self.cancelled]
         for entry_id in doomed:
             self.loop.abort(entry_id)
+        solo = [d for d in self.loop.solo if d.job_id in self.cancelled]
+        doomed += [d.entry_id for d in solo]
+        self.loop.solo = [d for d in self.loop.solo if d.job_id not in self.cancelled]
         if doomed:
             self.loop.sink.drop(doomed)
             self.loop._count("dropped", len(doomed))
 
     def held(self) -> list[str]:
-        return list(self.loop.inflight) + self.loop.sink.entry_ids()
+        solo = [d.entry_id for d in self.loop.solo]
+        return list(self.loop.inflight) + solo + self.loop.sink.entry_ids()
 
     def refresh(self) -> None:
         gone = refresh(self.loop.conn, self.loop.qk, self.config.name, self.held())
+        if gone:
+            self.loop.solo = [d for d in self.loop.solo if d.entry_id not in gone]
         for entry_id in gone:
             # Another worker claimed it while we were stalled: it is theirs now.
             self.loop.abort(entry_id)

@@ -1,0 +1,86 @@
+"""The worker supervisor's pieces: GPU specs, child plans, metrics; the CLI stays light."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from typing import Any
+
+import pytest
+import redis
+
+from batchgen.jobs import heartbeat
+from batchgen.jobs.errors import UsageError
+from batchgen.jobs.keys import Keys
+from batchgen.jobs.redis_server import free_port
+from batchgen.jobs.submit import ensure_group
+from batchgen.worker.loop.config import LoopConfig
+from batchgen.worker.loop.metrics import serve
+from batchgen.worker.loop.supervisor import Supervisor, parse_gpus, plan_children
+
+
+def test_gpu_specs():
+    assert parse_gpus("all", 4) == [0, 1, 2, 3]
+    assert parse_gpus("0-2,5", 8) == [0, 1, 2, 5]
+    assert parse_gpus("3,1,1", 4) == [1, 3]
+    with pytest.raises(UsageError, match="this machine has GPUs 0-1"):
+        parse_gpus("0-3", 2)
+    with pytest.raises(UsageError, match="use 'all', a range like 0-7"):
+        parse_gpus("x", 2)
+    with pytest.raises(UsageError, match="no CUDA device is visible"):
+        parse_gpus("0", 0)
+
+
+def test_cpu_workers_share_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    plan = plan_children(None, "cpu", 4)
+    assert plan == [{"env": {"OMP_NUM_THREADS": "2"}, "device": "cpu"}] * 4
+    with pytest.raises(UsageError, match="--workers must be at least 1"):
+        plan_children(None, "cpu", -1)
+
+
+def test_metrics_endpoint_renders_its_workers_and_the_queue(redis_url):
+    conn: Any = redis.Redis.from_url(redis_url)
+    keys = Keys("bg")
+    sup = Supervisor(conn, LoopConfig(model="m"), [], None)
+    ensure_group(conn, keys.queue_for_model("m"))
+    conn.xadd(keys.queue_for_model("m").stream, {"j": "x", "i": 0, "r": "{}"})
+    payload = {"name": "w1", "tag": keys.queue_for_model("m").tag, "supervisor": sup.id,
+               "in_flight": {"j": 3}, "buffered_rows": 2,
+               "counters": {"rows_ok": 7, "rows_error": 1, "generation_tokens": 99},
+               "engine": {"kv_usage": 0.25, "num_running": 3}}  # fmt: skip
+    heartbeat.beat(conn, keys, "w1", payload, 30)
+    heartbeat.beat(conn, keys, "other", {**payload, "name": "other", "supervisor": "x"}, 30)
+    port = free_port()
+    server = serve(port, sup.metrics)
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    finally:
+        server.shutdown()
+    lines = body.splitlines()
+    for expected in [
+        'batchgen_requests_total{worker="w1",status="ok"} 7',
+        'batchgen_requests_total{worker="w1",status="error"} 1',
+        'batchgen_generation_tokens_total{worker="w1"} 99',
+        'batchgen_kv_usage{worker="w1"} 0.25',
+        'batchgen_in_flight{worker="w1"} 5',
+        'batchgen_queue_entries{model="m"} 1',
+        'batchgen_queue_lag{model="m"} 1',
+        "# TYPE batchgen_requests_total counter",
+    ]:
+        assert expected in lines
+    assert "other" not in body  # another supervisor's worker
+
+
+def test_status_and_submit_never_import_torch():
+    code = (
+        "import sys\n"
+        "from batchgen.cli import main\n"
+        "import batchgen.cli.status, batchgen.cli.submit, batchgen.cli.jobs, batchgen.cli.cancel, "
+        "batchgen.cli.download\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('batchgen.worker')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
