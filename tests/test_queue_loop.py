@@ -315,3 +315,24 @@ def test_heartbeat_reports_in_flight_requests(redis_url, tmp_path):
     assert (status["in_flight"], status["queued"], status["live_workers"]) == (2, 1, 1)
     loop.upkeep.retire()
     assert job_status(conn, KEYS, "j").to_dict()["live_workers"] == 0
+
+
+def test_the_loop_rides_out_a_redis_restart(private_redis, tmp_path):
+    from batchgen.jobs.connection import connect
+
+    conn: Any = connect(private_redis.url, retries=1)
+    out = make_job(conn, tmp_path, [f"p{i}" for i in range(20)], max_tokens=3)
+    engine = FakeEngine(max_num_seqs=4)
+    loop = make_loop(conn, engine, flush_interval_s=0.0)
+    loop.tick()
+    assert len(engine.running) == 4
+    private_redis.kill()  # SIGKILL; the AOF (everysec) is on the same dir
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        loop.tick()  # must not raise: rows wait in the sink, reads back off
+    assert engine.running == {} and len(loop.sink.written) == 1  # published, not committed
+    private_redis.start()
+    finish(conn, loop)
+    result = rows(out)
+    assert result["index"] == list(range(20))
+    assert result["token_ids"] == [expected_tokens(tokens(f"p{i}"), 3) for i in range(20)]

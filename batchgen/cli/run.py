@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import click
 
@@ -74,7 +75,9 @@ def run(
         return record.state not in (JobState.QUEUED, JobState.RUNNING)
 
     QueueLoop(conn, api, config).run(until=finished)
-    run_pending(conn, keys)
+    while not load_job(conn, keys, job_id).state.terminal:
+        if not run_pending(conn, keys):  # a worker elsewhere may be finalizing it
+            time.sleep(0.2)
     if tty:
         click.echo("", err=True)
     path, rows = download(conn, keys, job_id, dest)

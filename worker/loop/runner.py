@@ -74,7 +74,12 @@ class QueueLoop:
         self.conn.hset(self.keys.queues, self.qk.tag, self.upkeep.queue_name)
         try:
             while not self.stopping:
-                read = self.tick()
+                try:
+                    read = self.tick()
+                except _REDIS_DOWN as exc:  # beyond the client's own retries: wait, go on
+                    self._redis_down(exc)
+                    time.sleep(min(self._backoff_s, 1.0))
+                    continue
                 idle = not self.inflight and self.sink.empty and read == 0
                 if idle and self.config.burst and self.upkeep.drained():
                     break
