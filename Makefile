@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/batchgen toy-model demo/tiny --arch llama --size tiny
+	$(BIN)/python scripts/demo.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,17 +1,25 @@
 """Data plane: the generation engine and the queue loop that feeds it.
 
-``from batchgen.worker import Engine, SamplingParams`` is the Python API.
+``from batchgen.worker import Engine, SamplingParams`` is the Python API. The
+names load on first use, so the worker supervisor (``batchgen.worker.loop``)
+starts without importing torch.
 """
 
-from batchgen.worker.engine import (
-    Engine,
-    EngineStats,
-    FinishReason,
-    RequestOutput,
-    RequestRejected,
-    Sample,
-    SamplingParams,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchgen.worker.engine import (
+        Engine,
+        EngineStats,
+        FinishReason,
+        RequestOutput,
+        RequestRejected,
+        Sample,
+        SamplingParams,
+    )
 
 __all__ = [
     "Engine",
@@ -22,3 +30,9 @@ __all__ = [
     "Sample",
     "SamplingParams",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("batchgen.worker.engine"), name)
+    raise AttributeError(f"module 'batchgen.worker' has no attribute {name!r}")
