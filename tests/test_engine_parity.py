@@ -64,7 +64,7 @@ def test_teacher_forced_logits_match_hf(toy_model, arch):
     torch.testing.assert_close(logits, hf_logits(path, tokens), atol=LOGIT_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_logits_across_chunked_prefill_boundaries(toy_model, arch):
     path = toy_model(arch)
     # chunks of 7 tokens: boundaries fall inside blocks and across them
@@ -75,7 +75,7 @@ def test_logits_across_chunked_prefill_boundaries(toy_model, arch):
     torch.testing.assert_close(logits, hf_logits(path, tokens), atol=LOGIT_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_logits_after_prefix_cache_hit(toy_model, arch):
     path = toy_model(arch)
     engine = Engine.from_pretrained(path, num_kv_blocks=64)
