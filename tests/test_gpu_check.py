@@ -16,16 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 
 
-def _engine_importable() -> bool:
-    return hasattr(importlib.import_module("batchgen.worker"), "Engine")
-
-
 def test_dry_run_reports_every_section_as_json(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
     out_file = tmp_path / "result.json"
-    # the engine section is left out once the engine lands: its dry run is the
-    # engine's business and costs a model load on the CPU
-    sections = "correctness,bandwidth" + ("" if _engine_importable() else ",engine")
+    sections = "correctness,bandwidth"  # the engine section has a test of its own
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry-run", "--sections", sections, "--out", str(out_file)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
@@ -49,9 +43,24 @@ def test_dry_run_reports_every_section_as_json(tmp_path: Path):
     assert all(r["ms"] > 0 and r["fraction_of_copy"] > 0 for r in bandwidth["decode"])
     assert len(bandwidth["target_shape_sweep"]) == 9  # 3 tiles x 2 warp counts, 3 splits
     assert isinstance(bandwidth["target_met"], bool)
-    if not _engine_importable():
-        assert result["sections"]["engine"]["engine"] == "not available on this branch"
     assert "decode" in proc.stderr and "copy bandwidth" in proc.stderr  # the table
+
+
+def test_dry_run_engine_section_runs_batchgen_and_hf_on_the_same_prompts(tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--sections", "engine"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    section = json.loads(proc.stdout)["sections"]["engine"]
+    assert "error" not in section, section
+    ours, hf = section["engine"], section["hf_continuous_batching"]
+    # 4 prompts x 4 new tokens each, EOS ignored, on both sides
+    assert ours["output_tokens"] == hf["output_tokens"] == 16
+    assert ours["requests"] == hf["requests"] == 4 and hf["errors"] == []
+    assert ours["ops"] == "reference" and ours["cuda_graphs"] is False  # CPU dry run
+    assert section["speedup"] == ours["output_tok_s"] / hf["output_tok_s"]
 
 
 def test_a_failing_section_is_reported_and_the_rest_still_run(monkeypatch, capsys):

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from batchgen.worker.engine.block_manager import BlockManager
 from batchgen.worker.engine.detokenizer import StopStringMatcher
+from batchgen.worker.engine.outputs import build_output
 from batchgen.worker.engine.params import SamplingParams
 from batchgen.worker.engine.request import (
     FinishReason,
@@ -23,10 +24,10 @@ from batchgen.worker.engine.request import (
     RequestOutput,
     RequestRejected,
     RequestStatus,
-    Sample,
 )
 from batchgen.worker.engine.runner import ModelRunner
 from batchgen.worker.engine.scheduler import Scheduler
+from batchgen.worker.engine.stopping import stop_reason
 
 
 @dataclass(slots=True)
@@ -77,7 +78,6 @@ class Engine:
         )
         self._requests: dict[str, list[Request]] = {}  # id -> its samples (n of them)
         self._parked: list[Request] = []  # siblings waiting for the first sample's prompt
-        self._matchers: dict[int, StopStringMatcher] = {}
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._num_steps = 0
@@ -171,9 +171,10 @@ class Engine:
                 logprobs=[] if params.logprobs is not None else None,
             )
             if params.stop:
-                matcher = StopStringMatcher(self.tokenizer, params.stop, params.skip_special_tokens)
-                matcher.skip(resumed)
-                self._matchers[id(req)] = matcher
+                req.stop_matcher = StopStringMatcher(
+                    self.tokenizer, params.stop, params.skip_special_tokens
+                )
+                req.stop_matcher.skip(resumed)
             samples.append(req)
         self._requests[request_id] = samples
         self.scheduler.add(samples[0])
@@ -225,7 +226,7 @@ class Engine:
             self._generated += 1
             if req.logprobs is not None and logprobs is not None:
                 req.logprobs.append(logprobs)
-            reason = self._stop_reason(req)
+            reason = stop_reason(req, self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 req.finish_reason = reason
                 self.scheduler.finish(req)
@@ -245,24 +246,6 @@ class Engine:
             req.wait_for = None
             self.scheduler.add(req)
 
-    def _stop_reason(self, req: Request) -> FinishReason | None:
-        p = req.params
-        token = req.token_ids[-1]
-        if req.num_output_tokens > p.min_tokens - 1:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return FinishReason.STOP
-            if token in p.stop_token_ids:
-                return FinishReason.STOP
-        matcher = self._matchers.get(id(req))
-        if matcher is not None:
-            cut = matcher.feed(req.output_token_ids)
-            if cut is not None:
-                req.stop_text = cut
-                return FinishReason.STOP
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
     # -- outputs --------------------------------------------------------------
     def _collect(self, finished: list[Request]) -> list[RequestOutput]:
         """Outputs of the top-level requests whose every sample has finished."""
@@ -273,33 +256,8 @@ class Engine:
             if samples is None or not all(s.is_finished for s in samples):
                 continue
             del self._requests[top_id]
-            outputs.append(self._output(top_id, samples))
+            outputs.append(build_output(top_id, samples, self.tokenizer))
         return outputs
-
-    def _output(self, request_id: str, samples: list[Request]) -> RequestOutput:
-        done = []
-        for s in samples:
-            self._matchers.pop(id(s), None)
-            text = s.stop_text
-            if text is None:
-                text = self.tokenizer.decode(
-                    s.output_token_ids, skip_special_tokens=s.params.skip_special_tokens
-                )
-            reason = s.finish_reason.value if s.finish_reason else FinishReason.ABORT.value
-            done.append(Sample(s.output_token_ids, text, reason, s.logprobs))
-        first = samples[0]
-        return RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
-            token_ids=done[0].token_ids,
-            text=done[0].text,
-            finish_reason=done[0].finish_reason,
-            num_prompt_tokens=first.num_prompt_tokens,
-            num_cached_tokens=first.num_cached_tokens,
-            num_preemptions=sum(s.num_preemptions for s in samples),
-            logprobs=done[0].logprobs,
-            samples=done,
-        )
 
     # -- control --------------------------------------------------------------
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -314,7 +272,7 @@ class Engine:
             if not s.is_finished:
                 s.finish_reason = FinishReason.ABORT
                 self.scheduler.finish(s)
-        return self._output(request_id, samples)
+        return build_output(request_id, samples, self.tokenizer)
 
     def drain(self) -> list[RequestOutput]:
         """Aborts everything unfinished (a worker handing its work back)."""

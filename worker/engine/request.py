@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from batchgen.worker.engine.detokenizer import StopStringMatcher
 from batchgen.worker.engine.params import SamplingParams
 
 
@@ -58,6 +59,7 @@ class Request:
     admitted: bool = False  # set on first admission; num_cached_tokens is measured then
     logprobs: list[dict[int, float]] | None = None
     stop_text: str | None = None  # text cut at a stop string
+    stop_matcher: StopStringMatcher | None = None  # when params.stop is set
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,33 @@
+"""What the engine hands back for a finished (or aborted) request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchgen.worker.engine.request import FinishReason, Request, RequestOutput, Sample
+
+
+def build_output(request_id: str, samples: list[Request], tokenizer: Any) -> RequestOutput:
+    """One output for a request's n samples; the top-level fields are the first's."""
+    done = []
+    for s in samples:
+        text = s.stop_text
+        if text is None:
+            text = tokenizer.decode(
+                s.output_token_ids, skip_special_tokens=s.params.skip_special_tokens
+            )
+        reason = s.finish_reason or FinishReason.ABORT
+        done.append(Sample(s.output_token_ids, text, reason.value, s.logprobs))
+    first = samples[0]
+    return RequestOutput(
+        request_id=request_id,
+        prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
+        token_ids=done[0].token_ids,
+        text=done[0].text,
+        finish_reason=done[0].finish_reason,
+        num_prompt_tokens=first.num_prompt_tokens,
+        num_cached_tokens=first.num_cached_tokens,
+        num_preemptions=sum(s.num_preemptions for s in samples),
+        logprobs=done[0].logprobs,
+        samples=done,
+    )

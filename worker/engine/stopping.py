@@ -1,0 +1,30 @@
+"""When a request is done: EOS, stop token ids, stop strings, max_tokens, context."""
+
+from __future__ import annotations
+
+from batchgen.worker.engine.request import FinishReason, Request
+
+
+def stop_reason(
+    req: Request, eos_token_ids: tuple[int, ...], max_model_len: int
+) -> FinishReason | None:
+    """Checked after each new token; None while the request goes on.
+
+    EOS and stop token ids count only once min_tokens are out; a stop string
+    cuts the text before it (``req.stop_text``) and keeps the token ids.
+    """
+    p = req.params
+    token = req.token_ids[-1]
+    if req.num_output_tokens >= p.min_tokens:
+        if not p.ignore_eos and token in eos_token_ids:
+            return FinishReason.STOP
+        if token in p.stop_token_ids:
+            return FinishReason.STOP
+    if req.stop_matcher is not None:
+        cut = req.stop_matcher.feed(req.output_token_ids)
+        if cut is not None:
+            req.stop_text = cut
+            return FinishReason.STOP
+    if req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
