@@ -212,6 +212,7 @@ class HandBack:
     token_ids: list[int]  # generated so far, the resumed ones included
     preemptions: int = 0
     failed: bool = False  # the worker's engine failed: this delivery counts as a crash
+    ran: bool = True  # False: never started here (a waiting suspect): the delivery is not counted
 
 
 def hand_back(conn: redis.Redis, qk: QueueKeys, consumer: str, items: list[HandBack]) -> int:
@@ -219,7 +220,9 @@ def hand_back(conn: redis.Redis, qk: QueueKeys, consumer: str, items: list[HandB
 
     Only entries this worker still owns are handed back (another worker that
     claimed one will run it). The new entry counts the old one's deliveries
-    but the last (which ended gracefully) as failures toward ``max_attempts``.
+    but the last (which ended gracefully) as failures toward ``max_attempts``;
+    an item that never ran here does not count the last delivery as an attempt
+    either.
     """
     if not items:
         return 0
@@ -229,7 +232,7 @@ def hand_back(conn: redis.Redis, qk: QueueKeys, consumer: str, items: list[HandB
         d = item.delivery
         extra = {
             "resume": item.token_ids,
-            "a": d.attempts,
+            "a": d.attempts - (0 if item.ran else 1),
             "f": d.failed_attempts - (0 if item.failed else 1),
             "q": d.queued_at,
             "pre": d.preemptions + item.preemptions,

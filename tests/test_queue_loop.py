@@ -220,6 +220,30 @@ def test_a_poison_request_is_dead_lettered_alone(redis_url, tmp_path):
     )
 
 
+def test_one_suspect_at_a_time_the_others_go_back_uncharged(redis_url, tmp_path):
+    """Suspects on their last chance wait for their solo run outside the worker: had
+    it held them all, its death (kill -9 while the first ran alone) would have
+    charged every one a failure and dead-lettered them with the poison."""
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, ["a", "b", "c"], max_tokens=2)
+    ids = [e for e, _ in conn.xrange(QK.stream)]
+    conn.xreadgroup(GROUP, "dead1", {QK.stream: ">"})
+    conn.xclaim(QK.stream, GROUP, "dead2", 0, ids)  # two workers died running all three
+    loop = make_loop(conn, claim_timeout_s=0.1, max_attempts=3)
+    time.sleep(0.15)  # idle past the claim timeout (a fixed wait on purpose)
+    loop.upkeep.reclaim()  # third delivery: the last chance of each
+    assert [d.index for d in loop.solo] == [0]
+    back = [(f[b"i"], json.loads(f[b"x"])) for _, f in conn.xrange(QK.stream) if b"x" in f]
+    assert [(i, x["a"], x["f"]) for i, x in back] == [(b"1", 2, 2), (b"2", 2, 2)]
+    assert loop.counters["deferred"] == 2
+    assert conn.xpending(QK.stream, GROUP)["pending"] == 1  # the worker now dies (kill -9)
+    time.sleep(0.15)
+    finish(conn, make_loop(conn, name="w2", claim_timeout_s=0.1, max_attempts=3))
+    result = rows(out)
+    assert result["finish_reason"] == ["error", "length", "length"]  # only the one it held
+    assert result["attempts"] == [4, 3, 3]
+
+
 def test_entries_deleted_while_pending_are_reported_lost(redis_url, tmp_path):
     conn = rconn(redis_url)
     out = make_job(conn, tmp_path, ["a", "b", "c", "d"], max_tokens=2)

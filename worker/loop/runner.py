@@ -10,9 +10,13 @@ within ``drain_timeout_s``.
 
 Isolation: a request on its last allowed attempt after crashes (a worker died
 or the engine raised while it ran) runs alone, so a poison request is
-dead-lettered by itself and its batch-mates are not. An exception in an engine
-step hands everything back (counted as a failed attempt) and exits 1; the
-supervisor starts a fresh engine.
+dead-lettered by itself and its batch-mates are not. A worker holds one such
+suspect at a time: the others it reads are handed straight back, uncharged, so
+a crash while the one runs alone is charged to that one only (a suspect left
+waiting in a worker that was then killed would have been charged too, and
+dead-lettered with the poison). An exception in an engine step hands
+everything back (counted as a failed attempt) and exits 1; the supervisor
+starts a fresh engine.
 """
 
 from __future__ import annotations
@@ -135,6 +139,7 @@ class QueueLoop:
     # -- requests --------------------------------------------------------------
 
     def admit(self, deliveries: list[Delivery]) -> None:
+        suspects: list[Delivery] = []
         for d in deliveries:
             job = self.upkeep.job(d.job_id)
             if job is None or d.job_id in self.upkeep.cancelled:
@@ -149,9 +154,28 @@ class QueueLoop:
                 )
                 continue
             if 1 < d.failed_attempts == self.config.max_attempts:
-                self.solo.append(d)  # its last chance: alone, so it fails by itself
+                suspects.append(d)  # its last chance: alone, so it fails by itself
                 continue
             self._start(d, job.output)
+        if suspects:
+            self._isolate(suspects)
+
+    def _isolate(self, suspects: list[Delivery]) -> None:
+        """Keep one suspect to run alone; hand the others back as they came.
+
+        They did not run here, so neither their attempts nor their failures
+        grow; the next worker to read one finds it still on its last chance.
+        """
+        if not self.solo and not self.solo_running:
+            self.solo.append(suspects.pop(0))
+        if not suspects:
+            return
+        items = [HandBack(d, list(d.resume), ran=False) for d in suspects]
+        try:
+            self._count("deferred", hand_back(self.conn, self.qk, self.config.name, items))
+        except _REDIS_DOWN as exc:  # keep them (refreshed) and run them alone, in turn
+            log.warning("could not hand suspects back (%s); they wait here", exc)
+            self.solo += suspects
 
     def _start_solo(self) -> None:
         d = self.solo.pop(0)
@@ -251,7 +275,7 @@ class QueueLoop:
         for flight in self.inflight.values():  # the engine could not say: tokens as received
             items.append(HandBack(flight.delivery, list(flight.delivery.resume), 0, failed))
         self.inflight.clear()
-        items += [HandBack(d, list(d.resume)) for d in self.solo]
+        items += [HandBack(d, list(d.resume), ran=False) for d in self.solo]
         self.solo.clear()
         while items and time.monotonic() < deadline:
             try:

@@ -122,8 +122,8 @@ class Upkeep:
 
     def reclaim(self) -> None:
         capacity = self.loop.engine.free_capacity()
-        if capacity <= 0:
-            return
+        if capacity <= 0 or self.loop.solo or self.loop.solo_running:
+            return  # full, or a suspect must run alone: claimed work would run beside it
         claimed = reclaim(
             self.loop.conn,
             self.loop.qk,
