@@ -25,6 +25,7 @@ from batchgen.jobs.params import DEFAULTS
 from batchgen.jobs.records import JobState, load_job
 from batchgen.jobs.submit import ensure_group, submit
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
+from batchgen.worker.loop.config import ENGINE_FAILED_EXIT
 from tests.engine_double import FakeEngine, RequestRejected, SamplingParams, expected_tokens
 
 KEYS = Keys("bg")
@@ -191,7 +192,7 @@ def test_an_engine_failure_hands_everything_back_as_a_failed_attempt(redis_url, 
     engine = FakeEngine()
     engine.on_step = lambda step: setattr(engine, "fail_step", step >= 2)
     loop = make_loop(conn, engine)
-    assert loop.run() == 1  # the supervisor restarts it with a fresh engine
+    assert loop.run() == ENGINE_FAILED_EXIT  # the supervisor restarts it with a fresh engine
     extras = [json.loads(f[b"x"]) for _, f in conn.xrange(QK.stream)]
     # two steps ran (2 tokens each) before the third raised
     assert [(x["a"], x["f"], len(x["resume"])) for x in extras] == [(1, 1, 2), (1, 1, 2)]
@@ -216,7 +217,8 @@ def test_a_poison_request_is_dead_lettered_alone(redis_url, tmp_path):
     for i in (0, 1, 3):  # its batch-mates crashed with it, then ran alone and finished
         assert result["token_ids"][i] == expected_tokens(tokens(prompts[i]), 3)
     assert result["error"][2] == (
-        "dead-lettered: delivered 4 times (max_attempts 3); the worker running it stopped every time"
+        "dead-lettered: delivered 4 times (max_attempts 3); the worker running it stopped every "
+        "time; last error: RuntimeError: CUDA error: an illegal memory access (the double)"
     )
 
 

@@ -15,8 +15,8 @@ suspect at a time: the others it reads are handed straight back, uncharged, so
 a crash while the one runs alone is charged to that one only (a suspect left
 waiting in a worker that was then killed would have been charged too, and
 dead-lettered with the poison). An exception in an engine step hands
-everything back (counted as a failed attempt) and exits 1; the supervisor
-starts a fresh engine.
+everything back (counted as a failed attempt, with the error) and exits with
+``ENGINE_FAILED_EXIT``; the supervisor starts a fresh engine at once.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from batchgen.jobs.queue import Delivery, HandBack, hand_back, read_new
 from batchgen.jobs.sink import PartSink
 from batchgen.jobs.submit import ensure_group
 from batchgen.jobs.tasks import enqueue_finalize
-from batchgen.worker.loop.config import LoopConfig
+from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig
 from batchgen.worker.loop.engine_api import EngineAPI
 from batchgen.worker.loop.flight import Flight, error_row, output_row
 from batchgen.worker.loop.upkeep import Upkeep
@@ -55,6 +55,7 @@ class QueueLoop:
         self.solo: list[Delivery] = []  # last-chance suspects, to run one at a time
         self.solo_running: str | None = None
         self.engine_failed = False
+        self.engine_error = ""  # what the failed step raised, kept with the hand-backs
         self.sink = PartSink(
             self.qk,
             config.name,
@@ -93,7 +94,7 @@ class QueueLoop:
                     break
         finally:
             self.shutdown()
-        return 1 if self.engine_failed else 0
+        return ENGINE_FAILED_EXIT if self.engine_failed else 0
 
     def stop(self, *_: object) -> None:
         if self.stopping:  # a second signal: leave now; entries stay pending, get reclaimed
@@ -123,9 +124,10 @@ class QueueLoop:
         if self.engine.has_unfinished():
             try:
                 outputs = self.engine.step()
-            except Exception:
+            except Exception as exc:
                 log.exception("engine step failed; handing the in-flight requests back, exiting")
                 self.engine_failed = self.stopping = True
+                self.engine_error = f"{type(exc).__name__}: {exc}"
                 return read
             for out in outputs:
                 self.finished(out)
@@ -147,10 +149,11 @@ class QueueLoop:
                 self._count("dropped")
                 continue
             if d.failed_attempts > self.config.max_attempts:
+                last = f"; last error: {d.last_error}" if d.last_error else ""
                 self.upkeep.dead_letter(
                     d,
                     f"delivered {d.failed_attempts} times (max_attempts {self.config.max_attempts}); "
-                    "the worker running it stopped every time",
+                    f"the worker running it stopped every time{last}",
                 )
                 continue
             if 1 < d.failed_attempts == self.config.max_attempts:
@@ -266,14 +269,18 @@ class QueueLoop:
             time.sleep(0.2)
         self.sink.crash.reached("before_hand_back")
         failed = self.engine_failed  # the engine raised: this attempt counts as a failure
+        error = self.engine_error
         items = []
         for out in outputs:
             flight = self.inflight.pop(out.request_id, None)
             if flight is not None:
                 tokens = list(out.token_ids)
-                items.append(HandBack(flight.delivery, tokens, out.num_preemptions, failed))
+                items.append(
+                    HandBack(flight.delivery, tokens, out.num_preemptions, failed, error=error)
+                )
         for flight in self.inflight.values():  # the engine could not say: tokens as received
-            items.append(HandBack(flight.delivery, list(flight.delivery.resume), 0, failed))
+            d = flight.delivery
+            items.append(HandBack(d, list(d.resume), 0, failed, error=error))
         self.inflight.clear()
         items += [HandBack(d, list(d.resume), ran=False) for d in self.solo]
         self.solo.clear()

@@ -31,7 +31,7 @@ from batchgen.jobs.errors import UsageError
 from batchgen.jobs.heartbeat import live_workers
 from batchgen.jobs.keys import GROUP, Keys
 from batchgen.jobs.tasks import run_pending
-from batchgen.worker.loop.config import LoopConfig, default_name
+from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig, default_name
 from batchgen.worker.loop.metrics import render, serve
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class Supervisor:
                 child.done = True
                 continue
             lived = now - child.started
-            if self._served(child):  # not a start failure: whatever killed it, go on
+            if rc == ENGINE_FAILED_EXIT or self._served(child):  # it served: go on
                 child.fast_failures = 0
                 delay = RESTART_DELAY_S
             else:
@@ -171,7 +171,8 @@ class Supervisor:
         return 0
 
     def _served(self, child: Child) -> bool:
-        """Whether the child's last process got as far as its first heartbeat."""
+        """Whether the child's last process got as far as its first heartbeat (a
+        child that exits gracefully retires its heartbeat: see ENGINE_FAILED_EXIT)."""
         try:
             return self.conn.zscore(self.keys.workers, child.names[-1]) is not None
         except (redis.ConnectionError, redis.TimeoutError):
