@@ -95,9 +95,11 @@ for i = 3, #ARGV do
   if #p == 0 or p[1][2] ~= me then gone[#gone + 1] = ARGV[i] else mine[#mine + 1] = ARGV[i] end
 end
 for i = 1, #mine, 500 do
-  local chunk = {}
-  for k = i, math.min(i + 499, #mine) do chunk[#chunk + 1] = mine[k] end
-  redis.call('XCLAIM', stream, group, me, 0, unpack(chunk), 'JUSTID')
+  -- unpack() expands to all its values only as the last argument of a call
+  local args = {stream, group, me, 0}
+  for k = i, math.min(i + 499, #mine) do args[#args + 1] = mine[k] end
+  args[#args + 1] = 'JUSTID'
+  redis.call('XCLAIM', unpack(args))
 end
 return gone
 """

@@ -22,6 +22,7 @@ from batchgen.jobs.cancel import cancel
 from batchgen.jobs.finalize import LOST
 from batchgen.jobs.keys import GROUP, Keys
 from batchgen.jobs.params import DEFAULTS
+from batchgen.jobs.queue import read_new, refresh
 from batchgen.jobs.records import JobState, load_job
 from batchgen.jobs.submit import ensure_group, submit
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
@@ -275,12 +276,28 @@ def test_live_work_is_kept_fresh_and_work_taken_by_another_is_dropped(redis_url,
         _, claimed, *_ = conn.xautoclaim(QK.stream, GROUP, "thief", 400, count=10)
         assert claimed == []
         time.sleep(0.05)
+    assert "reclaimed" not in loop.counters  # nor did it take its own entries for stale
     stolen = next(iter(loop.inflight))
     conn.xclaim(QK.stream, GROUP, "thief", 0, [stolen])  # taken over (we looked dead)
     loop.upkeep.refresh()
     assert stolen not in loop.inflight and stolen not in engine.running
     assert loop.counters["stolen"] == 1
     del out
+
+
+def test_refresh_resets_the_idle_time_of_every_held_entry(redis_url, tmp_path):
+    """Not only the first: a Lua unpack() in the middle of XCLAIM's arguments passed
+    one id, so the rest of a worker's entries looked idle and were claimed away."""
+    conn = rconn(redis_url)
+    make_job(conn, tmp_path, [f"p{i}" for i in range(50)])
+    held = [d.entry_id for d in read_new(conn, QK, "w1", 50, None)]
+    time.sleep(0.3)  # idle 300 ms (a fixed wait on purpose)
+    assert refresh(conn, QK, "w1", held) == []
+    idle = [p["time_since_delivered"] for p in conn.xpending_range(QK.stream, GROUP, "-", "+", 99)]
+    assert len(idle) == 50 and max(idle) < 250
+    assert {
+        int(p["times_delivered"]) for p in conn.xpending_range(QK.stream, GROUP, "-", "+", 99)
+    } == {1}
 
 
 def test_cancel_aborts_in_flight_requests_and_drops_queued_ones(redis_url, tmp_path):
