@@ -13,6 +13,7 @@ script, and entries are deleted once acked so the stream does not grow.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ import redis
 from batchgen.jobs.commit import LUA_HELPERS
 from batchgen.jobs.keys import GROUP, QueueKeys
 from batchgen.jobs.submit import ensure_group
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -80,11 +83,23 @@ def read_new(
     except redis.ResponseError as exc:
         if "NOGROUP" not in str(exc):
             raise
-        ensure_group(conn, qk)  # Redis lost the group (restart without persistence)
+        recreate_group(conn, qk)
         return []
     if not reply:
         return []
     return [Delivery.parse(eid, fields) for eid, fields in reply[0][1] if fields]
+
+
+def recreate_group(conn: redis.Redis, qk: QueueKeys) -> None:
+    """The stream or its consumer group vanished: Redis lost its state. Say so
+    (jobs it held are gone: status reports them unknown) and serve on."""
+    log.error(
+        "the request stream %s or its consumer group is gone: Redis lost its state "
+        "(restarted without persistence?); jobs submitted before are lost, requests held "
+        "here are dropped; re-submit them",
+        qk.stream,
+    )
+    ensure_group(conn, qk)
 
 
 _REFRESH = """
