@@ -33,7 +33,7 @@ def reference(model: Path) -> Iterator[Callable[[list[dict]], Reference]]:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # as the workers run (OMP_NUM_THREADS=1)
             try:
-                params = [SamplingParams(max_tokens=line.get("max_tokens", 16)) for line in lines]
+                params = [SamplingParams(**{"max_tokens": 16, **sampling(line)}) for line in lines]
                 outs = engine.generate([line["prompt"] for line in lines], params)
             finally:
                 torch.set_num_threads(threads)
@@ -41,6 +41,11 @@ def reference(model: Path) -> Iterator[Callable[[list[dict]], Reference]]:
         return cache[key]
 
     yield run
+
+
+def sampling(line: dict) -> dict:
+    """A native line's sampling fields (job defaults are greedy, max_tokens 16)."""
+    return {k: v for k, v in line.items() if k not in ("id", "prompt", "metadata")}
 
 
 @pytest.fixture

@@ -256,11 +256,15 @@ def assert_exactly_once(
     errors: dict[int, str] | None = None,
 ) -> None:  # fmt: skip
     """One row per line, in input order, with the submitted ids; every row not in
-    ``errors`` (index -> start of its error message) equals the fault-free run."""
+    ``errors`` (index -> start of its error message) equals the fault-free run.
+
+    A lost row (its entry was deleted before anyone read it) has no id: the request
+    went with the entry; its index still says which line it was."""
     errors = errors or {}
     n = len(lines)
     assert rows["index"] == list(range(n))
-    assert rows["id"] == [line.get("id") for line in lines]
+    lost = {i for i, message in errors.items() if message.startswith("lost:")}
+    assert rows["id"] == [None if i in lost else line.get("id") for i, line in enumerate(lines)]
     for i in range(n):
         if i in errors:
             assert rows["finish_reason"][i] == "error", (i, rows["finish_reason"][i])

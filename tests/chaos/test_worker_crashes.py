@@ -163,3 +163,36 @@ def test_a_request_that_kills_its_worker_every_time_is_dead_lettered_alone(chaos
     assert (record.done, record.failed) == (7, 1)
     assert_nothing_left(chaos, "poison", out)
     assert worker.tail().count("SIGKILL") == 3  # it ran three times, killed its worker each time
+
+
+def test_an_exception_or_oom_in_an_engine_step_hands_back_and_isolates_the_culprit(
+    chaos, reference
+):
+    """Two requests break the real engine step from inside (RuntimeError, and
+    torch.OutOfMemoryError as a CUDA allocation failure would): each step that
+    computes one fails, the loop hands every in-flight request back and exits 1,
+    the supervisor starts a fresh engine. On their last chance (max_attempts 2)
+    the suspects run alone: the two culprits are dead-lettered with the error,
+    their batch-mates finish with exactly the fault-free tokens."""
+    lines = prompt_lines(8, "boom", max_tokens=(4, 12))
+    lines[1]["prompt"] = "ENGINEBOOM " + lines[1]["prompt"]
+    lines[5]["prompt"] = "OOMBOOM " + lines[5]["prompt"]
+    out = chaos.submit("boom", lines)
+    env = chaos.env(**chaos.poison_env({"ENGINEBOOM": "raise", "OOMBOOM": "oom"}))
+    worker = chaos.worker_cli("sup", "--burst", "--max-attempts", "2", env=env)
+    assert worker.wait(300) == 0, worker.tail()  # no hang: the burst worker ends by itself
+    dead = "dead-lettered: delivered 3 times (max_attempts 2); the worker running it stopped "
+    errors = {
+        1: dead + "every time; last error: RuntimeError: chaos: poison request ",
+        5: dead + "every time; last error: OutOfMemoryError: CUDA out of memory (chaos: ",
+    }
+    rows = chaos.result("boom")
+    assert_exactly_once(rows, lines, reference(lines), errors=errors)
+    assert rows["attempts"][1] == rows["attempts"][5] == 3
+    assert all(rows["attempts"][i] >= 2 for i in (0, 2, 3, 4, 6, 7))  # they went back, ran again
+    record = chaos.record("boom")
+    assert (record.done, record.failed) == (6, 2)
+    assert_nothing_left(chaos, "boom", out)
+    log = worker.tail(200_000)
+    # first the whole batch failed and went back; then each culprit alone, once
+    assert log.count("engine step failed; handing the in-flight requests back") == 3
