@@ -15,7 +15,7 @@ from benchmarks.soak import SoakConfig, run_soak, table
 def test_soak_with_workers_and_redis_killed_loses_and_duplicates_nothing(
     model, reference, tmp_path
 ):
-    config = SoakConfig()
+    config = SoakConfig(timeout_s=480)  # under pytest-timeout's 600 s: a clean report
     result, rows = run_soak(
         config, model, tmp_path, reference=lambda lines: reference(lines).token_ids
     )
