@@ -25,6 +25,7 @@ from tests.chaos.harness import (
     process_state,
     prompt_lines,
     wait_until,
+    write_jsonl,
 )
 
 CRASH_POINTS = ["before_part_write", "mid_part_write", "after_publish", "after_commit_before_ack"]
@@ -196,3 +197,21 @@ def test_an_exception_or_oom_in_an_engine_step_hands_back_and_isolates_the_culpr
     log = worker.tail(200_000)
     # first the whole batch failed and went back; then each culprit alone, once
     assert log.count("engine step failed; handing the in-flight requests back") == 3
+
+
+def test_batchgen_run_starts_a_fresh_engine_after_a_failure_and_finishes(chaos, reference):
+    """``run`` has no supervisor: it restarts its in-process engine itself (it used to
+    wait forever for a job nobody served once its engine had raised)."""
+    lines = prompt_lines(6, "run", max_tokens=(4, 12))
+    lines[3]["prompt"] = "ENGINEBOOM " + lines[3]["prompt"]
+    src = write_jsonl(chaos.tmp / "run.jsonl", lines)
+    dest = chaos.tmp / "run.parquet"
+    env = chaos.env(**chaos.poison_env({"ENGINEBOOM": "raise"}))
+    out = chaos.cli("run", str(src), "--model", str(chaos.model), "-o", str(dest), "--device",
+                    "cpu", "--job-id", "run", env=env, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == f"run: completed, wrote 6 rows to {dest}\n"
+    assert out.stderr.count("the engine failed; starting a fresh one") == 3
+    rows = pq.read_table(dest).to_pydict()
+    error = f"{DEAD}; last error: RuntimeError: chaos: poison request "
+    assert_exactly_once(rows, lines, reference(lines), errors={3: error})
