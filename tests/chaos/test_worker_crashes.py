@@ -1,8 +1,10 @@
-"""Workers die for real (kill -9, crash points in the production commit path, SIGSTOP):
-the final output still holds exactly one row per input line, equal to a fault-free run.
+"""Workers die for real (kill -9, crash points in the production commit path, SIGSTOP,
+a poison request that kills or breaks the engine step): the final output still holds
+exactly one row per input line, equal to a fault-free run.
 
-Each worker here is ``python -m batchgen.worker.loop`` (the engine process a
-``batchgen worker`` supervisor starts) on the toy model, with a 1 s claim timeout.
+The workers are ``python -m batchgen.worker.loop`` (the engine process a supervisor
+starts; the test plays supervisor and picks each one's fate) with a 1 s claim timeout,
+or ``batchgen worker`` itself where its restarts are part of the story (poison).
 """
 
 from __future__ import annotations
