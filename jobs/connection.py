@@ -9,12 +9,18 @@ User and password go in the URL (``rediss://user:pass@host:6380/0``).
 
 redis-py 8 defaults to a 5 s socket timeout, shorter than a long XREADGROUP
 BLOCK; callers that block pass ``block_s`` and get a socket timeout above it.
+
+A command started while Redis restarts waits for it: ``wait_s`` (the CLI's is
+``BATCHGEN_REDIS_WAIT``, default 10 s) of reconnecting with backoff before the
+one-line "cannot reach Redis" error. A refused password or certificate is not
+waited for.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
 
 import redis
@@ -22,9 +28,11 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from batchgen.jobs import embedded
-from batchgen.jobs.errors import QueueFull, RedisUnavailable, UnsafeRedis
+from batchgen.jobs.errors import QueueFull, RedisUnavailable, UnsafeRedis, UsageError
 
 ENV_URL = "BATCHGEN_REDIS_URL"
+ENV_WAIT = "BATCHGEN_REDIS_WAIT"
+DEFAULT_WAIT_S = 10.0
 _TLS_ENV = {
     "ssl_ca_certs": "BATCHGEN_REDIS_CA",
     "ssl_certfile": "BATCHGEN_REDIS_CERT",
@@ -55,17 +63,31 @@ def redact(url: str) -> str:
     return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
+def wait_from_env() -> float:
+    """Seconds a command waits for an unreachable Redis (``BATCHGEN_REDIS_WAIT``)."""
+    raw = os.environ.get(ENV_WAIT, "")
+    try:
+        value = float(raw) if raw else DEFAULT_WAIT_S
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise UsageError(f"{ENV_WAIT}={raw!r}: give a number of seconds, 0 or more")
+    return value
+
+
 def connect(
     url: str | None = None,
     *,
     block_s: float = 0.0,
     retries: int = 3,
     check_policy: bool = True,
+    wait_s: float = 0.0,
 ) -> redis.Redis:
     """A client for the chosen server, checked to be reachable and non-evicting.
 
     ``retries`` reconnect attempts with jittered exponential backoff (capped at
-    2 s) are made per command before a ConnectionError surfaces.
+    2 s) are made per command before a ConnectionError surfaces. An unreachable
+    server is waited for up to ``wait_s`` more (a restart), with backoff.
     """
     target = resolve(url)
     kwargs: dict = {
@@ -83,8 +105,17 @@ def connect(
             if os.environ.get(env) and f"{arg}=" not in target.url:
                 kwargs[arg] = os.environ[env]
     client = redis.Redis.from_url(target.url, **kwargs)
-    if check_policy:
-        check_server(client, target.url)
+    deadline = time.monotonic() + wait_s
+    delay = 0.1
+    while check_policy:
+        try:
+            check_server(client, target.url)
+            break
+        except RedisUnavailable as exc:
+            if not exc.transient or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 1.0)
     return client
 
 
@@ -96,9 +127,12 @@ def check_server(client: redis.Redis, url: str = "") -> None:
     except redis.AuthenticationError as exc:
         raise RedisUnavailable(f"Redis at {where} refused the credentials: {exc}") from exc
     except redis.ConnectionError as exc:
-        raise RedisUnavailable(describe_connection_error(exc, url)) from exc
+        message = describe_connection_error(exc, url)
+        raise RedisUnavailable(message, transient=not message.startswith("TLS")) from exc
     except redis.TimeoutError as exc:
-        raise RedisUnavailable(f"Redis at {where} did not answer in time: {exc}") from exc
+        raise RedisUnavailable(
+            f"Redis at {where} did not answer in time: {exc}", transient=True
+        ) from exc
     policy = str(info.get("maxmemory_policy", "noeviction"))
     if policy != "noeviction":
         raise UnsafeRedis(

@@ -1,8 +1,10 @@
-"""Crash points for fault tests: die at a chosen spot of the production path.
+"""Crash points for fault tests: die (or freeze) at a chosen spot of the production path.
 
 ``BATCHGEN_TEST_CRASH_AT=NAME`` (or ``NAME:N``, the N-th time the point is
 reached, 1-based) makes the process ``os._exit(CRASH_EXIT_CODE)`` there: no
-cleanup, no flush, like a SIGKILL. Only the fault tests set it. Points:
+cleanup, no flush, like a SIGKILL. ``NAME:N:stop`` instead freezes the process
+there with SIGSTOP (a worker stalled past the claim timeout at that exact
+spot); a SIGCONT lets it go on from there. Only the fault tests set it. Points:
 
 - ``before_part_write``: rows are finished, nothing written
 - ``mid_part_write``: half of a part's bytes are in its temp file
@@ -17,6 +19,7 @@ cleanup, no flush, like a SIGKILL. Only the fault tests set it. Points:
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -30,20 +33,29 @@ class CrashPlan:
     point: str | None
     on_hit: int = 1
     hits: int = 0
+    stop: bool = False  # SIGSTOP ourselves instead of exiting
 
     @classmethod
     def from_env(cls) -> CrashPlan:
         raw = os.environ.get(ENV, "")
         if not raw:
             return cls(None)
-        name, _, count = raw.partition(":")
-        return cls(_ALIASES.get(name, name), int(count or 1))
+        name, _, rest = raw.partition(":")
+        count, _, action = rest.partition(":")
+        if action not in ("", "stop", "exit"):
+            raise ValueError(f"{ENV}={raw!r}: the action after NAME:N must be 'stop' or 'exit'")
+        return cls(_ALIASES.get(name, name), int(count or 1), stop=action == "stop")
 
     def reached(self, point: str) -> None:
         if self.point != point:
             return
         self.hits += 1
-        if self.hits >= self.on_hit:
-            sys.stderr.write(f"batchgen: crash point {point} reached ({ENV}); exiting\n")
-            sys.stderr.flush()
-            os._exit(CRASH_EXIT_CODE)
+        if self.hits != self.on_hit:
+            return
+        verb = "stopping (SIGSTOP)" if self.stop else "exiting"
+        sys.stderr.write(f"batchgen: crash point {point} reached ({ENV}); {verb}\n")
+        sys.stderr.flush()
+        if self.stop:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until SIGCONT
+            return
+        os._exit(CRASH_EXIT_CODE)

@@ -48,6 +48,10 @@ class QueueFull(BatchgenError):
 class RedisUnavailable(BatchgenError):
     """Redis could not be reached or refused our credentials."""
 
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient  # unreachable (may come back), not refused
+
 
 class UnsafeRedis(BatchgenError):
     """The Redis server would evict keys, which silently loses work."""

@@ -11,7 +11,10 @@ and only if ``enqueued`` still equals the chunk's start. So:
 - re-submitting a finished job enqueues nothing;
 - two submits of one job id racing never enqueue a chunk twice;
 - a different file (or flags) under an existing job id is refused (the job
-  records the sha256 of its entries).
+  records the sha256 of its entries);
+- with ``wait_s``, a Redis that goes away mid-file (a restart) is waited for,
+  and appending goes on from the job's ``enqueued``: nothing twice, nothing
+  skipped.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.connection import is_oom, queue_full
-from batchgen.jobs.errors import InvalidInput, JobConflict, UsageError
+from batchgen.jobs.connection import describe_connection_error, is_oom, queue_full
+from batchgen.jobs.errors import InvalidInput, JobConflict, RedisUnavailable, UsageError
 from batchgen.jobs.inputs import MAX_LINE_BYTES, LineError
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys, queue_name, queue_tag, text
 from batchgen.jobs.names import check_job_id
@@ -95,6 +98,7 @@ def submit(
     skip_invalid: bool = False,
     max_line_bytes: int = MAX_LINE_BYTES,
     progress: Callable[[int, int], None] | None = None,
+    wait_s: float = 0.0,
 ) -> SubmitResult:
     job_id = check_job_id(job_id) if job_id else new_job_id()
     if not os.path.isfile(source_path) or not os.access(source_path, os.R_OK):
@@ -127,10 +131,53 @@ def submit(
             created_at=time.time(),
         )
         resumed, start = _create(conn, keys, qk, record)
-        appended = _enqueue(conn, qk, job_id, checked.entries(), start, checked.total, progress)
+        position = start
+        while True:
+            try:
+                position += _enqueue(
+                    conn, qk, job_id, checked.entries(), position, checked.total, progress
+                )
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if isinstance(exc, redis.AuthenticationError):
+                    raise
+                after = _enqueued_after_outage(conn, qk, job_id, wait_s) if wait_s > 0 else None
+                if after is None:
+                    raise RedisUnavailable(
+                        f"{describe_connection_error(exc)}; job {job_id!r} is partly enqueued "
+                        f"(whole chunks only): re-run the same submit with --job-id {job_id} "
+                        "to enqueue the rest"
+                    ) from exc
+                position = after
+        appended = position - start
     return SubmitResult(
         job_id, checked.total, checked.error_count, checked.errors, appended, resumed
     )
+
+
+def _enqueued_after_outage(
+    conn: redis.Redis, qk: QueueKeys, job_id: str, wait_s: float
+) -> int | None:
+    """Wait (with backoff, up to ``wait_s``) for Redis to answer again; the job's
+    ``enqueued`` then (chunks are appended whole or not at all, so go on from
+    there), or None if Redis stayed away."""
+    deadline = time.monotonic() + wait_s
+    delay = 0.1
+    while True:
+        try:
+            raw = conn.hget(qk.job(job_id).job, "enqueued")
+        except (redis.ConnectionError, redis.TimeoutError):
+            if time.monotonic() + delay > deadline:
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            continue
+        if raw is None:
+            raise JobConflict(
+                f"job {job_id!r} disappeared from Redis while submitting (Redis restarted "
+                "without its data?); submit the file again"
+            )
+        return int(raw)
 
 
 def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> tuple[bool, int]:

@@ -70,7 +70,8 @@ def test_bad_flags_and_names_are_usage_errors(redis_url, tmp_path):
     assert result.exit_code == 2 and "--output is required with a shared Redis" in result.output
 
 
-def test_unreachable_redis_is_one_line(tmp_path):
+def test_unreachable_redis_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_REDIS_WAIT", "0.5")  # how long a command waits (default 10 s)
     url = f"redis://127.0.0.1:{free_port()}/0"
     for args in (["status"], ["download", "j"], ["submit", write(tmp_path, '{"prompt": "a"}\n'),
                                                  "--model", "m", "--output", str(tmp_path)]):  # fmt: skip

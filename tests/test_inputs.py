@@ -26,6 +26,9 @@ HOSTILE = [
      "max_tokens must be an integer from 1 to 1048576, got -1"),
     ('{"prompt": "hi", "max_tokens": 1000000000}', 32,
      "max_tokens must be an integer from 1 to 1048576, got 1000000000"),
+    ('{"prompt": "hi", "max_tokens": 1e9}', 32,
+     "max_tokens must be an integer from 1 to 1048576, got 1000000000.0"),
+    ('{"prompt": "hi", "temperature": 1e400}', 33, "number 1e400 is out of range"),
     ('{"prompt": "hi", "max_tokens": "x"}', 32,
      'max_tokens must be an integer from 1 to 1048576, got "x"'),
     ('{"prompt": "hi", "max_tokens": true}', 32,
@@ -144,3 +147,10 @@ def test_job_defaults_from_flags_are_checked_with_the_flag_name():
         job_defaults({"temperature": -1.0})
     with pytest.raises(ParamError, match=r"^--top-p: top_p must be a number in \(0, 1\], got 2"):
         job_defaults({"top_p": 2.0})
+    # flags are parsed by click as floats: nan and inf get through the parser
+    with pytest.raises(ParamError, match=r"^--temperature: .* got NaN$"):
+        job_defaults({"temperature": float("nan")})
+    with pytest.raises(ParamError, match=r"^--temperature: .* got Infinity$"):
+        job_defaults({"temperature": float("inf")})
+    with pytest.raises(ParamError, match=r"^--top-p: .* got NaN$"):
+        job_defaults({"top_p": float("nan")})

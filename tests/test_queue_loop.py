@@ -22,9 +22,11 @@ from batchgen.jobs.cancel import cancel
 from batchgen.jobs.finalize import LOST
 from batchgen.jobs.keys import GROUP, Keys
 from batchgen.jobs.params import DEFAULTS
+from batchgen.jobs.queue import read_new, refresh
 from batchgen.jobs.records import JobState, load_job
 from batchgen.jobs.submit import ensure_group, submit
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
+from batchgen.worker.loop.config import ENGINE_FAILED_EXIT
 from tests.engine_double import FakeEngine, RequestRejected, SamplingParams, expected_tokens
 
 KEYS = Keys("bg")
@@ -191,7 +193,7 @@ def test_an_engine_failure_hands_everything_back_as_a_failed_attempt(redis_url, 
     engine = FakeEngine()
     engine.on_step = lambda step: setattr(engine, "fail_step", step >= 2)
     loop = make_loop(conn, engine)
-    assert loop.run() == 1  # the supervisor restarts it with a fresh engine
+    assert loop.run() == ENGINE_FAILED_EXIT  # the supervisor restarts it with a fresh engine
     extras = [json.loads(f[b"x"]) for _, f in conn.xrange(QK.stream)]
     # two steps ran (2 tokens each) before the third raised
     assert [(x["a"], x["f"], len(x["resume"])) for x in extras] == [(1, 1, 2), (1, 1, 2)]
@@ -216,8 +218,33 @@ def test_a_poison_request_is_dead_lettered_alone(redis_url, tmp_path):
     for i in (0, 1, 3):  # its batch-mates crashed with it, then ran alone and finished
         assert result["token_ids"][i] == expected_tokens(tokens(prompts[i]), 3)
     assert result["error"][2] == (
-        "dead-lettered: delivered 4 times (max_attempts 3); the worker running it stopped every time"
+        "dead-lettered: delivered 4 times (max_attempts 3); the worker running it stopped every "
+        "time; last error: RuntimeError: CUDA error: an illegal memory access (the double)"
     )
+
+
+def test_one_suspect_at_a_time_the_others_go_back_uncharged(redis_url, tmp_path):
+    """Suspects on their last chance wait for their solo run outside the worker: had
+    it held them all, its death (kill -9 while the first ran alone) would have
+    charged every one a failure and dead-lettered them with the poison."""
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, ["a", "b", "c"], max_tokens=2)
+    ids = [e for e, _ in conn.xrange(QK.stream)]
+    conn.xreadgroup(GROUP, "dead1", {QK.stream: ">"})
+    conn.xclaim(QK.stream, GROUP, "dead2", 0, ids)  # two workers died running all three
+    loop = make_loop(conn, claim_timeout_s=0.1, max_attempts=3)
+    time.sleep(0.15)  # idle past the claim timeout (a fixed wait on purpose)
+    loop.upkeep.reclaim()  # third delivery: the last chance of each
+    assert [d.index for d in loop.solo] == [0]
+    back = [(f[b"i"], json.loads(f[b"x"])) for _, f in conn.xrange(QK.stream) if b"x" in f]
+    assert [(i, x["a"], x["f"]) for i, x in back] == [(b"1", 2, 2), (b"2", 2, 2)]
+    assert loop.counters["deferred"] == 2
+    assert conn.xpending(QK.stream, GROUP)["pending"] == 1  # the worker now dies (kill -9)
+    time.sleep(0.15)
+    finish(conn, make_loop(conn, name="w2", claim_timeout_s=0.1, max_attempts=3))
+    result = rows(out)
+    assert result["finish_reason"] == ["error", "length", "length"]  # only the one it held
+    assert result["attempts"] == [4, 3, 3]
 
 
 def test_entries_deleted_while_pending_are_reported_lost(redis_url, tmp_path):
@@ -249,12 +276,28 @@ def test_live_work_is_kept_fresh_and_work_taken_by_another_is_dropped(redis_url,
         _, claimed, *_ = conn.xautoclaim(QK.stream, GROUP, "thief", 400, count=10)
         assert claimed == []
         time.sleep(0.05)
+    assert "reclaimed" not in loop.counters  # nor did it take its own entries for stale
     stolen = next(iter(loop.inflight))
     conn.xclaim(QK.stream, GROUP, "thief", 0, [stolen])  # taken over (we looked dead)
     loop.upkeep.refresh()
     assert stolen not in loop.inflight and stolen not in engine.running
     assert loop.counters["stolen"] == 1
     del out
+
+
+def test_refresh_resets_the_idle_time_of_every_held_entry(redis_url, tmp_path):
+    """Not only the first: a Lua unpack() in the middle of XCLAIM's arguments passed
+    one id, so the rest of a worker's entries looked idle and were claimed away."""
+    conn = rconn(redis_url)
+    make_job(conn, tmp_path, [f"p{i}" for i in range(50)])
+    held = [d.entry_id for d in read_new(conn, QK, "w1", 50, None)]
+    time.sleep(0.3)  # idle 300 ms (a fixed wait on purpose)
+    assert refresh(conn, QK, "w1", held) == []
+    idle = [p["time_since_delivered"] for p in conn.xpending_range(QK.stream, GROUP, "-", "+", 99)]
+    assert len(idle) == 50 and max(idle) < 250
+    assert {
+        int(p["times_delivered"]) for p in conn.xpending_range(QK.stream, GROUP, "-", "+", 99)
+    } == {1}
 
 
 def test_cancel_aborts_in_flight_requests_and_drops_queued_ones(redis_url, tmp_path):

@@ -11,6 +11,7 @@ import socket
 import ssl
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,7 +45,14 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
     _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
              "-CAcreateserial", "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf", cwd=d)  # fmt: skip
-    return {"ca": ca, "other": other, "cert": d / "server.crt", "key": d / "server.key"}
+    for name, signer in (("client", "ca"), ("stranger", "other-ca")):  # client certificates
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj",
+                 f"/CN={name}", cwd=d)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{signer}.crt", "-CAkey",
+                 f"{signer}.key", "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", cwd=d)  # fmt: skip
+    return {"ca": ca, "other": other, "cert": d / "server.crt", "key": d / "server.key",
+            "client": d / "client.crt", "client_key": d / "client.key",
+            "stranger": d / "stranger.crt", "stranger_key": d / "stranger.key"}  # fmt: skip
 
 
 def _pipe(src: socket.socket, dst: socket.socket) -> None:
@@ -61,8 +69,21 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
 
 @pytest.fixture
 def tls_port(private_redis: RedisServer, certs: dict[str, Path]) -> Iterator[int]:
+    yield from _proxy(private_redis, certs, client_certs=False)
+
+
+@pytest.fixture
+def mtls_port(private_redis: RedisServer, certs: dict[str, Path]) -> Iterator[int]:
+    """A TLS front that also requires a client certificate signed by the CA."""
+    yield from _proxy(private_redis, certs, client_certs=True)
+
+
+def _proxy(private_redis: RedisServer, certs: dict[str, Path], client_certs: bool) -> Iterator[int]:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(certs["cert"], certs["key"])
+    if client_certs:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(certs["ca"])
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
@@ -111,3 +132,50 @@ def test_rediss_fails_closed_on_an_untrusted_certificate(tls_port, certs, monkey
     message = str(info.value)
     assert message.startswith(f"TLS handshake with Redis at rediss://localhost:{tls_port}/0 failed")
     assert "certificate" in message and "\n" not in message
+
+
+@pytest.fixture
+def acl_user(private_redis: RedisServer) -> None:
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.acl_setuser("bg", enabled=True, passwords=["+s3cret"], keys=["*"], commands=["+@all"])
+
+
+def test_rediss_with_a_client_certificate(mtls_port, certs, acl_user, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_REDIS_CA", str(certs["ca"]))
+    monkeypatch.setenv("BATCHGEN_REDIS_CERT", str(certs["client"]))
+    monkeypatch.setenv("BATCHGEN_REDIS_KEY", str(certs["client_key"]))
+    client = connect(f"rediss://bg:s3cret@localhost:{mtls_port}/0", retries=0)
+    assert client.acl_whoami() in ("bg", b"bg")
+    for name in ("BATCHGEN_REDIS_CA", "BATCHGEN_REDIS_CERT", "BATCHGEN_REDIS_KEY"):
+        monkeypatch.delenv(name)
+    query = (f"ssl_ca_certs={certs['ca']}&ssl_certfile={certs['client']}"
+             f"&ssl_keyfile={certs['client_key']}")  # fmt: skip
+    assert connect(f"rediss://bg:s3cret@localhost:{mtls_port}/0?{query}", retries=0).ping()
+
+
+@pytest.mark.parametrize("client_cert", [None, "stranger"])
+def test_rediss_fails_closed_without_a_client_certificate_the_server_trusts(
+    mtls_port, certs, acl_user, monkeypatch, client_cert
+):
+    monkeypatch.setenv("BATCHGEN_REDIS_CA", str(certs["ca"]))
+    if client_cert:
+        monkeypatch.setenv("BATCHGEN_REDIS_CERT", str(certs[client_cert]))
+        monkeypatch.setenv("BATCHGEN_REDIS_KEY", str(certs[f"{client_cert}_key"]))
+    with pytest.raises(RedisUnavailable) as info:
+        connect(f"rediss://bg:s3cret@localhost:{mtls_port}/0", retries=0, wait_s=5)
+    message = str(info.value)
+    assert message.startswith(
+        f"TLS handshake with Redis at rediss://bg:***@localhost:{mtls_port}/0"
+    )
+    assert "\n" not in message and "s3cret" not in message
+
+
+def test_rediss_with_a_wrong_password_fails_closed(tls_port, certs, acl_user, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_REDIS_CA", str(certs["ca"]))
+    start = time.monotonic()
+    with pytest.raises(RedisUnavailable) as info:
+        connect(f"rediss://bg:wrong@localhost:{tls_port}/0", retries=0, wait_s=5)
+    assert time.monotonic() - start < 2  # refused credentials are not waited for
+    assert str(info.value).startswith(
+        f"Redis at rediss://bg:***@localhost:{tls_port}/0 refused the credentials"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import urllib.request
 from typing import Any
 
@@ -15,9 +16,16 @@ from batchgen.jobs.errors import UsageError
 from batchgen.jobs.keys import Keys
 from batchgen.jobs.redis_server import free_port
 from batchgen.jobs.submit import ensure_group
-from batchgen.worker.loop.config import LoopConfig
+from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig
 from batchgen.worker.loop.metrics import serve
-from batchgen.worker.loop.supervisor import Supervisor, parse_gpus, plan_children
+from batchgen.worker.loop.supervisor import (
+    MAX_FAST_FAILURES,
+    RESTART_DELAY_S,
+    Child,
+    Supervisor,
+    parse_gpus,
+    plan_children,
+)
 
 
 def test_gpu_specs():
@@ -72,6 +80,33 @@ def test_metrics_endpoint_renders_its_workers_and_the_queue(redis_url):
     ]:
         assert expected in lines
     assert "other" not in body  # another supervisor's worker
+
+
+def test_a_child_that_served_is_restarted_soon_and_never_given_up_on(redis_url):
+    """A crash after the first heartbeat (kill -9, a poison request) is not a start
+    failure: a job with a few poison requests must not make the supervisor quit."""
+    conn: Any = redis.Redis.from_url(redis_url)
+    sup = Supervisor(conn, LoopConfig(model="m"), [], None)
+    child = Child(0, sup.base, {})
+    sup.children = [child]
+
+    def crash(served: bool, rc: int = 9) -> int:
+        child.names.append(f"w-{len(child.names)}")
+        if served:
+            conn.zadd(Keys("bg").workers, {child.names[-1]: 1.0})
+        child.process = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({rc})"])
+        child.process.wait()
+        child.started = time.monotonic()  # it died right after start
+        return sup._reap()
+
+    for _ in range(MAX_FAST_FAILURES + 2):
+        assert crash(served=True) == 0 and child.fast_failures == 0
+        assert child.restart_at - child.started == pytest.approx(RESTART_DELAY_S, abs=1.0)
+        # an engine that raised: handed back, retired its heartbeat, exited with this
+        assert crash(served=False, rc=ENGINE_FAILED_EXIT) == 0 and child.fast_failures == 0
+    for n in range(1, MAX_FAST_FAILURES):  # died before serving: backoff, then give up
+        assert crash(served=False) == 0 and child.fast_failures == n
+    assert crash(served=False) == 1
 
 
 def test_status_and_submit_never_import_torch():

@@ -82,11 +82,11 @@ def handles_errors(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def connect(redis_url: str | None):
     """(client, keys, target) for a command."""
-    from batchgen.jobs.connection import connect, resolve
+    from batchgen.jobs.connection import connect, resolve, wait_from_env
     from batchgen.jobs.keys import Keys
 
     target = resolve(redis_url)
-    return connect(target.url), Keys.from_env(), target
+    return connect(target.url, wait_s=wait_from_env()), Keys.from_env(), target
 
 
 def progress_bar(done: int, total: int, width: int = 30) -> str:

@@ -41,12 +41,13 @@ def run(
     download would, so the rows are the same; a progress bar shows on stderr.
     """
     from batchgen.jobs.download import download
+    from batchgen.jobs.errors import BatchgenError
     from batchgen.jobs.keys import prefix_from_env
     from batchgen.jobs.names import check_job_id, default_output
     from batchgen.jobs.records import JobState, load_job
     from batchgen.jobs.submit import new_job_id, submit
     from batchgen.jobs.tasks import run_pending
-    from batchgen.worker.loop.config import LoopConfig
+    from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig
     from batchgen.worker.loop.engine_api import load_engine
     from batchgen.worker.loop.runner import QueueLoop
 
@@ -62,7 +63,12 @@ def run(
     )  # fmt: skip
     for error in result.errors:
         click.echo(f"skipped {error}", err=True)
-    api = load_engine(model, device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks)
+
+    def engine():
+        return load_engine(model, device=device, max_num_seqs=max_num_seqs,
+                           num_kv_blocks=num_kv_blocks)  # fmt: skip
+
+    api = engine()
     config = LoopConfig(model=model, redis_url=target.url, prefix=prefix_from_env(),
                         block_ms=200, flush_interval_s=1.0)  # fmt: skip
     tty = sys.stderr.isatty()
@@ -74,7 +80,19 @@ def run(
             click.echo(line, err=True, nl=False)
         return record.state not in (JobState.QUEUED, JobState.RUNNING)
 
-    QueueLoop(conn, api, config).run(until=finished)
+    # An engine that raised handed its requests back: start a fresh one, as the
+    # worker's supervisor would (a poison request is dead-lettered after
+    # max_attempts). Stopped otherwise (Ctrl-C) before the job finished: say so.
+    while QueueLoop(conn, api, config).run(until=finished) == ENGINE_FAILED_EXIT:
+        if finished():
+            break
+        click.echo("batchgen: the engine failed; starting a fresh one", err=True)
+        api = engine()
+    if not finished():
+        raise BatchgenError(
+            f"stopped before job {job_id} finished; its requests went back to the queue: "
+            f"`batchgen worker --model {model}` finishes it, or re-run with --job-id {job_id}"
+        )
     while not load_job(conn, keys, job_id).state.terminal:
         if not run_pending(conn, keys):  # a worker elsewhere may be finalizing it
             time.sleep(0.2)

@@ -55,6 +55,7 @@ def submit(
     ({"custom_id", "method", "url", "body"}). Flags set job defaults; a line's own
     fields override them. Unknown fields are errors (except body.model/body.user).
     """
+    from batchgen.jobs.connection import wait_from_env
     from batchgen.jobs.errors import UsageError
     from batchgen.jobs.names import check_job_id, check_output, default_output
     from batchgen.jobs.submit import new_job_id
@@ -76,7 +77,7 @@ def submit(
         out_uri = default_output(job_id)
     result = run_submit(
         conn, keys, source_path=prompts, model=model, output=out_uri, defaults=defaults,
-        job_id=job_id, skip_invalid=skip_invalid,
+        job_id=job_id, skip_invalid=skip_invalid, wait_s=wait_from_env(),
     )  # fmt: skip
     if result.skipped:
         click.echo(f"skipped {result.skipped} invalid line(s):", err=True)

@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
         datefmt="%H:%M:%S",
     )
     try:
-        conn = connect(config.redis_url, block_s=config.block_ms / 1000, retries=5)
+        conn = connect(config.redis_url, block_s=config.block_ms / 1000, retries=5, wait_s=60)
     except BatchgenError as exc:
         logging.error("%s", exc)
         return 3

@@ -8,6 +8,10 @@ import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# The exit status of an engine process whose engine raised in a step (sysexits
+# EX_SOFTWARE): it served, handed its requests back, and wants a fresh engine.
+ENGINE_FAILED_EXIT = 70
+
 
 def default_name() -> str:
     host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())

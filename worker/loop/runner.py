@@ -10,9 +10,13 @@ within ``drain_timeout_s``.
 
 Isolation: a request on its last allowed attempt after crashes (a worker died
 or the engine raised while it ran) runs alone, so a poison request is
-dead-lettered by itself and its batch-mates are not. An exception in an engine
-step hands everything back (counted as a failed attempt) and exits 1; the
-supervisor starts a fresh engine.
+dead-lettered by itself and its batch-mates are not. A worker holds one such
+suspect at a time: the others it reads are handed straight back, uncharged, so
+a crash while the one runs alone is charged to that one only (a suspect left
+waiting in a worker that was then killed would have been charged too, and
+dead-lettered with the poison). An exception in an engine step hands
+everything back (counted as a failed attempt, with the error) and exits with
+``ENGINE_FAILED_EXIT``; the supervisor starts a fresh engine at once.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from batchgen.jobs.queue import Delivery, HandBack, hand_back, read_new
 from batchgen.jobs.sink import PartSink
 from batchgen.jobs.submit import ensure_group
 from batchgen.jobs.tasks import enqueue_finalize
-from batchgen.worker.loop.config import LoopConfig
+from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig
 from batchgen.worker.loop.engine_api import EngineAPI
 from batchgen.worker.loop.flight import Flight, error_row, output_row
 from batchgen.worker.loop.upkeep import Upkeep
@@ -51,6 +55,7 @@ class QueueLoop:
         self.solo: list[Delivery] = []  # last-chance suspects, to run one at a time
         self.solo_running: str | None = None
         self.engine_failed = False
+        self.engine_error = ""  # what the failed step raised, kept with the hand-backs
         self.sink = PartSink(
             self.qk,
             config.name,
@@ -89,7 +94,7 @@ class QueueLoop:
                     break
         finally:
             self.shutdown()
-        return 1 if self.engine_failed else 0
+        return ENGINE_FAILED_EXIT if self.engine_failed else 0
 
     def stop(self, *_: object) -> None:
         if self.stopping:  # a second signal: leave now; entries stay pending, get reclaimed
@@ -119,9 +124,10 @@ class QueueLoop:
         if self.engine.has_unfinished():
             try:
                 outputs = self.engine.step()
-            except Exception:
+            except Exception as exc:
                 log.exception("engine step failed; handing the in-flight requests back, exiting")
                 self.engine_failed = self.stopping = True
+                self.engine_error = f"{type(exc).__name__}: {exc}"
                 return read
             for out in outputs:
                 self.finished(out)
@@ -135,6 +141,7 @@ class QueueLoop:
     # -- requests --------------------------------------------------------------
 
     def admit(self, deliveries: list[Delivery]) -> None:
+        suspects: list[Delivery] = []
         for d in deliveries:
             job = self.upkeep.job(d.job_id)
             if job is None or d.job_id in self.upkeep.cancelled:
@@ -142,16 +149,36 @@ class QueueLoop:
                 self._count("dropped")
                 continue
             if d.failed_attempts > self.config.max_attempts:
+                last = f"; last error: {d.last_error}" if d.last_error else ""
                 self.upkeep.dead_letter(
                     d,
                     f"delivered {d.failed_attempts} times (max_attempts {self.config.max_attempts}); "
-                    "the worker running it stopped every time",
+                    f"the worker running it stopped every time{last}",
                 )
                 continue
             if 1 < d.failed_attempts == self.config.max_attempts:
-                self.solo.append(d)  # its last chance: alone, so it fails by itself
+                suspects.append(d)  # its last chance: alone, so it fails by itself
                 continue
             self._start(d, job.output)
+        if suspects:
+            self._isolate(suspects)
+
+    def _isolate(self, suspects: list[Delivery]) -> None:
+        """Keep one suspect to run alone; hand the others back as they came.
+
+        They did not run here, so neither their attempts nor their failures
+        grow; the next worker to read one finds it still on its last chance.
+        """
+        if not self.solo and not self.solo_running:
+            self.solo.append(suspects.pop(0))
+        if not suspects:
+            return
+        items = [HandBack(d, list(d.resume), ran=False) for d in suspects]
+        try:
+            self._count("deferred", hand_back(self.conn, self.qk, self.config.name, items))
+        except _REDIS_DOWN as exc:  # keep them (refreshed) and run them alone, in turn
+            log.warning("could not hand suspects back (%s); they wait here", exc)
+            self.solo += suspects
 
     def _start_solo(self) -> None:
         d = self.solo.pop(0)
@@ -242,16 +269,20 @@ class QueueLoop:
             time.sleep(0.2)
         self.sink.crash.reached("before_hand_back")
         failed = self.engine_failed  # the engine raised: this attempt counts as a failure
+        error = self.engine_error
         items = []
         for out in outputs:
             flight = self.inflight.pop(out.request_id, None)
             if flight is not None:
                 tokens = list(out.token_ids)
-                items.append(HandBack(flight.delivery, tokens, out.num_preemptions, failed))
+                items.append(
+                    HandBack(flight.delivery, tokens, out.num_preemptions, failed, error=error)
+                )
         for flight in self.inflight.values():  # the engine could not say: tokens as received
-            items.append(HandBack(flight.delivery, list(flight.delivery.resume), 0, failed))
+            d = flight.delivery
+            items.append(HandBack(d, list(d.resume), 0, failed, error=error))
         self.inflight.clear()
-        items += [HandBack(d, list(d.resume)) for d in self.solo]
+        items += [HandBack(d, list(d.resume), ran=False) for d in self.solo]
         self.solo.clear()
         while items and time.monotonic() < deadline:
             try:

@@ -1,9 +1,12 @@
 """The worker supervisor: one engine process per GPU (or N on CPU), kept alive.
 
 It imports no torch itself (except to count GPUs for ``--gpus``). Children run
-``python -m batchgen.worker.loop``; a child that crashes is restarted with
-backoff (given up after repeated failures right at start: a broken model or
-config), one that exits 0 in burst mode is done. The supervisor also runs the
+``python -m batchgen.worker.loop``; a child that crashes is restarted: after
+``RESTART_DELAY_S`` if it had started serving (its first heartbeat: it was
+killed, ran out of memory, or met a poison request, which ``max_attempts``
+dead-letters), with growing backoff if it died before that, and given up on
+after repeated failures right at start (a broken model or config). One that
+exits 0 in burst mode is done. The supervisor also runs the
 finalize tasks (rq, JSON serializer) and serves Prometheus metrics. SIGTERM or
 SIGINT is forwarded to the children, which hand their requests back and exit
 within their drain timeout; stragglers are killed after it.
@@ -28,12 +31,13 @@ from batchgen.jobs.errors import UsageError
 from batchgen.jobs.heartbeat import live_workers
 from batchgen.jobs.keys import GROUP, Keys
 from batchgen.jobs.tasks import run_pending
-from batchgen.worker.loop.config import LoopConfig, default_name
+from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig, default_name
 from batchgen.worker.loop.metrics import render, serve
 
 log = logging.getLogger(__name__)
 FAST_FAILURE_S = 20.0  # a child dying sooner than this after start failed to start
 MAX_FAST_FAILURES = 5
+RESTART_DELAY_S = 1.0  # a child that served, then crashed
 
 
 def parse_gpus(spec: str, available: int) -> list[int]:
@@ -151,16 +155,28 @@ class Supervisor:
                 child.done = True
                 continue
             lived = now - child.started
-            child.fast_failures = child.fast_failures + 1 if lived < FAST_FAILURE_S else 0
-            if child.fast_failures >= MAX_FAST_FAILURES:
-                log.error("worker %d failed %d times right after start; giving up",
-                          child.index, child.fast_failures)  # fmt: skip
-                return 1
-            delay = min(2.0**child.fast_failures, 30.0)
+            if rc == ENGINE_FAILED_EXIT or self._served(child):  # it served: go on
+                child.fast_failures = 0
+                delay = RESTART_DELAY_S
+            else:
+                child.fast_failures = child.fast_failures + 1 if lived < FAST_FAILURE_S else 0
+                if child.fast_failures >= MAX_FAST_FAILURES:
+                    log.error("worker %d failed %d times right after start; giving up",
+                              child.index, child.fast_failures)  # fmt: skip
+                    return 1
+                delay = min(2.0**child.fast_failures, 30.0)
             log.warning("worker %d exited with %s after %.0fs; restarting in %.0fs",
                         child.index, rc, lived, delay)  # fmt: skip
             child.restart_at = now + delay
         return 0
+
+    def _served(self, child: Child) -> bool:
+        """Whether the child's last process got as far as its first heartbeat (a
+        child that exits gracefully retires its heartbeat: see ENGINE_FAILED_EXIT)."""
+        try:
+            return self.conn.zscore(self.keys.workers, child.names[-1]) is not None
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
 
     def _finalize(self) -> None:
         try:

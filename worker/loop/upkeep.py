@@ -27,8 +27,7 @@ from batchgen.jobs import heartbeat
 from batchgen.jobs.keys import queue_name, text
 from batchgen.jobs.maintenance import sweep
 from batchgen.jobs.modelinfo import fingerprint
-from batchgen.jobs.queue import Delivery, dead_letter, reclaim, refresh
-from batchgen.jobs.submit import ensure_group
+from batchgen.jobs.queue import Delivery, dead_letter, reclaim, recreate_group, refresh
 from batchgen.jobs.tasks import enqueue_finalize
 from batchgen.worker.loop.flight import error_row
 
@@ -80,7 +79,7 @@ class Upkeep:
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            ensure_group(self.loop.conn, self.loop.qk)  # Redis lost the stream (no persistence)
+            recreate_group(self.loop.conn, self.loop.qk)
 
     def job(self, job_id: str) -> JobInfo | None:
         if job_id not in self.jobs:
@@ -122,8 +121,8 @@ class Upkeep:
 
     def reclaim(self) -> None:
         capacity = self.loop.engine.free_capacity()
-        if capacity <= 0:
-            return
+        if capacity <= 0 or self.loop.solo or self.loop.solo_running:
+            return  # full, or a suspect must run alone: claimed work would run beside it
         claimed = reclaim(
             self.loop.conn,
             self.loop.qk,

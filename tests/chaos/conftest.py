@@ -1,0 +1,64 @@
+"""Fixtures of the fault tests: a toy model, its fault-free reference, a Chaos world."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from batchgen.jobs.redis_server import RedisServer
+from tests.chaos.harness import Chaos, Reference
+
+
+@pytest.fixture(scope="session")
+def model(toy_model) -> Path:
+    return toy_model("llama")
+
+
+@pytest.fixture(scope="session")
+def reference(model: Path) -> Iterator[Callable[[list[dict]], Reference]]:
+    """Greedy outputs of ``Engine.generate`` on the same lines, with no fault at all."""
+    import torch
+
+    from batchgen.worker import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(model, device="cpu")
+    cache: dict[str, Reference] = {}
+
+    def run(lines: list[dict]) -> Reference:
+        key = json.dumps(lines, sort_keys=True)
+        if key not in cache:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # as the workers run (OMP_NUM_THREADS=1)
+            try:
+                params = [SamplingParams(**{"max_tokens": 16, **sampling(line)}) for line in lines]
+                outs = engine.generate([line["prompt"] for line in lines], params)
+            finally:
+                torch.set_num_threads(threads)
+            cache[key] = Reference([list(o.token_ids) for o in outs], [o.text for o in outs])
+        return cache[key]
+
+    yield run
+
+
+def sampling(line: dict) -> dict:
+    """A native line's sampling fields (job defaults are greedy, max_tokens 16)."""
+    return {k: v for k, v in line.items() if k not in ("id", "prompt", "metadata")}
+
+
+@pytest.fixture
+def chaos(redis_url: str, model: Path, tmp_path: Path) -> Iterator[Chaos]:
+    """On the session's shared Redis (flushed for this test)."""
+    world = Chaos(redis_url, model, tmp_path)
+    yield world
+    world.stop_all()
+
+
+@pytest.fixture
+def chaos_private(private_redis: RedisServer, model: Path, tmp_path: Path) -> Iterator[Chaos]:
+    """On a Redis of this test's own (``chaos_private.server``), to kill and restart."""
+    world = Chaos(private_redis.url, model, tmp_path, server=private_redis)
+    yield world
+    world.stop_all()
