@@ -130,3 +130,22 @@ def test_chunked_prefill_budget_and_max_num_seqs(llama):
         engine.step()
         sizes.append(len(engine.scheduler.running))
     assert max(sizes) == 3
+
+
+def test_requests_sharing_a_prefix_that_arrive_together_compute_it_once(llama):
+    rng = random.Random(7)
+    prefix = [rng.randrange(16, 8192) for _ in range(64)]  # 4 blocks
+    prompts = [prefix + [rng.randrange(16, 8192) for _ in range(5)] for _ in range(4)]
+    engine = Engine.from_pretrained(llama, num_kv_blocks=64)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=3, ignore_eos=True))
+    first = engine.scheduler.schedule()
+    # only the first is admitted; the others would compute the same 64 tokens again
+    assert [r.request_id for r in first.prefills] == ["0"]
+    engine.runner.run(first)  # (the test drives the steps by hand from here)
+    sampled = [0]
+    engine.scheduler.update(first, sampled)
+    second = engine.scheduler.schedule()
+    assert [r.request_id for r in second.prefills] == ["1", "2", "3"]
+    assert all(r.num_cached_tokens == 64 for r in second.prefills)
+    assert second.prefill_lens == [5, 5, 5]

@@ -109,12 +109,22 @@ class Scheduler:
         return True
 
     def _admit(self, plan: SchedulerPlan, budget: int) -> None:
+        bs = self.blocks.block_size
+        # first blocks that requests admitted in this step compute from scratch
+        heads_being_computed: set[tuple[int, ...]] = set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             _, _, req = self.waiting[0]
             if req.is_finished:  # aborted while waiting
                 heapq.heappop(self.waiting)
                 continue
             hits = self.blocks.find_cached_prefix(req.token_ids)
+            head = tuple(req.token_ids[:bs]) if req.num_tokens > bs else None
+            if not hits and head is not None and self.blocks.enable_prefix_caching:
+                if head in heads_being_computed:
+                    # its prefix is being computed in this very step: admitted one
+                    # step later, it reads those blocks from the cache instead
+                    break
+                heads_being_computed.add(head)
             num_computed = len(hits) * self.blocks.block_size
             num_new = min(req.num_tokens - num_computed, budget)
             need = self.blocks.blocks_needed(num_computed + num_new) - len(hits)
