@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from batchgen.kernels import reference as ref
+from batchgen.kernels import reference_decode as ref_decode
 
 
 def _dense_attention(q, k, v, scale):
@@ -128,7 +129,7 @@ def test_norms_and_activation():
 
 def test_decode_in_length_groups_matches_dense():
     contexts = sorted([3, 200, 17, 150, 40, 90, 5, 260, 64, 33, 120, 8], reverse=True)
-    assert len(ref._length_groups(contexts)) > 1  # the grouped path is the one under test
+    assert len(ref_decode._length_groups(contexts)) > 1  # the grouped path is the one under test
     head_dim, block_size = 16, 16
     k_cache, v_cache, tables, dense = _paged(contexts, 2, head_dim, block_size, seed=3)
     q = torch.randn(len(contexts), 4, head_dim)
@@ -142,10 +143,10 @@ def test_decode_in_length_groups_matches_dense():
 
 def test_length_groups_are_contiguous_ranges_of_sorted_rows():
     lengths = [800, 700, 650, 400, 390, 30, 25, 20, 10, 5]
-    groups = ref._length_groups(lengths)
+    groups = ref_decode._length_groups(lengths)
     assert groups == [(0, 4), (4, 5), (5, 10)]
-    assert ref._length_groups([5, 800, 10]) == [(0, 3)]  # unsorted: one padded group
-    assert ref._length_groups([100] * 8) == [(0, 8)]
+    assert ref_decode._length_groups([5, 800, 10]) == [(0, 3)]  # unsorted: one padded group
+    assert ref_decode._length_groups([100] * 8) == [(0, 8)]
 
 
 def test_decode_padding_row_with_no_context_yields_zeros():
@@ -171,7 +172,7 @@ def test_decode_with_a_prefix_shared_by_every_row_matches_dense():
     shared = [7, 30, 2]
     own = [[11, 12], [13], [14], [15, 16]]
     tables = torch.tensor([shared + o + [o[-1]] * (2 - len(o)) for o in own], dtype=torch.int32)
-    assert ref._shared_prefix_blocks(tables, (min(contexts) - 1) // block_size) == 3
+    assert ref_decode._shared_prefix_blocks(tables, (min(contexts) - 1) // block_size) == 3
     q = torch.randn(4, 4, head_dim, generator=gen)
     out = ref.paged_decode_attention(
         q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.3, max(contexts)
@@ -187,9 +188,9 @@ def test_decode_with_a_prefix_shared_by_every_row_matches_dense():
 
 def test_shared_prefix_needs_every_row_and_a_token_of_suffix():
     tables = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 5, 6]], dtype=torch.int32)
-    assert ref._shared_prefix_blocks(tables, 2) == 1
-    assert ref._shared_prefix_blocks(tables, 0) == 0
-    assert ref._shared_prefix_blocks(tables[:1], 2) == 0  # one row: nothing to share
+    assert ref_decode._shared_prefix_blocks(tables, 2) == 1
+    assert ref_decode._shared_prefix_blocks(tables, 0) == 0
+    assert ref_decode._shared_prefix_blocks(tables[:1], 2) == 0  # one row: nothing to share
 
 
 def test_decode_with_a_prefix_shared_by_some_rows_matches_dense():
@@ -201,7 +202,7 @@ def test_decode_with_a_prefix_shared_by_some_rows_matches_dense():
         [[7, 30, 11], [9, 10, 20], [7, 30, 13], [21, 22, 23], [7, 30, 15]], dtype=torch.int32
     )
     contexts = [45, 44, 40, 39, 33]
-    assert ref._rows_sharing_a_prefix(tables, contexts, block_size) == ([0, 2, 4], 2)
+    assert ref_decode._rows_sharing_a_prefix(tables, contexts, block_size) == ([0, 2, 4], 2)
     q = torch.randn(5, 4, head_dim, generator=gen)
     out = ref.paged_decode_attention(
         q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.3, 45
@@ -213,3 +214,26 @@ def test_decode_with_a_prefix_shared_by_some_rows_matches_dense():
         torch.testing.assert_close(
             out[i : i + 1], _dense_attention(q[i : i + 1], k, v, 0.3), atol=1e-5, rtol=1e-5
         )
+
+
+def test_decode_plan_is_rebuilt_when_the_step_inputs_change_in_place():
+    # every layer of a step reuses one decode plan, keyed on the very tensors it
+    # was made from; a tensor written in place (CUDA-graph style) must not hit it
+    contexts = [40, 33, 17]
+    k_cache, v_cache, tables, dense = _paged(contexts, 2, 16, 16, seed=9)
+    q = torch.randn(3, 4, 16)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    first = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 40)
+    assert ref_decode._last_plan.plan is not None
+    plan = ref_decode._last_plan.plan
+    again = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 40)
+    assert ref_decode._last_plan.plan is plan  # the next layer of the same step
+    assert torch.equal(first, again)
+    lens[0] = 20  # the same tensor, now a shorter context
+    out = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 33)
+    assert ref_decode._last_plan.plan is not plan
+    k, v = dense[0]
+    torch.testing.assert_close(out[:1], _dense_attention(q[:1], k[:20], v[:20], 0.25))
+    for i in (1, 2):
+        k, v = dense[i]
+        torch.testing.assert_close(out[i : i + 1], _dense_attention(q[i : i + 1], k, v, 0.25))
