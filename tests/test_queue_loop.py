@@ -187,36 +187,59 @@ def test_entries_delivered_too_often_are_dead_lettered(redis_url, tmp_path):
     assert result["attempts"] == [4, 1]
 
 
-def test_an_engine_failure_hands_everything_back_as_a_failed_attempt(redis_url, tmp_path):
+def test_a_step_that_keeps_failing_is_bisected_down_to_one_request_charged_alone(
+    redis_url, tmp_path
+):
+    """A broken engine (every step from the third on raises): the batch runs
+    again in halves; the first half, one request, fails alone and is the one
+    charged; the other goes back as a graceful hand-back. Both keep the tokens
+    of the step that worked."""
     conn = rconn(redis_url)
     out = make_job(conn, tmp_path, ["a", "b"], max_tokens=5)
     engine = FakeEngine()
     engine.on_step = lambda step: setattr(engine, "fail_step", step >= 2)
     loop = make_loop(conn, engine)
     assert loop.run() == ENGINE_FAILED_EXIT  # the supervisor restarts it with a fresh engine
-    extras = [json.loads(f[b"x"]) for _, f in conn.xrange(QK.stream)]
-    # two steps ran (2 tokens each) before the third raised
-    assert [(x["a"], x["f"], len(x["resume"])) for x in extras] == [(1, 1, 2), (1, 1, 2)]
+    assert loop.counters["bisections"] == 1
+    extras = [(f[b"i"], json.loads(f[b"x"])) for _, f in conn.xrange(QK.stream) if b"x" in f]
+    # (index, runs, failures, tokens kept): two steps ran (2 tokens each) before the third raised
+    assert [(i, x["a"], x["f"], x["resume"]) for i, x in extras] == [
+        (b"0", 1, 1, expected_tokens(tokens("a"), 2)),
+        (b"1", 1, 0, expected_tokens(tokens("b"), 2)),
+    ]
+    assert extras[0][1]["err"] == "RuntimeError: engine step failed"
     finish(conn, make_loop(conn, name="w2"))
     result = rows(out)
     assert result["token_ids"] == [expected_tokens(tokens(p), 5) for p in ("a", "b")]
     assert result["attempts"] == [2, 2]
 
 
-def test_a_poison_request_is_dead_lettered_alone(redis_url, tmp_path):
+def test_a_request_that_breaks_the_step_is_found_by_bisection_and_dead_lettered(
+    redis_url, tmp_path
+):
+    """Its batch-mates finish in the worker that first ran them, uncharged, with
+    exactly the tokens they would have had; only the culprit keeps coming back."""
     conn = rconn(redis_url)
     prompts = ["a", "b", "POISON", "c"]
     out = make_job(conn, tmp_path, prompts, max_tokens=3)
     lifetimes = 0
     while load_job(conn, KEYS, "j").state in (JobState.QUEUED, JobState.RUNNING):
         lifetimes += 1
-        assert lifetimes <= 6, "the poison request was not isolated"
-        make_loop(conn, FakeEngine(raise_on="POISON"), name=f"w{lifetimes}", burst=True).run()
+        assert lifetimes <= 5, "the poison request was not isolated"
+        loop = make_loop(conn, FakeEngine(raise_on="POISON"), name=f"w{lifetimes}", burst=True)
+        loop.run()
+        if lifetimes == 1:
+            # 4 -> [a, b] (finish) and [POISON, c] -> [POISON] (fails alone), [c] (goes back)
+            assert loop.counters["bisections"] == 2
+            assert loop.counters["rows_ok"] == 2
     tasks.run_pending(conn, KEYS)
     result = rows(out)
     assert result["finish_reason"] == ["length", "length", "error", "length"]
-    for i in (0, 1, 3):  # its batch-mates crashed with it, then ran alone and finished
+    for i in (0, 1, 3):
         assert result["token_ids"][i] == expected_tokens(tokens(prompts[i]), 3)
+    # a and b finished where they first ran; c, read again beside the culprit, went
+    # back (uncharged) with each of the first two workers that the culprit stopped
+    assert [result["attempts"][i] for i in (0, 1, 3)] == [1, 1, 3]
     assert result["error"][2] == (
         "dead-lettered: delivered 4 times (max_attempts 3); the worker running it stopped every "
         "time; last error: RuntimeError: CUDA error: an illegal memory access (the double)"
@@ -235,7 +258,7 @@ def test_one_suspect_at_a_time_the_others_go_back_uncharged(redis_url, tmp_path)
     loop = make_loop(conn, claim_timeout_s=0.1, max_attempts=3)
     time.sleep(0.15)  # idle past the claim timeout (a fixed wait on purpose)
     loop.upkeep.reclaim()  # third delivery: the last chance of each
-    assert [d.index for d in loop.solo] == [0]
+    assert [[d.index for d in group] for group in loop.alone] == [[0]]
     back = [(f[b"i"], json.loads(f[b"x"])) for _, f in conn.xrange(QK.stream) if b"x" in f]
     assert [(i, x["a"], x["f"]) for i, x in back] == [(b"1", 2, 2), (b"2", 2, 2)]
     assert loop.counters["deferred"] == 2

@@ -173,10 +173,11 @@ def test_an_exception_or_oom_in_an_engine_step_hands_back_and_isolates_the_culpr
 ):
     """Two requests break the real engine step from inside (RuntimeError, and
     torch.OutOfMemoryError as a CUDA allocation failure would): each step that
-    computes one fails, the loop hands every in-flight request back and exits 1,
-    the supervisor starts a fresh engine. On their last chance (max_attempts 2)
-    the suspects run alone: the two culprits are dead-lettered with the error,
-    their batch-mates finish with exactly the fault-free tokens."""
+    computes one fails, the loop runs its batch again in halves until a step
+    with one request fails, charges that one, hands the rest back uncharged and
+    exits; the supervisor starts a fresh engine. The two culprits are
+    dead-lettered with the error, their batch-mates finish with exactly the
+    fault-free tokens."""
     lines = prompt_lines(8, "boom", max_tokens=(4, 12))
     lines[1]["prompt"] = "ENGINEBOOM " + lines[1]["prompt"]
     lines[5]["prompt"] = "OOMBOOM " + lines[5]["prompt"]
@@ -191,14 +192,15 @@ def test_an_exception_or_oom_in_an_engine_step_hands_back_and_isolates_the_culpr
     }
     rows = chaos.result("boom")
     assert_exactly_once(rows, lines, reference(lines), errors=errors)
-    assert rows["attempts"][1] == rows["attempts"][5] == 3
-    assert all(rows["attempts"][i] >= 2 for i in (0, 2, 3, 4, 6, 7))  # they went back, ran again
+    assert rows["attempts"][0] == 1  # first half of the first bisection: never went back
+    assert rows["attempts"][1] == 3  # charged twice, then dead-lettered on its third delivery
     record = chaos.record("boom")
     assert (record.done, record.failed) == (6, 2)
     assert_nothing_left(chaos, "boom", out)
     log = worker.tail(200_000)
-    # first the whole batch failed and went back; then each culprit alone, once
-    assert log.count("engine step failed; handing the in-flight requests back") == 3
+    # one exit per charged failure, only ever a culprit's: 2 culprits x max_attempts 2
+    assert log.count("engine step failed; handing the in-flight requests back") == 4
+    assert log.count("again in halves to find the culprit") >= 4
 
 
 def test_batchgen_run_starts_a_fresh_engine_after_a_failure_and_finishes(chaos, reference):

@@ -8,15 +8,22 @@ become error rows. On SIGTERM/SIGINT it stops admitting, commits finished
 rows, hands unfinished requests back with their tokens so far, and exits
 within ``drain_timeout_s``.
 
-Isolation: a request on its last allowed attempt after crashes (a worker died
-or the engine raised while it ran) runs alone, so a poison request is
-dead-lettered by itself and its batch-mates are not. A worker holds one such
-suspect at a time: the others it reads are handed straight back, uncharged, so
-a crash while the one runs alone is charged to that one only (a suspect left
-waiting in a worker that was then killed would have been charged too, and
-dead-lettered with the poison). An exception in an engine step hands
-everything back (counted as a failed attempt, with the error) and exits with
-``ENGINE_FAILED_EXIT``; the supervisor starts a fresh engine at once.
+Isolation: some sets of requests run alone, nothing admitted beside them.
+- An exception in an engine step (a bug, an out-of-memory) bisects the batch:
+  the engine drops its requests, and the in-flight set runs again in two
+  halves, one after the other, each halved again if it fails, so its
+  batch-mates finish here, uncharged. When a step with one request fails, that
+  request is the culprit: it goes back charged with a failed attempt and the
+  error, everything else goes back uncharged, and the loop exits with
+  ``ENGINE_FAILED_EXIT`` so that the supervisor starts a fresh engine (an error
+  may have left this one broken). A culprit is dead-lettered once its failed
+  attempts pass ``max_attempts``.
+- A crash cannot be bisected (the process is gone; the next delivery counts it
+  against every request that was running). A request on its last allowed
+  attempt runs alone, so a poison request is dead-lettered by itself and its
+  batch-mates are not. A worker holds one such suspect at a time: the others it
+  reads are handed straight back, uncharged, so a crash while the one runs
+  alone is charged to that one only.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import redis
 
@@ -52,8 +60,10 @@ class QueueLoop:
         self.keys = Keys(config.prefix)
         self.qk = self.keys.queue_for_model(config.model)
         self.inflight: dict[str, Flight] = {}  # entry id (= engine request id) -> flight
-        self.solo: list[Delivery] = []  # last-chance suspects, to run one at a time
-        self.solo_running: str | None = None
+        # sets of requests to run alone, in turn: bisection halves, last-chance suspects
+        self.alone: list[list[Delivery]] = []
+        self.alone_running: set[str] = set()  # entry ids of the set running alone now
+        self.bisected: set[str] = set()  # entry ids that ran here before a failed step
         self.engine_failed = False
         self.engine_error = ""  # what the failed step raised, kept with the hand-backs
         self.sink = PartSink(
@@ -106,9 +116,9 @@ class QueueLoop:
         self.upkeep.run()
         read = 0
         block = None
-        if self.solo and not self.inflight and not self.stopping:
-            self._start_solo()
-        capacity = 0 if (self.solo or self.solo_running) else self.engine.free_capacity()
+        if self.alone and not self.inflight and not self.stopping:
+            self._start_alone()
+        capacity = 0 if (self.alone or self.alone_running) else self.engine.free_capacity()
         if capacity > 0 and not self.stopping and time.monotonic() >= self._backoff_until:
             idle = not self.engine.has_unfinished() and self.sink.empty
             block = self.config.block_ms if idle else None
@@ -125,9 +135,12 @@ class QueueLoop:
             try:
                 outputs = self.engine.step()
             except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                if self._bisect(error):
+                    return read
                 log.exception("engine step failed; handing the in-flight requests back, exiting")
                 self.engine_failed = self.stopping = True
-                self.engine_error = f"{type(exc).__name__}: {exc}"
+                self.engine_error = error
                 return read
             for out in outputs:
                 self.finished(out)
@@ -169,8 +182,8 @@ class QueueLoop:
         They did not run here, so neither their attempts nor their failures
         grow; the next worker to read one finds it still on its last chance.
         """
-        if not self.solo and not self.solo_running:
-            self.solo.append(suspects.pop(0))
+        if not self.alone and not self.alone_running:
+            self.alone.append([suspects.pop(0)])
         if not suspects:
             return
         items = [HandBack(d, list(d.resume), ran=False) for d in suspects]
@@ -178,17 +191,52 @@ class QueueLoop:
             self._count("deferred", hand_back(self.conn, self.qk, self.config.name, items))
         except _REDIS_DOWN as exc:  # keep them (refreshed) and run them alone, in turn
             log.warning("could not hand suspects back (%s); they wait here", exc)
-            self.solo += suspects
+            self.alone += [[d] for d in suspects]
 
-    def _start_solo(self) -> None:
-        d = self.solo.pop(0)
-        job = self.upkeep.job(d.job_id)
-        if job is None or d.job_id in self.upkeep.cancelled:
-            self.sink.drop([d.entry_id])
-            return
-        self._start(d, job.output)
-        if d.entry_id in self.inflight:
-            self.solo_running = d.entry_id
+    def _start_alone(self) -> None:
+        for d in self.alone.pop(0):
+            job = self.upkeep.job(d.job_id)
+            if job is None or d.job_id in self.upkeep.cancelled:
+                self.sink.drop([d.entry_id])
+                continue
+            self._start(d, job.output)
+            if d.entry_id in self.inflight:
+                self.alone_running.add(d.entry_id)
+
+    def keep_alone(self, keep: Callable[[Delivery], bool]) -> list[list[Delivery]]:
+        """The sets waiting to run alone, holding only the deliveries ``keep`` accepts."""
+        return [g for g in ([d for d in group if keep(d)] for group in self.alone) if g]
+
+    def _bisect(self, error: str) -> bool:
+        """After a failed step: drop the engine's requests and queue the in-flight
+        set to run again in two halves. False when there is nothing to halve (the
+        culprit is the one request left) or the engine cannot even let go."""
+        if self.stopping or len(self.inflight) < 2:
+            return False
+        try:
+            outputs = {out.request_id: out for out in self.engine.drain()}
+        except Exception:
+            log.exception("engine drain failed after a failed step")
+            return False
+        deliveries = []
+        for entry_id, flight in self.inflight.items():
+            d, out = flight.delivery, outputs.get(entry_id)
+            if out is not None:  # keep what it generated before the failed step
+                d = replace(d, resume=list(out.token_ids),
+                            preemptions=d.preemptions + out.num_preemptions)  # fmt: skip
+            deliveries.append(d)
+            self.bisected.add(entry_id)
+        self.inflight.clear()
+        self.alone_running.clear()
+        half = len(deliveries) // 2
+        self.alone[:0] = [deliveries[:half], deliveries[half:]]
+        log.warning(
+            "engine step failed (%s); running its %d requests again in halves to find the culprit",
+            error,
+            len(deliveries),
+        )
+        self._count("bisections")
+        return True
 
     def _start(self, d: Delivery, output: str) -> None:
         try:
@@ -223,8 +271,8 @@ class QueueLoop:
         self._count("rows_error")
 
     def finished(self, out) -> None:
-        if out.request_id == self.solo_running:
-            self.solo_running = None
+        self.alone_running.discard(out.request_id)
+        self.bisected.discard(out.request_id)
         flight = self.inflight.pop(out.request_id, None)
         if flight is None:
             return  # aborted meanwhile (cancelled, or claimed by another worker)
@@ -235,8 +283,8 @@ class QueueLoop:
         self._count("generation_tokens", row.completion_tokens)
 
     def abort(self, entry_id: str) -> None:
-        if entry_id == self.solo_running:
-            self.solo_running = None
+        self.alone_running.discard(entry_id)
+        self.bisected.discard(entry_id)
         if self.inflight.pop(entry_id, None) is not None:
             self.engine.abort(entry_id)
 
@@ -282,8 +330,13 @@ class QueueLoop:
             d = flight.delivery
             items.append(HandBack(d, list(d.resume), 0, failed, error=error))
         self.inflight.clear()
-        items += [HandBack(d, list(d.resume), ran=False) for d in self.solo]
-        self.solo.clear()
+        # a bisection half ran here (gracefully handed back); a suspect never started
+        items += [
+            HandBack(d, list(d.resume), ran=d.entry_id in self.bisected)
+            for group in self.alone
+            for d in group
+        ]
+        self.alone.clear()
         while items and time.monotonic() < deadline:
             try:
                 self._count("handed_back", hand_back(self.conn, self.qk, self.config.name, items))

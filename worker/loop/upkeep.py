@@ -98,21 +98,20 @@ class Upkeep:
         doomed = [e for e, f in self.loop.inflight.items() if f.delivery.job_id in self.cancelled]
         for entry_id in doomed:
             self.loop.abort(entry_id)
-        solo = [d for d in self.loop.solo if d.job_id in self.cancelled]
-        doomed += [d.entry_id for d in solo]
-        self.loop.solo = [d for d in self.loop.solo if d.job_id not in self.cancelled]
+        doomed += [d.entry_id for g in self.loop.alone for d in g if d.job_id in self.cancelled]
+        self.loop.alone = self.loop.keep_alone(lambda d: d.job_id not in self.cancelled)
         if doomed:
             self.loop.sink.drop(doomed)
             self.loop._count("dropped", len(doomed))
 
     def held(self) -> list[str]:
-        solo = [d.entry_id for d in self.loop.solo]
-        return list(self.loop.inflight) + solo + self.loop.sink.entry_ids()
+        alone = [d.entry_id for group in self.loop.alone for d in group]
+        return list(self.loop.inflight) + alone + self.loop.sink.entry_ids()
 
     def refresh(self) -> None:
         gone = refresh(self.loop.conn, self.loop.qk, self.config.name, self.held())
         if gone:
-            self.loop.solo = [d for d in self.loop.solo if d.entry_id not in gone]
+            self.loop.alone = self.loop.keep_alone(lambda d: d.entry_id not in gone)
         for entry_id in gone:
             # Another worker claimed it while we were stalled: it is theirs now.
             self.loop.abort(entry_id)
@@ -121,8 +120,8 @@ class Upkeep:
 
     def reclaim(self) -> None:
         capacity = self.loop.engine.free_capacity()
-        if capacity <= 0 or self.loop.solo or self.loop.solo_running:
-            return  # full, or a suspect must run alone: claimed work would run beside it
+        if capacity <= 0 or self.loop.alone or self.loop.alone_running:
+            return  # full, or a set must run alone: claimed work would run beside it
         claimed = reclaim(
             self.loop.conn,
             self.loop.qk,
