@@ -8,7 +8,6 @@ the dotted name of our own function plus JSON arguments.
 from __future__ import annotations
 
 import logging
-import signal
 from typing import Any
 
 import redis
@@ -87,21 +86,24 @@ def finalize_task(job_id: str, prefix: str) -> dict[str, Any]:
     return {"job_id": job_id, "state": state}
 
 
-def run_pending(conn: redis.Redis, keys: Keys) -> int:
-    """Run every queued finalize task in this process; how many ran.
+class _TaskRunner(SimpleWorker):
+    """rq's SimpleWorker without its own SIGINT/SIGTERM handlers.
 
-    An rq SimpleWorker in burst mode. rq installs its own SIGINT/SIGTERM
-    handlers while it works; ours are put back afterwards.
+    It runs inside a worker or supervisor that has handlers of its own; rq's
+    would take a SIGTERM that arrives while a task runs and keep it from ours
+    (the process then never stopped). A task in progress finishes either way.
     """
+
+    def _install_signal_handlers(self) -> None:
+        pass
+
+
+def run_pending(conn: redis.Redis, keys: Keys) -> int:
+    """Run every queued finalize task in this process; how many ran."""
     queue = finalize_queue(conn, keys)
     if queue.count == 0:
         return 0
     before = queue.count
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        worker = SimpleWorker([queue], connection=conn, serializer=JSONSerializer)
-        worker.work(burst=True, logging_level="WARNING", with_scheduler=False)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+    worker = _TaskRunner([queue], connection=conn, serializer=JSONSerializer)
+    worker.work(burst=True, logging_level="WARNING", with_scheduler=False)
     return before - queue.count

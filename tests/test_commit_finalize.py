@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
+import signal
 import zlib
 from pathlib import Path
 from typing import Any
@@ -285,3 +287,20 @@ def test_dead_consumers_with_nothing_pending_are_pruned(redis_url, tmp_path):
     assert prune_consumers(conn, KEYS, qk, idle_ms=0) == ["gone"]
     names = sorted(c["name"] for c in conn.xinfo_consumers(qk.stream, GROUP))
     assert names == [b"alive", b"holder"]
+
+
+def test_a_sigterm_while_a_task_runs_reaches_the_process_handler(redis_url):
+    """The supervisor and the queue loop run finalize tasks in-process; a SIGTERM
+    that arrived while one ran used to land in rq's handler, and the supervisor
+    never stopped. The task here sends it to its own process."""
+    conn = rconn(redis_url)
+    got: list[int] = []
+    saved = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        queue = tasks.finalize_queue(conn, KEYS)
+        queue.enqueue("os.kill", os.getpid(), signal.SIGTERM.value, job_id="term")
+        assert tasks.run_pending(conn, KEYS) == 1
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+    assert got == [signal.SIGTERM]
+    assert conn.hget("rq:job:term", "status") == b"finished"
