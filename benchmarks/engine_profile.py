@@ -1,0 +1,112 @@
+"""Where a batchgen engine run spends its time, by part of the step.
+
+    python benchmarks/engine_profile.py --model DIR          # the "mixed" workload, 64 requests
+
+Runs the workload once under torch.profiler with labels around the step's
+parts (input preparation, model forward, decode/prefill attention, logits,
+sampling), and counts decode steps by batch size. Prints JSON, then a table.
+Profiling slows the run down; read shares, not absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PARTS = {
+    "prepare": ("batchgen.worker.engine.runner", "ModelRunner", "prepare"),
+    "forward": ("batchgen.worker.models.llama", "LlamaModel", "forward"),
+    "attention": ("batchgen.worker.models.llama", None, "paged_attention"),
+    "logits": ("batchgen.worker.models.llama", "LlamaModel", "compute_logits"),
+    "sampling": ("batchgen.worker.engine.sampler", "Sampler", "__call__"),
+}
+BATCH_BUCKETS = (("1-7", 1, 7), ("8-16", 8, 16), ("17-32", 17, 32), ("33-64", 33, 64),
+                 ("65+", 65, 1 << 30))  # fmt: skip
+OPS = ("aten::mm", "aten::index_select", "aten::_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _label(owner: Any, name: str, label: str) -> None:
+    from torch.profiler import record_function
+
+    inner: Callable[..., Any] = getattr(owner, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with record_function(label):
+            return inner(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="checkpoint directory (batchgen toy-model)")
+    p.add_argument("--workload", default="mixed")
+    p.add_argument("--num-requests", type=int, default=64)
+    args = p.parse_args()
+
+    import importlib
+
+    import torch
+    from torch.profiler import profile
+
+    from batchgen.worker import Engine, SamplingParams
+    from batchgen.worker.engine.runner import ModelRunner
+    from benchmarks.workloads import WORKLOADS
+
+    engine = Engine.from_pretrained(args.model)
+    vocab = engine.runner.model.config.vocab_size  # the same ids as engine_bench.py
+    torch.manual_seed(0)
+    wl = WORKLOADS[args.workload](args.num_requests, vocab)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.max_tokens]
+    engine.generate(wl.prompts[:4], params[:4])  # warm-up
+    for label, (module, cls, name) in PARTS.items():
+        mod = importlib.import_module(module)
+        _label(getattr(mod, cls) if cls else mod, name, label)
+
+    batches: Counter[int] = Counter()
+    run = ModelRunner.run
+
+    def counting_run(self: ModelRunner, plan: Any) -> Any:
+        if not plan.prefills:
+            batches[len(plan.decodes)] += 1
+        return run(self, plan)
+
+    ModelRunner.run = counting_run  # type: ignore[method-assign]
+    with profile() as prof:
+        start = time.perf_counter()
+        outputs = engine.generate(wl.prompts, params)
+        wall = time.perf_counter() - start
+    totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
+    steps = sum(batches.values())
+    report = {
+        "model": args.model,
+        "workload": args.workload,
+        "requests": args.num_requests,
+        "output_tokens": sum(len(o.token_ids) for o in outputs),
+        "wall_s_profiled": round(wall, 2),
+        "parts_s": {k: round(totals.get(k, 0.0), 3) for k in PARTS},
+        "ops_s": {k: round(totals.get(k, 0.0), 3) for k in OPS},
+        "decode_steps": steps,
+        "decode_steps_by_batch": {
+            label: sum(n for b, n in batches.items() if lo <= b <= hi)
+            for label, lo, hi in BATCH_BUCKETS
+        },
+    }
+    print(json.dumps(report))
+    print(f"\n{'part':<52}{'seconds':>10}{'share of wall':>16}")
+    for name, secs in [*report["parts_s"].items(), *report["ops_s"].items()]:
+        print(f"{name:<52}{secs:>10.3f}{secs / wall:>15.0%}")
+    print(f"\ndecode steps by batch size: {report['decode_steps_by_batch']}")
+
+
+if __name__ == "__main__":
+    main()
