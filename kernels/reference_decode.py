@@ -57,6 +57,7 @@ class _DecodePlan:
 
 
 class _PlanCache(threading.local):
+    tensors: tuple[torch.Tensor, ...] = ()
     key: tuple | None = None
     plan: _DecodePlan | None = None
 
@@ -94,17 +95,18 @@ def paged_decode_attention(
 def _plan_for(
     block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype
 ) -> _DecodePlan:
-    key = (
-        block_tables, block_tables._version, context_lens, context_lens._version,
-        block_size, dtype,
-    )  # fmt: skip
-    cached = _last_plan.key
-    # the cache holds the tensors themselves, so their identity cannot be reused
-    if cached is not None and all(a is b for a, b in zip(cached, key)):
-        assert _last_plan.plan is not None
+    # the cache holds the tensors themselves, so their identity cannot be reused;
+    # their version counters say whether they were written in place since
+    tensors = (block_tables, context_lens)
+    key = (block_tables._version, context_lens._version, block_size, dtype)
+    if (
+        _last_plan.plan is not None
+        and all(a is b for a, b in zip(_last_plan.tensors, tensors))
+        and _last_plan.key == key
+    ):
         return _last_plan.plan
     plan = _make_plan(block_tables, context_lens.tolist(), block_size, dtype)
-    _last_plan.key, _last_plan.plan = key, plan
+    _last_plan.tensors, _last_plan.key, _last_plan.plan = tensors, key, plan
     return plan
 
 
