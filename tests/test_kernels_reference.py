@@ -47,6 +47,22 @@ def _paged(contexts, num_kv_heads, head_dim, block_size, seed=0):
     return k_cache, v_cache, tables, dense
 
 
+def _dense_of(k_cache, v_cache, tables, contexts):
+    """Each row's own K/V, read through its block table: [(k, v)] of (ctx, Hk, D)."""
+    out = []
+    for i, ctx in enumerate(contexts):
+        ids = tables[i].long()
+        out.append((k_cache[ids].flatten(0, 1)[:ctx], v_cache[ids].flatten(0, 1)[:ctx]))
+    return out
+
+
+def _assert_decode_rows_match_dense(out, q, dense, scale):
+    """Row i of a decode equals dense attention of q[i] over its own K/V."""
+    for i, (k, v) in enumerate(dense):
+        expected = _dense_attention(q[i : i + 1], k, v, scale)
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 3), (8, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_matches_dense(num_heads, num_kv_heads, block_size):
@@ -58,9 +74,7 @@ def test_decode_matches_dense(num_heads, num_kv_heads, block_size):
     out = ref.paged_decode_attention(
         q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), scale, max(contexts)
     )
-    for i, (k, v) in enumerate(dense):
-        expected = _dense_attention(q[i : i + 1], k, v, scale)
-        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+    _assert_decode_rows_match_dense(out, q, dense, scale)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 3)])
@@ -136,9 +150,7 @@ def test_decode_in_length_groups_matches_dense():
     out = ref.paged_decode_attention(
         q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.25, max(contexts)
     )
-    for i, (k, v) in enumerate(dense):
-        expected = _dense_attention(q[i : i + 1], k, v, 0.25)
-        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+    _assert_decode_rows_match_dense(out, q, dense, 0.25)
 
 
 def test_length_groups_are_contiguous_ranges_of_sorted_rows():
@@ -177,13 +189,8 @@ def test_decode_with_a_prefix_shared_by_every_row_matches_dense():
     out = ref.paged_decode_attention(
         q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.3, max(contexts)
     )
-    for i, ctx in enumerate(contexts):
-        ids = tables[i].long()
-        k = k_cache[ids].flatten(0, 1)[:ctx]
-        v = v_cache[ids].flatten(0, 1)[:ctx]
-        torch.testing.assert_close(
-            out[i : i + 1], _dense_attention(q[i : i + 1], k, v, 0.3), atol=1e-5, rtol=1e-5
-        )
+    dense = _dense_of(k_cache, v_cache, tables, contexts)
+    _assert_decode_rows_match_dense(out, q, dense, 0.3)
 
 
 def test_shared_prefix_needs_every_row_and_a_token_of_suffix():
@@ -207,13 +214,8 @@ def test_decode_with_a_prefix_shared_by_some_rows_matches_dense():
     out = ref.paged_decode_attention(
         q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.3, 45
     )
-    for i, ctx in enumerate(contexts):
-        ids = tables[i].long()
-        k = k_cache[ids].flatten(0, 1)[:ctx]
-        v = v_cache[ids].flatten(0, 1)[:ctx]
-        torch.testing.assert_close(
-            out[i : i + 1], _dense_attention(q[i : i + 1], k, v, 0.3), atol=1e-5, rtol=1e-5
-        )
+    dense = _dense_of(k_cache, v_cache, tables, contexts)
+    _assert_decode_rows_match_dense(out, q, dense, 0.3)
 
 
 def test_decode_plan_is_rebuilt_when_the_step_inputs_change_in_place():
@@ -233,7 +235,4 @@ def test_decode_plan_is_rebuilt_when_the_step_inputs_change_in_place():
     out = ref.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 33)
     assert ref_decode._last_plan.plan is not plan
     k, v = dense[0]
-    torch.testing.assert_close(out[:1], _dense_attention(q[:1], k[:20], v[:20], 0.25))
-    for i in (1, 2):
-        k, v = dense[i]
-        torch.testing.assert_close(out[i : i + 1], _dense_attention(q[i : i + 1], k, v, 0.25))
+    _assert_decode_rows_match_dense(out, q, [(k[:20], v[:20]), *dense[1:]], 0.25)
