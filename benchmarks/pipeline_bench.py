@@ -27,8 +27,9 @@ import redis
 
 from batchgen.jobs import tasks
 from batchgen.jobs.keys import Keys
+from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.records import JobState, load_job
+from batchgen.jobs.records import load_job
 from batchgen.jobs.redis_server import RedisServer
 from batchgen.jobs.submit import submit
 from batchgen.jobs.validate import SpoolDir, validate_file

@@ -13,24 +13,14 @@ import redis
 
 from batchgen.jobs.errors import JobConflict, JobNotFound
 from batchgen.jobs.keys import Keys, text
-from batchgen.jobs.records import JobState, queue_of_job
+from batchgen.jobs.lifecycle import CANCEL, JobState
+from batchgen.jobs.records import queue_of_job
 from batchgen.jobs.tasks import enqueue_finalize
-
-_CANCEL = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if not state then return '' end
-if state == 'queued' or state == 'running' then
-  redis.call('HSET', KEYS[1], 'state', 'cancelling')
-  redis.call('SADD', KEYS[2], ARGV[1])
-  return 'cancelling'
-end
-return state
-"""
 
 
 def cancel(conn: redis.Redis, keys: Keys, job_id: str) -> JobState:
     qk = queue_of_job(conn, keys, job_id)
-    raw = conn.register_script(_CANCEL)(keys=[qk.job(job_id).job, qk.cancelled], args=[job_id])
+    raw = CANCEL(conn, job=qk.job(job_id).job, cancelled=qk.cancelled, job_id=job_id)
     if not raw:
         raise JobNotFound(f"job {job_id!r} has no record (Redis lost its state?)")
     state = JobState(text(raw))

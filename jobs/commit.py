@@ -23,103 +23,64 @@ from dataclasses import dataclass, field
 import redis
 
 from batchgen.jobs.keys import GROUP, QueueKeys
+from batchgen.jobs.lifecycle import script
+from batchgen.jobs.lua import ACK_AND_DELETE
 from batchgen.jobs.rows import Row
 
-# Shared Lua: job liveness and the counters + state transition after new rows.
-LUA_HELPERS = """
-local function job_status(job)
-  local v = redis.call('HMGET', job, 'state', 'closed')
-  if not v[1] then return 'missing' end
-  if v[2] == '1' then return 'closed' end
-  return 'live'
-end
-
-local function bump(job, d, f, pt, ct, cc, now)
-  if d > 0 then redis.call('HINCRBY', job, 'done', d) end
-  if f > 0 then redis.call('HINCRBY', job, 'failed', f) end
-  if pt > 0 then redis.call('HINCRBY', job, 'prompt_tokens', pt) end
-  if ct > 0 then redis.call('HINCRBY', job, 'completion_tokens', ct) end
-  if cc > 0 then redis.call('HINCRBY', job, 'cached_tokens', cc) end
-  local v = redis.call('HMGET', job, 'state', 'done', 'failed', 'total')
-  local state = v[1]
-  if state == 'queued' then
-    redis.call('HSET', job, 'state', 'running', 'started_at', now)
-    state = 'running'
-  end
-  if state == 'running' and tonumber(v[2]) + tonumber(v[3]) >= tonumber(v[4]) then
-    redis.call('HSET', job, 'state', 'finalizing')
-    return true
-  end
-  return false
-end
-
-local function ack_and_delete(stream, group, ids)
-  for i = 1, #ids, 500 do
-    local chunk = {}
-    for k = i, math.min(i + 499, #ids) do chunk[#chunk + 1] = ids[k] end
-    redis.call('XACK', stream, group, unpack(chunk))
-    redis.call('XDEL', stream, unpack(chunk))
-  end
-end
-"""
-
-_COMMIT = (
-    LUA_HELPERS
-    + """
-local stream, group, now = KEYS[1], ARGV[1], ARGV[2]
-local njobs = tonumber(ARGV[3])
-local p = 4
-local jobs = {}
-for j = 1, njobs do
-  local job = {key = KEYS[1 + (j - 1) * 3 + 1], done = KEYS[1 + (j - 1) * 3 + 2],
-               parts = KEYS[1 + (j - 1) * 3 + 3], id = ARGV[p], part = ARGV[p + 1],
-               meta = ARGV[p + 2], lost = {}, d = 0, f = 0, pt = 0, ct = 0, cc = 0}
-  job.status = job_status(job.key)
-  if job.status == 'live' and redis.call('HEXISTS', job.parts, job.part) == 1 then
-    job.status = 'again'
-  end
-  jobs[j] = job
-  p = p + 3
-end
+COMMIT = script(
+    "commit parts",
+    keys=[
+        ("stream", "the model's request stream"),
+        ("*touched", "every job key the payload names (one hash slot)"),
+    ],
+    args=[
+        ("group", "the consumer group"),
+        ("now", "unix seconds"),
+        (
+            "payload",
+            "JSON: {parts: [part], drop: [entry id]}; part: {job_id, record, done, "
+            "parts, name, meta, rows: {index, entry, failed, pt, ct, cc} as columns}",
+        ),
+    ],
+    prelude=ACK_AND_DELETE,
+    body="""
+local p = cjson.decode(payload)
+local out = {finished = {}, missing = {}, closed = {}, again = {}, lost = 0}
 local ids = {}
-local nrows = tonumber(ARGV[p])
-p = p + 1
-for r = 1, nrows do
-  local job = jobs[tonumber(ARGV[p])]
-  ids[#ids + 1] = ARGV[p + 2]
-  if job.status == 'live' then
-    if redis.call('SETBIT', job.done, ARGV[p + 1], 1) == 0 then
-      if ARGV[p + 3] == '1' then job.f = job.f + 1 else job.d = job.d + 1 end
-      job.pt = job.pt + tonumber(ARGV[p + 4])
-      job.ct = job.ct + tonumber(ARGV[p + 5])
-      job.cc = job.cc + tonumber(ARGV[p + 6])
-    else
-      job.lost[#job.lost + 1] = tonumber(ARGV[p + 1])
+for _, part in ipairs(p.parts) do
+  local status = job_status(part.record)
+  if status == 'live' and redis.call('HEXISTS', part.parts, part.name) == 1 then
+    status = 'again'  -- a retried commit after a lost reply: only ack
+  end
+  local rows, lost = part.rows, {}
+  local d, f, pt, ct, cc = 0, 0, 0, 0, 0
+  for r = 1, #rows.index do
+    ids[#ids + 1] = rows.entry[r]
+    if status == 'live' then
+      if redis.call('SETBIT', part.done, rows.index[r], 1) == 0 then  -- first row wins
+        if rows.failed[r] == 1 then f = f + 1 else d = d + 1 end
+        pt, ct, cc = pt + rows.pt[r], ct + rows.ct[r], cc + rows.cc[r]
+      else
+        lost[#lost + 1] = rows.index[r]
+      end
     end
   end
-  p = p + 7
-end
-local ndrop = tonumber(ARGV[p])
-for k = 1, ndrop do ids[#ids + 1] = ARGV[p + k] end
-if #ids > 0 then ack_and_delete(stream, group, ids) end
-local out = {finished = {}, missing = {}, closed = {}, again = {}, lost = 0}
-for j = 1, njobs do
-  local job = jobs[j]
-  if job.status == 'live' then
-    local record = cjson.decode(job.meta)
-    record.lost = job.lost
-    redis.call('HSET', job.parts, job.part, cjson.encode(record))
-    out.lost = out.lost + #job.lost
-    if bump(job.key, job.d, job.f, job.pt, job.ct, job.cc, now) then
-      out.finished[#out.finished + 1] = job.id
+  if status == 'live' then
+    local meta = cjson.decode(part.meta)
+    meta.lost = lost
+    redis.call('HSET', part.parts, part.name, cjson.encode(meta))
+    out.lost = out.lost + #lost
+    if bump(part.record, d, f, pt, ct, cc, now) then
+      out.finished[#out.finished + 1] = part.job_id
     end
   else
-    local list = out[job.status]
-    list[#list + 1] = job.id
+    out[status][#out[status] + 1] = part.job_id
   end
 end
+for _, id in ipairs(p.drop) do ids[#ids + 1] = id end
+ack_and_delete(stream, group, ids)
 return cjson.encode(out)
-"""
+""",
 )
 
 
@@ -149,27 +110,28 @@ def commit(
     drop_ids: list[str] = (),  # type: ignore[assignment]
 ) -> CommitResult:
     """Commit ``parts`` and ack+delete ``drop_ids`` (entries with no row to keep)."""
-    keys: list[str] = [qk.stream]
-    args: list[str | int] = [GROUP, repr(time.time()), len(parts)]
-    row_args: list[str | int] = []
-    for ordinal, part in enumerate(parts, start=1):
+    touched: list[str] = []
+    payload: dict[str, list] = {"parts": [], "drop": list(drop_ids)}
+    for part in parts:
         jk = qk.job(part.job_id)
-        keys += [jk.job, jk.done, jk.parts]
+        touched += [jk.job, jk.done, jk.parts]
         indices = [row.index for row in part.rows]
         meta = {"rows": len(indices), "lo": min(indices, default=0), "hi": max(indices, default=0)}
-        args += [part.job_id, part.name, json.dumps(meta)]
-        for row, entry_id in zip(part.rows, part.entry_ids, strict=True):
-            row_args += [
-                ordinal,
-                row.index,
-                entry_id,
-                1 if row.failed else 0,
-                row.prompt_tokens,
-                row.completion_tokens,
-                row.cached_tokens,
-            ]
-    args += [len(row_args) // 7, *row_args, len(drop_ids), *drop_ids]
-    raw = conn.register_script(_COMMIT)(keys=keys, args=args)
+        rows = part.rows
+        payload["parts"].append({
+            "job_id": part.job_id, "record": jk.job, "done": jk.done, "parts": jk.parts,
+            "name": part.name, "meta": json.dumps(meta),
+            "rows": {
+                "index": indices, "entry": list(part.entry_ids),
+                "failed": [1 if r.failed else 0 for r in rows],
+                "pt": [r.prompt_tokens for r in rows], "ct": [r.completion_tokens for r in rows],
+                "cc": [r.cached_tokens for r in rows],
+            },
+        })  # fmt: skip
+    raw = COMMIT(
+        conn, stream=qk.stream, touched=touched, group=GROUP, now=repr(time.time()),
+        payload=json.dumps(payload, separators=(",", ":")),
+    )  # fmt: skip
     data = json.loads(raw)
     return CommitResult(
         finished=_list(data["finished"]),

@@ -25,8 +25,9 @@ from batchgen.jobs.finalize import (
     read_window,
 )
 from batchgen.jobs.keys import Keys
+from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.names import check_file_name
-from batchgen.jobs.records import JobState, load_job, queue_of_job
+from batchgen.jobs.records import load_job, queue_of_job
 from batchgen.jobs.rows import SCHEMA
 from batchgen.jobs.storage import OutputDir
 

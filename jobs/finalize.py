@@ -29,7 +29,8 @@ import redis
 import batchgen
 from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.keys import Keys, QueueKeys, text, text_hash
-from batchgen.jobs.records import JobRecord, JobState, load_job, queue_of_job
+from batchgen.jobs.lifecycle import CLOSE, FINISH, JobState
+from batchgen.jobs.records import JobRecord, load_job, queue_of_job
 from batchgen.jobs.rows import SCHEMA, FinishReason, Row, from_dict, to_table
 from batchgen.jobs.storage import OutputDir
 
@@ -39,22 +40,6 @@ RESULT = "result.parquet"
 MANIFEST = "manifest.json"
 WINDOW_ROWS = 1 << 20
 LOST = "lost: the queue entry was deleted before a row was committed (was the stream trimmed?)"
-
-_CLOSE = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if state == 'finalizing' or state == 'cancelling' then
-  redis.call('HSET', KEYS[1], 'closed', '1')
-end
-return state
-"""
-
-_FINISH = """
-redis.call('HSET', KEYS[1], 'state', ARGV[2], 'finished_at', ARGV[3], 'failed', ARGV[4], 'error', '')
-redis.call('SREM', KEYS[2], ARGV[1])
-redis.call('SREM', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[4])
-return 1
-"""
 
 
 @dataclass(slots=True)
@@ -203,7 +188,7 @@ def finalize(conn: redis.Redis, keys: Keys, job_id: str) -> str:
     """Write the job's output if it is ready; returns the job's state afterwards."""
     qk = queue_of_job(conn, keys, job_id)
     jk = qk.job(job_id)
-    state = conn.register_script(_CLOSE)(keys=[jk.job])
+    state = CLOSE(conn, job=jk.job)
     if state is None:
         return "missing"
     if text(state) not in (JobState.FINALIZING.value, JobState.CANCELLING.value):
@@ -219,9 +204,9 @@ def finalize(conn: redis.Redis, keys: Keys, job_id: str) -> str:
     CrashPlan.from_env().reached("before_finalize_commit")
     final = JobState.CANCELLED if record.state == JobState.CANCELLING else JobState.COMPLETED
     failed = counts.rows - counts.by_reason.get("stop", 0) - counts.by_reason.get("length", 0)
-    conn.register_script(_FINISH)(
-        keys=[jk.job, qk.active, qk.cancelled, jk.done],
-        args=[job_id, final.value, repr(finished_at), failed],
-    )
+    FINISH(
+        conn, job=jk.job, active=qk.active, cancelled=qk.cancelled, done=jk.done, job_id=job_id,
+        now=repr(finished_at), failed=failed,
+    )  # fmt: skip
     out.delete_dir("parts")
     return final.value

@@ -19,31 +19,17 @@ from typing import Any
 import redis
 
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys, text
+from batchgen.jobs.lifecycle import MARK_LOST
 from batchgen.jobs.tasks import MAX_FINALIZE_ATTEMPTS, enqueue_finalize
-
-_RECONCILE = """
-local v = redis.call('HMGET', KEYS[2], 'state', 'closed', 'enqueued', 'total', 'done', 'failed', 'last_id')
-local state = v[1]
-if not state then return 'missing' end
-if v[2] == '1' then return 'closed' end
-if state ~= 'queued' and state ~= 'running' then return state end
-local enqueued, total = tonumber(v[3]), tonumber(v[4])
-local finished = tonumber(v[5]) + tonumber(v[6])
-if enqueued < total or finished >= total or not v[7] or v[7] == '' then return state end
-if #redis.call('XRANGE', KEYS[1], '-', v[7], 'COUNT', 1) > 0 then return state end
-redis.call('HSET', KEYS[2], 'state', 'finalizing', 'lost', total - finished)
-return 'lost'
-"""
 
 
 def sweep(conn: redis.Redis, keys: Keys, qk: QueueKeys) -> list[str]:
     """One pass over the queue's unfinished jobs; the jobs whose finalize was enqueued."""
     enqueued = []
-    reconcile = conn.register_script(_RECONCILE)
     for raw in conn.smembers(qk.active):
         job_id = text(raw)
         jk = qk.job(job_id)
-        state = text(reconcile(keys=[qk.stream, jk.job]))
+        state = text(MARK_LOST(conn, stream=qk.stream, job=jk.job))
         if state == "missing":
             conn.srem(qk.active, job_id)
             continue

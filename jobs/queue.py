@@ -20,8 +20,9 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.commit import LUA_HELPERS
 from batchgen.jobs.keys import GROUP, QueueKeys
+from batchgen.jobs.lifecycle import script
+from batchgen.jobs.lua import ACK_AND_DELETE, LuaScript
 from batchgen.jobs.submit import ensure_group
 
 log = logging.getLogger(__name__)
@@ -102,22 +103,26 @@ def recreate_group(conn: redis.Redis, qk: QueueKeys) -> None:
     ensure_group(conn, qk)
 
 
-_REFRESH = """
-local stream, group, me = KEYS[1], ARGV[1], ARGV[2]
+REFRESH = LuaScript.define(
+    "refresh claims",
+    keys=[("stream", "the model's request stream")],
+    args=[("group", ""), ("me", "this consumer"), ("*ids", "entries this worker holds")],
+    body="""
 local gone, mine = {}, {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', stream, group, ARGV[i], ARGV[i], 1)
-  if #p == 0 or p[1][2] ~= me then gone[#gone + 1] = ARGV[i] else mine[#mine + 1] = ARGV[i] end
+for _, id in ipairs(ids) do
+  local p = redis.call('XPENDING', stream, group, id, id, 1)
+  if #p == 0 or p[1][2] ~= me then gone[#gone + 1] = id else mine[#mine + 1] = id end
 end
 for i = 1, #mine, 500 do
   -- unpack() expands to all its values only as the last argument of a call
-  local args = {stream, group, me, 0}
-  for k = i, math.min(i + 499, #mine) do args[#args + 1] = mine[k] end
-  args[#args + 1] = 'JUSTID'
-  redis.call('XCLAIM', unpack(args))
+  local claim = {stream, group, me, 0}
+  for k = i, math.min(i + 499, #mine) do claim[#claim + 1] = mine[k] end
+  claim[#claim + 1] = 'JUSTID'
+  redis.call('XCLAIM', unpack(claim))
 end
 return gone
-"""
+""",
+)
 
 
 def refresh(conn: redis.Redis, qk: QueueKeys, consumer: str, entry_ids: list[str]) -> list[str]:
@@ -128,7 +133,7 @@ def refresh(conn: redis.Redis, qk: QueueKeys, consumer: str, entry_ids: list[str
     """
     if not entry_ids:
         return []
-    gone: Any = conn.register_script(_REFRESH)(keys=[qk.stream], args=[GROUP, consumer, *entry_ids])
+    gone: Any = REFRESH(conn, stream=qk.stream, group=GROUP, me=consumer, ids=entry_ids)
     return [g.decode() for g in gone]
 
 
@@ -202,26 +207,31 @@ def _id_key(entry_id: bytes) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-_HAND_BACK = (
-    LUA_HELPERS
-    + """
-local stream, group, me = KEYS[1], ARGV[1], ARGV[2]
+HAND_BACK = script(
+    "hand back",
+    keys=[("stream", "the model's request stream"), ("*touched", "the job records named below")],
+    args=[
+        ("group", ""),
+        ("me", "this consumer"),
+        ("payload", "JSON list of {job_id, record, old: entry id, index, request, extra}"),
+    ],
+    prelude=ACK_AND_DELETE,
+    body="""
 local handed = 0
-for k = 2, #KEYS do
-  local p = 3 + (k - 2) * 5
-  local job_id, old, idx, r, x = ARGV[p], ARGV[p + 1], ARGV[p + 2], ARGV[p + 3], ARGV[p + 4]
-  local pend = redis.call('XPENDING', stream, group, old, old, 1)
-  if #pend == 1 and pend[1][2] == me then
-    if job_status(KEYS[k]) == 'live' then
-      local id = redis.call('XADD', stream, '*', 'j', job_id, 'i', idx, 'r', r, 'x', x)
-      redis.call('HSET', KEYS[k], 'last_id', id)
+for _, item in ipairs(cjson.decode(payload)) do
+  local pend = redis.call('XPENDING', stream, group, item.old, item.old, 1)
+  if #pend == 1 and pend[1][2] == me then  -- still ours: another worker may have taken it
+    if job_status(item.record) == 'live' then
+      local id = redis.call('XADD', stream, '*', 'j', item.job_id, 'i', item.index,
+                            'r', item.request, 'x', item.extra)
+      redis.call('HSET', item.record, 'last_id', id)
       handed = handed + 1
     end
-    ack_and_delete(stream, group, {old})
+    ack_and_delete(stream, group, {item.old})
   end
 end
 return handed
-"""
+""",
 )
 
 
@@ -246,8 +256,7 @@ def hand_back(conn: redis.Redis, qk: QueueKeys, consumer: str, items: list[HandB
     """
     if not items:
         return 0
-    keys = [qk.stream]
-    args: list[str | int] = [GROUP, consumer]
+    touched, payload = [], []
     for item in items:
         d = item.delivery
         extra = {
@@ -259,27 +268,48 @@ def hand_back(conn: redis.Redis, qk: QueueKeys, consumer: str, items: list[HandB
         }
         if item.error or d.last_error:
             extra["err"] = (item.error or d.last_error)[:1000]
-        keys.append(qk.job(d.job_id).job)
-        args += [d.job_id, d.entry_id, d.index, json.dumps(d.request), json.dumps(extra)]
-    return int(conn.register_script(_HAND_BACK)(keys=keys, args=args))
+        record = qk.job(d.job_id).job
+        touched.append(record)
+        payload.append({"job_id": d.job_id, "record": record, "old": d.entry_id, "index": d.index,
+                        "request": json.dumps(d.request), "extra": json.dumps(extra)})  # fmt: skip
+    handed = HAND_BACK(conn, stream=qk.stream, touched=touched, group=GROUP, me=consumer,
+                       payload=json.dumps(payload))  # fmt: skip
+    return int(handed)
 
 
-_DEAD_LETTER = (
-    LUA_HELPERS
-    + """
-local stream, dead, job, done, errors = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local group, id, job_id, idx, r, reason, deliveries, worker, row, now =
-  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10]
-redis.call('XADD', dead, '*', 'j', job_id, 'i', idx, 'r', r, 'reason', reason,
+DEAD_LETTER = script(
+    "dead letter",
+    keys=[
+        ("stream", "the model's request stream"),
+        ("dead", "the dead-letter stream"),
+        ("job", "the job record"),
+        ("done", "its done-marks"),
+        ("errors", "its error rows"),
+    ],
+    args=[
+        "group",
+        "id",
+        "job_id",
+        "index",
+        ("request", "the entry's request JSON"),
+        "reason",
+        "deliveries",
+        "worker",
+        ("row", "the error row JSON"),
+        ("now", "unix seconds"),
+    ],
+    prelude=ACK_AND_DELETE,
+    body="""
+redis.call('XADD', dead, '*', 'j', job_id, 'i', index, 'r', request, 'reason', reason,
            'deliveries', deliveries, 'worker', worker, 'entry', id)
 ack_and_delete(stream, group, {id})
-if job_status(job) == 'live' and redis.call('SETBIT', done, idx, 1) == 0 then
-  redis.call('HSET', errors, idx, row)
+if job_status(job) == 'live' and redis.call('SETBIT', done, index, 1) == 0 then
+  redis.call('HSET', errors, index, row)
   if bump(job, 0, 1, 0, 0, 0, now) then return 2 end
   return 1
 end
 return 0
-"""
+""",
 )
 
 
@@ -292,20 +322,13 @@ def dead_letter(
     writes it. True when this made the job complete (enqueue finalize).
     """
     jk = qk.job(delivery.job_id)
-    keys = [qk.stream, qk.dead, jk.job, jk.done, jk.errors]
-    args: list[str | int] = [
-        GROUP,
-        delivery.entry_id,
-        delivery.job_id,
-        delivery.index,
-        json.dumps(delivery.request),
-        reason,
-        delivery.failed_attempts,
-        worker,
-        row_json,
-        repr(time.time()),
-    ]
-    return int(conn.register_script(_DEAD_LETTER)(keys=keys, args=args)) == 2
+    made = DEAD_LETTER(
+        conn, stream=qk.stream, dead=qk.dead, job=jk.job, done=jk.done, errors=jk.errors,
+        group=GROUP, id=delivery.entry_id, job_id=delivery.job_id, index=delivery.index,
+        request=json.dumps(delivery.request), reason=reason, deliveries=delivery.failed_attempts,
+        worker=worker, row=row_json, now=repr(time.time()),
+    )  # fmt: skip
+    return int(made) == 2
 
 
 def drop(conn: redis.Redis, qk: QueueKeys, entry_ids: list[str], pipeline=None) -> None:

@@ -1,8 +1,7 @@
-"""The job record (one Redis hash per job) and its state enum."""
+"""The job record: one Redis hash per job (its states: lifecycle.py)."""
 
 from __future__ import annotations
 
-import enum
 import json
 import time
 from dataclasses import dataclass, field
@@ -12,23 +11,7 @@ import redis
 
 from batchgen.jobs.errors import JobNotFound
 from batchgen.jobs.keys import Keys, QueueKeys, text, text_hash
-
-
-class JobState(str, enum.Enum):
-    """Stored in Redis as its value."""
-
-    QUEUED = "queued"  # created; requests waiting (submit may still be enqueuing)
-    RUNNING = "running"  # a first row was committed
-    FINALIZING = "finalizing"  # every input has a row; the finalize task writes the output
-    COMPLETED = "completed"
-    FAILED = "failed"  # finalize could not write the output (see error)
-    CANCELLING = "cancelling"  # workers drop its requests; finalize fills cancelled rows
-    CANCELLED = "cancelled"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
-
+from batchgen.jobs.lifecycle import JobState
 
 _INT_FIELDS = (
     "total",

@@ -10,7 +10,8 @@ import redis
 
 from batchgen.jobs.heartbeat import live_workers
 from batchgen.jobs.keys import Keys, text_hash
-from batchgen.jobs.records import JobRecord, JobState, load_job
+from batchgen.jobs.lifecycle import JobState
+from batchgen.jobs.records import JobRecord, load_job
 
 
 @dataclass(slots=True)

@@ -33,34 +33,37 @@ from batchgen.jobs.connection import describe_connection_error, is_oom, queue_fu
 from batchgen.jobs.errors import InvalidInput, JobConflict, RedisUnavailable, UsageError
 from batchgen.jobs.inputs import MAX_LINE_BYTES, LineError
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys, queue_name, queue_tag, text
+from batchgen.jobs.lifecycle import CREATE, JobState, script
 from batchgen.jobs.names import check_job_id
-from batchgen.jobs.records import JobRecord, JobState
+from batchgen.jobs.records import JobRecord
 from batchgen.jobs.validate import SpoolDir, validate_file
 
 CHUNK_ENTRIES = 2000
 CHUNK_BYTES = 4 << 20
 
-_CHUNK = """
-local v = redis.call('HMGET', KEYS[2], 'enqueued', 'state')
+APPEND_CHUNK = script(
+    "append chunk",
+    keys=[("stream", "the model's request stream"), ("job", "the job record")],
+    args=[
+        ("job_id", ""),
+        ("start", "entries the job had when this chunk was packed"),
+        ("*entries", "the chunk's requests, compact JSON"),
+    ],
+    body="""
+local v = redis.call('HMGET', job, 'enqueued', 'state')
 if not v[1] then return {-1, ''} end
-if v[2] == 'cancelling' or v[2] == 'cancelled' then return {-2, v[2]} end
-local start = tonumber(ARGV[2])
-if tonumber(v[1]) ~= start then return {tonumber(v[1]), ''} end
+if v[2] == S.CANCELLING or v[2] == S.CANCELLED then return {-2, v[2]} end
+local first = tonumber(start)
+if tonumber(v[1]) ~= first then return {tonumber(v[1]), ''} end
 local id
-for k = 3, #ARGV do
-  id = redis.call('XADD', KEYS[1], '*', 'j', ARGV[1], 'i', start + k - 3, 'r', ARGV[k])
+for k, entry in ipairs(entries) do
+  id = redis.call('XADD', stream, '*', 'j', job_id, 'i', first + k - 1, 'r', entry)
 end
-local enqueued = start + #ARGV - 2
-redis.call('HSET', KEYS[2], 'enqueued', enqueued, 'last_id', id)
+local enqueued = first + #entries
+redis.call('HSET', job, 'enqueued', enqueued, 'last_id', id)
 return {enqueued, ''}
-"""
-
-_CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV))
-redis.call('SADD', KEYS[2], ARGV[2])
-return 1
-"""
+""",
+)
 
 
 @dataclass(slots=True)
@@ -193,9 +196,12 @@ def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> 
     conn.hset(keys.queues, qk.tag, record.queue)
     ensure_group(conn, qk)
     jk = qk.job(job_id)
-    fields = [x for pair in record.to_hash().items() for x in pair]
-    # ARGV[2] must be the job id for SADD: put ("id", job_id) first.
-    created = conn.register_script(_CREATE)(keys=[jk.job, qk.active], args=["id", job_id, *fields])
+    fields = [
+        x for name, value in record.to_hash().items() if name != "state" for x in (name, value)
+    ]
+    created = CREATE(
+        conn, job=jk.job, active=qk.active, job_id=job_id, fields=["id", job_id, *fields]
+    )
     if created:
         return False, 0
     existing = JobRecord.from_hash(job_id, conn.hgetall(jk.job))
@@ -251,19 +257,21 @@ class _ChunkSender:
     WINDOW = 2
 
     def __init__(self, conn: redis.Redis, qk: QueueKeys, job_id: str, total: int) -> None:
-        self.sha = conn.script_load(_CHUNK)
+        self.sha = APPEND_CHUNK.load(conn)
         self.pool = conn.connection_pool
         self.connection = self.pool.get_connection()
-        self.keys = (qk.stream, qk.job(job_id).job)
+        self.stream, self.job = qk.stream, qk.job(job_id).job
         self.job_id = job_id
         self.total = total
         self.in_flight: deque[tuple[int, int]] = deque()
         self.broken = False
 
     def send(self, start: int, chunk: list[bytes]) -> None:
-        packed = self.connection.pack_command(
-            "EVALSHA", self.sha, 2, *self.keys, self.job_id, start, *chunk
-        )
+        keys, args = APPEND_CHUNK.flatten(
+            {"stream": self.stream, "job": self.job, "job_id": self.job_id, "start": start,
+             "entries": chunk}
+        )  # fmt: skip
+        packed = self.connection.pack_command("EVALSHA", self.sha, len(keys), *keys, *args)
         self.connection.send_packed_command(packed, check_health=False)
         self.in_flight.append((start, len(chunk)))
         if len(self.in_flight) > self.WINDOW:

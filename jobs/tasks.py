@@ -18,7 +18,8 @@ from rq.serializers import JSONSerializer
 
 from batchgen.jobs.finalize import finalize
 from batchgen.jobs.keys import Keys
-from batchgen.jobs.records import JobState, queue_of_job
+from batchgen.jobs.lifecycle import JobState
+from batchgen.jobs.records import queue_of_job
 
 log = logging.getLogger(__name__)
 

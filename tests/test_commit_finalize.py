@@ -20,9 +20,10 @@ from batchgen.jobs import tasks
 from batchgen.jobs.commit import PartCommit, commit
 from batchgen.jobs.finalize import LOST, finalize
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys
+from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.params import DEFAULTS
 from batchgen.jobs.queue import read_new
-from batchgen.jobs.records import JobState, load_job
+from batchgen.jobs.records import load_job
 from batchgen.jobs.rows import FinishReason, Row, to_table
 from batchgen.jobs.sink import PartSink
 from batchgen.jobs.storage import OutputDir

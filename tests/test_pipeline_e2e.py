@@ -22,7 +22,8 @@ import pytest
 import redis
 
 from batchgen.jobs.keys import GROUP, Keys
-from batchgen.jobs.records import JobState, load_job
+from batchgen.jobs.lifecycle import JobState
+from batchgen.jobs.records import load_job
 
 KEYS = Keys("bg")
 N_PROMPTS = 200

@@ -21,9 +21,10 @@ from batchgen.jobs import tasks
 from batchgen.jobs.cancel import cancel
 from batchgen.jobs.finalize import LOST
 from batchgen.jobs.keys import GROUP, Keys
+from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.params import DEFAULTS
 from batchgen.jobs.queue import read_new, refresh
-from batchgen.jobs.records import JobState, load_job
+from batchgen.jobs.records import load_job
 from batchgen.jobs.submit import ensure_group, submit
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
 from batchgen.worker.loop.config import ENGINE_FAILED_EXIT

@@ -12,8 +12,9 @@ import redis
 from batchgen.jobs import submit as submit_mod
 from batchgen.jobs.errors import InvalidInput, JobConflict, QueueFull
 from batchgen.jobs.keys import Keys, queue_name
+from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.records import JobState, load_job
+from batchgen.jobs.records import load_job
 from batchgen.jobs.redis_server import RedisServer
 from batchgen.jobs.submit import submit
 

@@ -43,8 +43,9 @@ def run(
     from batchgen.jobs.download import download
     from batchgen.jobs.errors import BatchgenError
     from batchgen.jobs.keys import prefix_from_env
+    from batchgen.jobs.lifecycle import JobState
     from batchgen.jobs.names import check_job_id, default_output
-    from batchgen.jobs.records import JobState, load_job
+    from batchgen.jobs.records import load_job
     from batchgen.jobs.submit import new_job_id, submit
     from batchgen.jobs.tasks import run_pending
     from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig

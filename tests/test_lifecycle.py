@@ -1,0 +1,106 @@
+"""The job lifecycle's one home: states from the enum, named KEYS/ARGV, moves the table allows."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+import pytest
+import redis
+
+import batchgen.jobs
+from batchgen.jobs.lifecycle import MOVES, JobState, script
+from batchgen.jobs.lua import LuaScript
+
+
+def all_scripts() -> list[LuaScript]:
+    found: dict[str, LuaScript] = {}
+    for info in pkgutil.iter_modules(batchgen.jobs.__path__):
+        module = importlib.import_module(f"batchgen.jobs.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, LuaScript):
+                found[value.name] = value
+    return list(found.values())
+
+
+def rconn(url: str) -> Any:
+    return redis.Redis.from_url(url, decode_responses=True)
+
+
+def test_every_script_is_found_and_named_uniquely() -> None:
+    names = [s.name for s in all_scripts()]
+    assert len(names) == len(set(names))
+    assert {"commit parts", "cancel job", "create job", "finish job", "append chunk"} <= set(names)
+
+
+@pytest.mark.parametrize("lua", all_scripts(), ids=lambda s: s.name)
+def test_no_script_spells_a_state_name_or_counts_offsets(lua: LuaScript) -> None:
+    body = lua.body
+    for state in JobState:
+        if state == JobState.FAILED:
+            continue  # also the name of a counter field of the record
+        assert f"'{state.value}'" not in body and f'"{state.value}"' not in body, state
+    # KEYS/ARGV are bound to names in the generated header, never indexed in a body
+    assert "KEYS[" not in body and "ARGV[" not in body
+    header = lua.source.splitlines()
+    declared = [line for line in header if line.startswith(("-- KEYS[", "-- ARGV["))]
+    assert len(declared) == len(lua.keys) + len(lua.args)
+
+
+def test_the_header_names_each_key_and_argument_in_order() -> None:
+    lua = LuaScript.define(
+        "demo", keys=[("job", "the record"), "*rest"], args=["a", ("b", "why")], body="return a"
+    )
+    assert lua.source.splitlines()[:5] == [
+        "-- batchgen: demo",
+        "-- KEYS[1] job: the record",
+        "-- KEYS[2..] rest",
+        "-- ARGV[1] a",
+        "-- ARGV[2] b: why",
+    ]
+    assert lua.flatten({"job": "k", "rest": ["x", "y"], "a": 1, "b": 2}) == (
+        ["k", "x", "y"],
+        [1, 2],
+    )
+    with pytest.raises(TypeError, match="missing \\['b'\\]"):
+        lua.flatten({"job": "k", "rest": [], "a": 1})
+
+
+def test_rest_arguments_arrive_as_a_list_even_when_long(redis_url: str) -> None:
+    lua = LuaScript.define("count", keys=["k"], args=["*items"], body="return #items")
+    # 20k values: unpack() of that many would overflow Lua's C stack
+    assert lua(rconn(redis_url), k="x", items=list(range(20_000))) == 20_000
+
+
+def test_a_script_runs_after_the_server_forgot_it(redis_url: str) -> None:
+    conn = rconn(redis_url)
+    lua = LuaScript.define("echo", keys=["k"], args=["v"], body="return v")
+    assert lua(conn, k="x", v="1") == "1"
+    conn.script_flush()  # a restarted server knows no script
+    assert lua(conn, k="x", v="2") == "2"
+
+
+MOVE = script(
+    "test move",
+    keys=["job"],
+    args=["to"],
+    body="""
+move(job, redis.call('HGET', job, 'state'), to, 'touched', '1')
+return redis.call('HGET', job, 'state')
+""",
+)
+
+
+@pytest.mark.parametrize("src", list(JobState), ids=lambda s: s.value)
+def test_lua_moves_follow_the_python_table(redis_url: str, src: JobState) -> None:
+    conn = rconn(redis_url)
+    for dst in JobState:
+        conn.delete("job")
+        conn.hset("job", "state", src.value)
+        if dst in MOVES[src]:
+            assert MOVE(conn, job="job", to=dst.value) == dst.value
+        else:
+            with pytest.raises(redis.ResponseError, match=f"cannot move from {src.value} to"):
+                MOVE(conn, job="job", to=dst.value)
+            assert conn.hgetall("job") == {"state": src.value}  # refused before any write
