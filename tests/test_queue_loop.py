@@ -259,7 +259,7 @@ def test_one_suspect_at_a_time_the_others_go_back_uncharged(redis_url, tmp_path)
     loop = make_loop(conn, claim_timeout_s=0.1, max_attempts=3)
     time.sleep(0.15)  # idle past the claim timeout (a fixed wait on purpose)
     loop.upkeep.reclaim()  # third delivery: the last chance of each
-    assert [[d.index for d in group] for group in loop.alone] == [[0]]
+    assert [[d.index for d in group] for group in loop.isolation.waiting] == [[0]]
     back = [(f[b"i"], json.loads(f[b"x"])) for _, f in conn.xrange(QK.stream) if b"x" in f]
     assert [(i, x["a"], x["f"]) for i, x in back] == [(b"1", 2, 2), (b"2", 2, 2)]
     assert loop.counters["deferred"] == 2

@@ -8,32 +8,22 @@ become error rows. On SIGTERM/SIGINT it stops admitting, commits finished
 rows, hands unfinished requests back with their tokens so far, and exits
 within ``drain_timeout_s``.
 
-Isolation: some sets of requests run alone, nothing admitted beside them.
-- An exception in an engine step (a bug, an out-of-memory) bisects the batch:
-  the engine drops its requests, and the in-flight set runs again in two
-  halves, one after the other, each halved again if it fails, so its
-  batch-mates finish here, uncharged. When a step with one request fails, that
-  request is the culprit: it goes back charged with a failed attempt and the
-  error, everything else goes back uncharged, and the loop exits with
-  ``ENGINE_FAILED_EXIT`` so that the supervisor starts a fresh engine (an error
-  may have left this one broken). A culprit is dead-lettered once its failed
-  attempts pass ``max_attempts``.
-- A crash cannot be bisected (the process is gone; the next delivery counts it
-  against every request that was running). A request on its last allowed
-  attempt runs alone, so a poison request is dead-lettered by itself and its
-  batch-mates are not. A worker holds one such suspect at a time: the others it
-  reads are handed straight back, uncharged, so a crash while the one runs
-  alone is charged to that one only.
+Isolation (bisection of a failing step, last-chance suspects running alone)
+is ``isolation.Isolation``; an engine that failed on a lone request exits
+with ``ENGINE_FAILED_EXIT`` so that the supervisor starts a fresh engine (an
+error may have left this one broken).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import redis
 
@@ -45,7 +35,8 @@ from batchgen.jobs.tasks import enqueue_finalize
 from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig
 from batchgen.worker.loop.engine_api import EngineAPI
 from batchgen.worker.loop.flight import Flight, error_row, output_row
-from batchgen.worker.loop.upkeep import Upkeep
+from batchgen.worker.loop.isolation import Isolation
+from batchgen.worker.loop.upkeep import LoopView, Upkeep
 
 log = logging.getLogger(__name__)
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
@@ -60,10 +51,7 @@ class QueueLoop:
         self.keys = Keys(config.prefix)
         self.qk = self.keys.queue_for_model(config.model)
         self.inflight: dict[str, Flight] = {}  # entry id (= engine request id) -> flight
-        # sets of requests to run alone, in turn: bisection halves, last-chance suspects
-        self.alone: list[list[Delivery]] = []
-        self.alone_running: set[str] = set()  # entry ids of the set running alone now
-        self.bisected: set[str] = set()  # entry ids that ran here before a failed step
+        self.isolation = Isolation()
         self.engine_failed = False
         self.engine_error = ""  # what the failed step raised, kept with the hand-backs
         self.sink = PartSink(
@@ -72,7 +60,22 @@ class QueueLoop:
             flush_rows=config.flush_rows,
             flush_interval_s=config.flush_interval_s,
         )
-        self.upkeep = Upkeep(self)
+        self.upkeep = Upkeep(
+            conn,
+            self.keys,
+            self.qk,
+            config,
+            LoopView(
+                held=self.held,
+                release=self.release,
+                cancel=self.cancel_jobs,
+                admit=self.admit,
+                capacity=self.reclaim_capacity,
+                count=self._count,
+                activity=self.activity,
+                stopping=lambda: self.stopping,
+            ),
+        )
         self.rejections: tuple[type[BaseException], ...] = (*api.rejected, ValueError)
         self.stopping = False
         self.finished_jobs = False  # the last flush completed a job (``until`` may hold now)
@@ -116,9 +119,9 @@ class QueueLoop:
         self.upkeep.run()
         read = 0
         block = None
-        if self.alone and not self.inflight and not self.stopping:
+        if self.isolation.waiting and not self.inflight and not self.stopping:
             self._start_alone()
-        capacity = 0 if (self.alone or self.alone_running) else self.engine.free_capacity()
+        capacity = 0 if self.isolation.busy else self.engine.free_capacity()
         if capacity > 0 and not self.stopping and time.monotonic() >= self._backoff_until:
             idle = not self.engine.has_unfinished() and self.sink.empty
             block = self.config.block_ms if idle else None
@@ -177,35 +180,26 @@ class QueueLoop:
             self._isolate(suspects)
 
     def _isolate(self, suspects: list[Delivery]) -> None:
-        """Keep one suspect to run alone; hand the others back as they came.
-
-        They did not run here, so neither their attempts nor their failures
-        grow; the next worker to read one finds it still on its last chance.
-        """
-        if not self.alone and not self.alone_running:
-            self.alone.append([suspects.pop(0)])
-        if not suspects:
+        """Keep one suspect to run alone; hand the others back as they came."""
+        others = self.isolation.suspects(suspects)
+        if not others:
             return
-        items = [HandBack(d, list(d.resume), ran=False) for d in suspects]
+        items = [HandBack(d, list(d.resume), ran=False) for d in others]
         try:
             self._count("deferred", hand_back(self.conn, self.qk, self.config.name, items))
         except _REDIS_DOWN as exc:  # keep them (refreshed) and run them alone, in turn
             log.warning("could not hand suspects back (%s); they wait here", exc)
-            self.alone += [[d] for d in suspects]
+            self.isolation.wait_alone(others)
 
     def _start_alone(self) -> None:
-        for d in self.alone.pop(0):
+        for d in self.isolation.next_set():
             job = self.upkeep.job(d.job_id)
             if job is None or d.job_id in self.upkeep.cancelled:
                 self.sink.drop([d.entry_id])
                 continue
             self._start(d, job.output)
             if d.entry_id in self.inflight:
-                self.alone_running.add(d.entry_id)
-
-    def keep_alone(self, keep: Callable[[Delivery], bool]) -> list[list[Delivery]]:
-        """The sets waiting to run alone, holding only the deliveries ``keep`` accepts."""
-        return [g for g in ([d for d in group if keep(d)] for group in self.alone) if g]
+                self.isolation.started(d.entry_id)
 
     def _bisect(self, error: str) -> bool:
         """After a failed step: drop the engine's requests and queue the in-flight
@@ -225,11 +219,8 @@ class QueueLoop:
                 d = replace(d, resume=list(out.token_ids),
                             preemptions=d.preemptions + out.num_preemptions)  # fmt: skip
             deliveries.append(d)
-            self.bisected.add(entry_id)
         self.inflight.clear()
-        self.alone_running.clear()
-        half = len(deliveries) // 2
-        self.alone[:0] = [deliveries[:half], deliveries[half:]]
+        self.isolation.bisect(deliveries)
         log.warning(
             "engine step failed (%s); running its %d requests again in halves to find the culprit",
             error,
@@ -271,8 +262,7 @@ class QueueLoop:
         self._count("rows_error")
 
     def finished(self, out) -> None:
-        self.alone_running.discard(out.request_id)
-        self.bisected.discard(out.request_id)
+        self.isolation.forget(out.request_id)
         flight = self.inflight.pop(out.request_id, None)
         if flight is None:
             return  # aborted meanwhile (cancelled, or claimed by another worker)
@@ -283,10 +273,55 @@ class QueueLoop:
         self._count("generation_tokens", row.completion_tokens)
 
     def abort(self, entry_id: str) -> None:
-        self.alone_running.discard(entry_id)
-        self.bisected.discard(entry_id)
+        self.isolation.forget(entry_id)
         if self.inflight.pop(entry_id, None) is not None:
             self.engine.abort(entry_id)
+
+    # -- what upkeep sees (LoopView) ---------------------------------------------
+
+    def held(self) -> list[str]:
+        """Entries this worker holds: in flight, waiting to run alone, awaiting commit."""
+        return [*self.inflight, *self.isolation.held(), *self.sink.entry_ids()]
+
+    def release(self, entry_ids: list[str]) -> None:
+        """Another worker claimed these while we were stalled: they are theirs now."""
+        gone = set(entry_ids)
+        self.isolation.remove(lambda d: d.entry_id not in gone)
+        for entry_id in entry_ids:
+            self.abort(entry_id)
+
+    def cancel_jobs(self, job_ids: set[str]) -> None:
+        """Abort the requests of cancelled jobs and drop their entries (no rows)."""
+        doomed = [e for e, f in self.inflight.items() if f.delivery.job_id in job_ids]
+        for entry_id in doomed:
+            self.abort(entry_id)
+        doomed += self.isolation.remove(lambda d: d.job_id not in job_ids)
+        if doomed:
+            self.sink.drop(doomed)
+            self._count("dropped", len(doomed))
+
+    def reclaim_capacity(self) -> int:
+        """How many idle entries to take over now (none while a set must run alone)."""
+        return 0 if self.isolation.busy else self.engine.free_capacity()
+
+    def activity(self) -> dict[str, Any]:
+        """The loop's part of the heartbeat: requests held per job, rows, counters, engine."""
+        in_flight: dict[str, int] = {}
+        for flight in self.inflight.values():
+            job_id = flight.delivery.job_id
+            in_flight[job_id] = in_flight.get(job_id, 0) + 1
+        stats = self.engine.stats()
+        engine = (
+            dataclasses.asdict(stats)
+            if dataclasses.is_dataclass(stats) and not isinstance(stats, type)
+            else {}
+        )
+        return {
+            "in_flight": in_flight,
+            "buffered_rows": self.sink.buffered,
+            "counters": dict(self.counters),
+            "engine": engine,
+        }
 
     # -- Redis steps -----------------------------------------------------------
 
@@ -330,13 +365,7 @@ class QueueLoop:
             d = flight.delivery
             items.append(HandBack(d, list(d.resume), 0, failed, error=error))
         self.inflight.clear()
-        # a bisection half ran here (gracefully handed back); a suspect never started
-        items += [
-            HandBack(d, list(d.resume), ran=d.entry_id in self.bisected)
-            for group in self.alone
-            for d in group
-        ]
-        self.alone.clear()
+        items += self.isolation.hand_backs()
         while items and time.monotonic() < deadline:
             try:
                 self._count("handed_back", hand_back(self.conn, self.qk, self.config.name, items))

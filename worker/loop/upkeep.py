@@ -12,27 +12,25 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
 from batchgen.jobs import heartbeat
-from batchgen.jobs.keys import queue_name, text
+from batchgen.jobs.keys import Keys, QueueKeys, queue_name, text
 from batchgen.jobs.maintenance import sweep
 from batchgen.jobs.modelinfo import fingerprint
 from batchgen.jobs.queue import Delivery, dead_letter, reclaim, recreate_group, refresh
 from batchgen.jobs.tasks import enqueue_finalize
+from batchgen.worker.loop.config import LoopConfig
 from batchgen.worker.loop.flight import error_row
-
-if TYPE_CHECKING:
-    from batchgen.worker.loop.runner import QueueLoop
 
 log = logging.getLogger(__name__)
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
@@ -43,14 +41,33 @@ class JobInfo:
     output: str
 
 
+@dataclass(slots=True)
+class LoopView:
+    """What upkeep may see of the queue loop and ask of it."""
+
+    held: Callable[[], list[str]]  # entries held (in flight, waiting, awaiting commit)
+    release: Callable[[list[str]], None]  # entries another worker took over: let them go
+    cancel: Callable[[set[str]], None]  # jobs cancelled: abort and drop their requests
+    admit: Callable[[list[Delivery]], None]  # entries taken over from a dead worker
+    capacity: Callable[[], int]  # how many entries to take over now
+    count: Callable[[str, int], None]  # bump a metrics counter
+    activity: Callable[[], dict[str, Any]]  # the loop's part of the heartbeat
+    stopping: Callable[[], bool]
+
+
 class Upkeep:
-    def __init__(self, loop: QueueLoop) -> None:
+    def __init__(
+        self, conn: redis.Redis, keys: Keys, qk: QueueKeys, config: LoopConfig, loop: LoopView
+    ) -> None:
+        self.conn = conn
+        self.keys = keys
+        self.qk = qk
+        self.config = config
         self.loop = loop
-        self.config = loop.config
-        self.queue_name = queue_name(self.config.model)
+        self.queue_name = queue_name(config.model)
         self.cancelled: set[str] = set()
         self.jobs: dict[str, JobInfo | None] = {}  # None: the job's record is gone
-        self.fingerprint = fingerprint(self.config.model)
+        self.fingerprint = fingerprint(config.model)
         self.started_at = time.time()
         self._next: dict[str, float] = {}
 
@@ -70,20 +87,20 @@ class Upkeep:
                 self.beat()
             if self.due("refresh", c.refresh_s):
                 self.refresh()
-            if not self.loop.stopping and self.due("reclaim", c.reclaim_s):
+            if not self.loop.stopping() and self.due("reclaim", c.reclaim_s):
                 self.reclaim()
             if self.due("sweep", c.sweep_interval_s):
-                sweep(self.loop.conn, self.loop.keys, self.loop.qk)
+                sweep(self.conn, self.keys, self.qk)
         except _REDIS_DOWN as exc:
             log.warning("upkeep skipped: Redis unavailable (%s)", exc)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            recreate_group(self.loop.conn, self.loop.qk)
+            recreate_group(self.conn, self.qk)
 
     def job(self, job_id: str) -> JobInfo | None:
         if job_id not in self.jobs:
-            conn, jk = self.loop.conn, self.loop.qk.job(job_id)
+            conn, jk = self.conn, self.qk.job(job_id)
             output = conn.hget(jk.job, "output")
             self.jobs[job_id] = JobInfo(text(output)) if output is not None else None
             if output is not None and self.fingerprint:
@@ -91,44 +108,27 @@ class Upkeep:
         return self.jobs[job_id]
 
     def poll_cancelled(self) -> None:
-        members = self.loop.conn.smembers(self.loop.qk.cancelled)
-        self.cancelled = {text(m) for m in members}
-        if not self.cancelled:
-            return
-        doomed = [e for e, f in self.loop.inflight.items() if f.delivery.job_id in self.cancelled]
-        for entry_id in doomed:
-            self.loop.abort(entry_id)
-        doomed += [d.entry_id for g in self.loop.alone for d in g if d.job_id in self.cancelled]
-        self.loop.alone = self.loop.keep_alone(lambda d: d.job_id not in self.cancelled)
-        if doomed:
-            self.loop.sink.drop(doomed)
-            self.loop._count("dropped", len(doomed))
-
-    def held(self) -> list[str]:
-        alone = [d.entry_id for group in self.loop.alone for d in group]
-        return list(self.loop.inflight) + alone + self.loop.sink.entry_ids()
+        self.cancelled = {text(m) for m in self.conn.smembers(self.qk.cancelled)}
+        if self.cancelled:
+            self.loop.cancel(self.cancelled)
 
     def refresh(self) -> None:
-        gone = refresh(self.loop.conn, self.loop.qk, self.config.name, self.held())
+        gone = refresh(self.conn, self.qk, self.config.name, self.loop.held())
         if gone:
-            self.loop.alone = self.loop.keep_alone(lambda d: d.entry_id not in gone)
-        for entry_id in gone:
-            # Another worker claimed it while we were stalled: it is theirs now.
-            self.loop.abort(entry_id)
-        if gone:
-            self.loop._count("stolen", len(gone))
+            self.loop.release(gone)
+            self.loop.count("stolen", len(gone))
 
     def reclaim(self) -> None:
-        capacity = self.loop.engine.free_capacity()
-        if capacity <= 0 or self.loop.alone or self.loop.alone_running:
-            return  # full, or a set must run alone: claimed work would run beside it
+        capacity = self.loop.capacity()
+        if capacity <= 0:
+            return
         claimed = reclaim(
-            self.loop.conn,
-            self.loop.qk,
+            self.conn,
+            self.qk,
             self.config.name,
             int(self.config.claim_timeout_s * 1000),
             capacity,
-            known=set(self.held()),
+            known=set(self.loop.held()),
         )
         if claimed.lost_ids:
             log.error(
@@ -136,65 +136,50 @@ class Upkeep:
                 "(was it trimmed?); their jobs will report them as lost rows",
                 len(claimed.lost_ids),
             )
-            self.loop._count("lost_entries", len(claimed.lost_ids))
+            self.loop.count("lost_entries", len(claimed.lost_ids))
         if claimed.deliveries:
-            self.loop._count("reclaimed", len(claimed.deliveries))
+            self.loop.count("reclaimed", len(claimed.deliveries))
             self.loop.admit(claimed.deliveries)
 
     def dead_letter(self, d: Delivery, reason: str) -> None:
         row = error_row(d, f"dead-lettered: {reason}", self.config.name)
-        finished = dead_letter(
-            self.loop.conn, self.loop.qk, d, reason, self.config.name, _row_json(row)
-        )
-        self.loop._count("dead_lettered")
+        finished = dead_letter(self.conn, self.qk, d, reason, self.config.name, _row_json(row))
+        self.loop.count("dead_lettered", 1)
         if finished:
-            enqueue_finalize(self.loop.conn, self.loop.keys, d.job_id)
+            enqueue_finalize(self.conn, self.keys, d.job_id)
 
     def drained(self) -> bool:
         """Burst mode: the stream holds no entry at all (none queued, none pending)."""
         if not self.due("drained", 0.2):
             return False
         try:
-            if self.loop.conn.xlen(self.loop.qk.stream) > 0:
+            if self.conn.xlen(self.qk.stream) > 0:
                 return False
-            sweep(self.loop.conn, self.loop.keys, self.loop.qk)  # lost entries -> finalize
+            sweep(self.conn, self.keys, self.qk)  # lost entries -> finalize
         except _REDIS_DOWN:
             return False
         return True
 
     def payload(self) -> dict[str, Any]:
-        in_flight: dict[str, int] = {}
-        for flight in self.loop.inflight.values():
-            job_id = flight.delivery.job_id
-            in_flight[job_id] = in_flight.get(job_id, 0) + 1
-        stats = self.loop.engine.stats()
-        engine = (
-            dataclasses.asdict(stats)
-            if dataclasses.is_dataclass(stats) and not isinstance(stats, type)
-            else {}
-        )
         return {
             "name": self.config.name,
             "model": self.config.model,
             "queue": self.queue_name,
-            "tag": self.loop.qk.tag,
+            "tag": self.qk.tag,
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "supervisor": self.config.supervisor,
             "started_at": self.started_at,
-            "in_flight": in_flight,
-            "buffered_rows": self.loop.sink.buffered,
-            "counters": dict(self.loop.counters),
-            "engine": engine,
+            **self.loop.activity(),
         }
 
     def beat(self) -> None:
         ttl = max(int(self.config.heartbeat_s * 3), 2)
-        heartbeat.beat(self.loop.conn, self.loop.keys, self.config.name, self.payload(), ttl)
+        heartbeat.beat(self.conn, self.keys, self.config.name, self.payload(), ttl)
 
     def retire(self) -> None:
         with contextlib.suppress(*_REDIS_DOWN):
-            heartbeat.retire(self.loop.conn, self.loop.keys, self.config.name)
+            heartbeat.retire(self.conn, self.keys, self.config.name)
 
 
 def _row_json(row) -> str:
