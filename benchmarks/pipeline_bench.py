@@ -163,7 +163,7 @@ def bench_standin(conn: redis.Redis, tmp: Path, requests: int) -> dict[str, floa
            defaults=dict(DEFAULTS), job_id="standin")  # fmt: skip
     loop_s = run_job(conn, EngineAPI(ZeroEngine(), _params, ()), "bench-standin", "standin")
     start = time.perf_counter()
-    tasks.run_pending(conn, KEYS)
+    tasks.run_pending(conn, KEYS, KEYS.queue_for_model("bench-standin").tag)
     finalize_s = time.perf_counter() - start
     assert load_job(conn, KEYS, "standin").state == JobState.COMPLETED
     return {
@@ -211,7 +211,7 @@ def bench_tiny(conn: redis.Redis, tmp: Path, requests: int) -> dict[str, float]:
     api = EngineAPI(engine, SamplingParams, (RequestRejected,))
     wall = run_job(conn, api, str(model), "tiny")
     start = time.perf_counter()
-    tasks.run_pending(conn, KEYS)
+    tasks.run_pending(conn, KEYS, KEYS.queue_for_model(str(model)).tag)
     finalize_s = time.perf_counter() - start
     record = load_job(conn, KEYS, "tiny")
     return {

@@ -37,11 +37,11 @@ from typing import Any
 import pyarrow.parquet as pq
 import redis
 
-from batchgen.jobs.finalize import LOST
 from batchgen.jobs.heartbeat import live_workers
 from batchgen.jobs.keys import GROUP, Keys, text
 from batchgen.jobs.records import load_job
 from batchgen.jobs.redis_server import RedisServer
+from batchgen.jobs.result import LOST
 
 KEYS = Keys("bg")
 

@@ -24,12 +24,12 @@ def cancel(conn: redis.Redis, keys: Keys, job_id: str) -> JobState:
     if not raw:
         raise JobNotFound(f"job {job_id!r} has no record (Redis lost its state?)")
     state = JobState(text(raw))
-    if state in (JobState.COMPLETED, JobState.FAILED):
+    if state == JobState.COMPLETED:
         raise JobConflict(f"job {job_id!r} is already {state.value}; nothing to cancel")
     if state == JobState.FINALIZING:
         raise JobConflict(
             f"job {job_id!r} already has every row and is being finalized; nothing to cancel"
         )
     if state == JobState.CANCELLING:
-        enqueue_finalize(conn, keys, job_id)
+        enqueue_finalize(conn, keys, qk, job_id)
     return state

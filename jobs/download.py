@@ -16,7 +16,11 @@ import pyarrow.parquet as pq
 import redis
 
 from batchgen.jobs.errors import JobNotReady, OutputError
-from batchgen.jobs.finalize import (
+from batchgen.jobs.keys import Keys
+from batchgen.jobs.lifecycle import JobState
+from batchgen.jobs.names import check_file_name
+from batchgen.jobs.records import load_job, queue_of_job
+from batchgen.jobs.result import (
     MANIFEST,
     RESULT,
     WINDOW_ROWS,
@@ -24,10 +28,6 @@ from batchgen.jobs.finalize import (
     error_rows,
     read_window,
 )
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.lifecycle import JobState
-from batchgen.jobs.names import check_file_name
-from batchgen.jobs.records import load_job, queue_of_job
 from batchgen.jobs.rows import SCHEMA
 from batchgen.jobs.storage import OutputDir
 

@@ -1,199 +1,99 @@
-"""finalize: committed rows -> one Parquet file in input order, plus a manifest.
+"""finalize: a job whose every input has a row (or that was cancelled) gets its final output.
 
-1. Close the job (one atomic step): later commits of its rows are discarded,
+1. Take the job's finalize lease (one finalizer at a time; a killed finalizer
+   stops renewing it, the lease expires, and the sweep queues the job again).
+2. Close the job (one atomic step): later commits of its rows are discarded,
    so the set of committed parts is frozen.
-2. Read only committed parts, minus the indices each part's commit record says
-   it lost, plus the dead-letter error rows; fill any index without a row
-   (``cancelled`` for a cancelled job, else a ``lost`` error row). Window by
-   index range so memory stays bounded for huge jobs.
-3. Write ``result.parquet`` and ``manifest.json`` atomically, then mark the job
-   completed (or cancelled) and delete the parts. Re-running is harmless.
+3. Write ``result.parquet`` and ``manifest.json`` (result.py), then mark the
+   job completed (or cancelled): FINISH.
+4. Clean up: delete the part files the job's commits recorded and the job's
+   own parts folder, then retire the job from the queue's active set. A
+   finalize killed between 3 and 4 leaves the job terminal but still active;
+   the sweep queues it again and the cleanup is redone.
+
+A failure (the output cannot be written, say) is recorded on the job with a
+retry time that backs off (``FinalizeSettings``); the sweep queues it again
+then, for as long as it takes; ``batchgen finalize JOB`` runs it at once.
+Re-running is harmless at every point.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
 import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import redis
 
-import batchgen
 from batchgen.jobs.crashpoints import CrashPlan
-from batchgen.jobs.keys import Keys, QueueKeys, text, text_hash
-from batchgen.jobs.lifecycle import CLOSE, FINISH, JobState
-from batchgen.jobs.records import JobRecord, load_job, queue_of_job
-from batchgen.jobs.rows import SCHEMA, FinishReason, Row, from_dict, to_table
+from batchgen.jobs.errors import BatchgenError
+from batchgen.jobs.keys import Keys, QueueKeys, text
+from batchgen.jobs.lease import Lease
+from batchgen.jobs.lifecycle import CLOSE, FINISH, RETIRE, JobState
+from batchgen.jobs.records import load_job, queue_of_job
+from batchgen.jobs.result import (
+    MANIFEST,
+    committed_parts,
+    error_rows,
+    manifest,
+    write_result,
+)
 from batchgen.jobs.storage import OutputDir
 
 log = logging.getLogger(__name__)
 
-RESULT = "result.parquet"
-MANIFEST = "manifest.json"
-WINDOW_ROWS = 1 << 20
-LOST = "lost: the queue entry was deleted before a row was committed (was the stream trimmed?)"
 
-
-@dataclass(slots=True)
-class PartRecord:
-    name: str
-    rows: int
-    lo: int
-    hi: int
-    lost: frozenset[int] = field(default_factory=frozenset)
+@dataclass(frozen=True, slots=True)
+class FinalizeSettings:
+    lease_s: float = 30.0  # a finalizer silent this long is dead
+    retry_s: float = 2.0  # first retry after a failure; doubles each time
+    retry_cap_s: float = 300.0
 
     @classmethod
-    def parse(cls, name: object, raw: object) -> PartRecord:
-        data = json.loads(text(raw))
-        lost = data.get("lost") or []
-        return cls(text(name), int(data["rows"]), int(data["lo"]), int(data["hi"]),
-                   frozenset(lost if isinstance(lost, list) else []))  # fmt: skip
+    def from_env(cls) -> FinalizeSettings:
+        """``BATCHGEN_FINALIZE_LEASE_S`` / ``_RETRY_S`` / ``_RETRY_CAP_S`` override the defaults."""
+        base = cls()
+        values = {}
+        for name in ("lease_s", "retry_s", "retry_cap_s"):
+            raw = os.environ.get(f"BATCHGEN_FINALIZE_{name.upper()}")
+            values[name] = float(raw) if raw else getattr(base, name)
+        return cls(**values)
+
+    def retry_delay(self, attempts: int) -> float:
+        return min(self.retry_s * 2 ** max(attempts - 1, 0), self.retry_cap_s)
 
 
-@dataclass(slots=True)
-class Counts:
-    rows: int = 0
-    by_reason: dict[str, int] = field(default_factory=dict)
-    filled: int = 0  # rows finalize made up (lost or cancelled before running)
+def finalize(
+    conn: redis.Redis,
+    keys: Keys,
+    job_id: str,
+    settings: FinalizeSettings | None = None,
+    owner: str = "",
+) -> str:
+    """Write the job's output if it is ready; the job's state afterwards.
 
-
-def committed_parts(conn: redis.Redis, qk: QueueKeys, job_id: str) -> list[PartRecord]:
-    raw = conn.hgetall(qk.job(job_id).parts)
-    return sorted((PartRecord.parse(k, v) for k, v in raw.items()), key=lambda p: p.lo)
-
-
-def error_rows(conn: redis.Redis, qk: QueueKeys, job_id: str) -> dict[int, Row]:
-    raw = conn.hgetall(qk.job(job_id).errors)
-    return {int(k): from_dict(json.loads(v)) for k, v in text_hash(raw).items()}
-
-
-def read_window(
-    out: OutputDir, parts: list[PartRecord], lo: int, hi: int, errors: dict[int, Row]
-) -> pa.Table:
-    """Committed winning rows with lo <= index < hi, sorted, one per index at most."""
-    tables = []
-    for part in parts:
-        if part.hi < lo or part.lo >= hi:
-            continue
-        with out.open_input(*part.name.split("/")) as src:
-            table = pq.read_table(src, schema=SCHEMA)
-        index = table.column("index")
-        keep = pc.and_(pc.greater_equal(index, lo), pc.less(index, hi))
-        if part.lost:
-            lost = pa.array(sorted(part.lost), type=pa.int64())
-            keep = pc.and_(keep, pc.invert(pc.is_in(index, value_set=lost)))
-        tables.append(table.filter(keep))
-    extra = [row for i, row in errors.items() if lo <= i < hi]
-    if extra:
-        tables.append(to_table(extra))
-    if not tables:
-        return SCHEMA.empty_table()
-    merged = pa.concat_tables(tables).sort_by("index")
-    return _first_per_index(merged)
-
-
-def _first_per_index(table: pa.Table) -> pa.Table:
-    index = table.column("index").to_numpy()
-    if len(index) < 2 or (index[1:] != index[:-1]).all():
-        return table
-    log.error("duplicate committed rows for one index; keeping the first (a bug)")
-    keep = [0] + [i for i in range(1, len(index)) if index[i] != index[i - 1]]
-    return table.take(pa.array(keep))
-
-
-def _fill(table: pa.Table, lo: int, hi: int, cancelled: bool) -> tuple[pa.Table, int]:
-    present = set(table.column("index").to_pylist())
-    if len(present) == hi - lo:
-        return table, 0
-    reason = FinishReason.CANCELLED if cancelled else FinishReason.ERROR
-    error = "cancelled before it ran" if cancelled else LOST
-    now = int(time.time() * 1000)
-    filler = [
-        Row(index=i, finish_reason=reason, error=error, finished_at=now)
-        for i in range(lo, hi)
-        if i not in present
-    ]
-    return pa.concat_tables([table, to_table(filler)]).sort_by("index"), len(filler)
-
-
-def write_result(
-    out: OutputDir, record: JobRecord, parts: list[PartRecord], errors: dict[int, Row]
-) -> Counts:
-    cancelled = record.state == JobState.CANCELLING
-    counts = Counts()
-    sink = io.BytesIO() if not out.local else None
-    local_tmp = None
-    if out.local:
-        os.makedirs(out.path, exist_ok=True)
-        local_tmp = f"{out.path}/.tmp-{uuid.uuid4().hex}-{RESULT}"
-    writer = pq.ParquetWriter(local_tmp or sink, SCHEMA, compression="zstd")
-    try:
-        for lo in range(0, max(record.total, 1), WINDOW_ROWS):
-            hi = min(lo + WINDOW_ROWS, record.total)
-            table, filled = _fill(read_window(out, parts, lo, hi, errors), lo, hi, cancelled)
-            counts.filled += filled
-            counts.rows += table.num_rows
-            for item in pc.value_counts(table.column("finish_reason")).to_pylist():
-                reason, n = item["values"], item["counts"]
-                counts.by_reason[reason] = counts.by_reason.get(reason, 0) + n
-            writer.write_table(table)
-    finally:
-        writer.close()
-    if local_tmp:
-        out.publish_local(local_tmp, RESULT)
-    else:
-        assert sink is not None
-        out.write_atomic((RESULT,), sink.getvalue())
-    return counts
-
-
-def manifest(record: JobRecord, counts: Counts, finished_at: float) -> dict[str, Any]:
-    return {
-        "batchgen_version": batchgen.__version__,
-        "job": record.spec(),
-        "state": "cancelled" if record.state == JobState.CANCELLING else "completed",
-        "model": {"name": record.model, "fingerprint": record.model_fingerprint or None},
-        "files": [RESULT],
-        "counts": {
-            "rows": counts.rows,
-            "total": record.total,
-            "skipped_invalid_lines": record.skipped,
-            "by_finish_reason": dict(sorted(counts.by_reason.items())),
-            "filled_by_finalize": counts.filled,
-        },
-        "tokens": {
-            "prompt": record.prompt_tokens,
-            "completion": record.completion_tokens,
-            "cached": record.cached_tokens,
-        },
-        "timing": {
-            "created_at": record.created_at,
-            "started_at": record.started_at or None,
-            "finished_at": finished_at,
-            "wall_s": round(finished_at - record.created_at, 3),
-        },
-        "columns": SCHEMA.names,
-    }
-
-
-def finalize(conn: redis.Redis, keys: Keys, job_id: str) -> str:
-    """Write the job's output if it is ready; returns the job's state afterwards."""
+    Raises ``LeaseHeld`` when another finalizer is at it.
+    """
+    settings = settings or FinalizeSettings()
     qk = queue_of_job(conn, keys, job_id)
     jk = qk.job(job_id)
-    state = CLOSE(conn, job=jk.job)
-    if state is None:
-        return "missing"
-    if text(state) not in (JobState.FINALIZING.value, JobState.CANCELLING.value):
-        return text(state)  # already done, or not ready
+    with Lease(conn, jk.finalizer, settings.lease_s, owner or f"pid {os.getpid()}"):
+        raw = CLOSE(conn, job=jk.job)
+        if raw is None:
+            return "missing"
+        state = JobState(text(raw))
+        if state.needs_finalize:
+            state = _write(conn, keys, qk, job_id, state)
+        if state.terminal:
+            _clean_up(conn, qk, job_id)
+        return state.value
+
+
+def _write(conn: redis.Redis, keys: Keys, qk: QueueKeys, job_id: str, state: JobState) -> JobState:
     record = load_job(conn, keys, job_id)
+    jk = qk.job(job_id)
     out = OutputDir.open(record.output)
     counts = write_result(
         out, record, committed_parts(conn, qk, job_id), error_rows(conn, qk, job_id)
@@ -202,11 +102,41 @@ def finalize(conn: redis.Redis, keys: Keys, job_id: str) -> str:
     body = manifest(record, counts, finished_at)
     out.write_atomic((MANIFEST,), json.dumps(body, indent=2).encode())
     CrashPlan.from_env().reached("before_finalize_commit")
-    final = JobState.CANCELLED if record.state == JobState.CANCELLING else JobState.COMPLETED
     failed = counts.rows - counts.by_reason.get("stop", 0) - counts.by_reason.get("length", 0)
-    FINISH(
-        conn, job=jk.job, active=qk.active, cancelled=qk.cancelled, done=jk.done, job_id=job_id,
+    final = FINISH(
+        conn, job=jk.job, cancelled=qk.cancelled, done=jk.done, job_id=job_id,
         now=repr(finished_at), failed=failed,
     )  # fmt: skip
-    out.delete_dir("parts")
-    return final.value
+    return JobState(text(final))
+
+
+def _clean_up(conn: redis.Redis, qk: QueueKeys, job_id: str) -> None:
+    """Delete the job's part files (only its own), then retire it from the active set."""
+    jk = qk.job(job_id)
+    record_output = text(conn.hget(jk.job, "output"))
+    names = [text(name) for name in conn.hkeys(jk.parts)]
+    out = OutputDir.open(record_output)
+    for name in names:
+        out.delete_file(*name.split("/"))
+    out.delete_dir("parts", job_id)
+    out.delete_empty_dir("parts")
+    RETIRE(conn, job=jk.job, active=qk.active, parts=jk.parts, job_id=job_id)
+
+
+def record_failure(
+    conn: redis.Redis, keys: Keys, job_id: str, exc: BaseException, settings: FinalizeSettings
+) -> float:
+    """Note a failed finalize on the job (status shows it) and when to retry; the delay."""
+    jk = queue_of_job(conn, keys, job_id).job(job_id)
+    attempts = int(conn.hincrby(jk.job, "finalize_attempts", 1))
+    delay = settings.retry_delay(attempts)
+    reason = str(exc) if isinstance(exc, BatchgenError) else f"{type(exc).__name__}: {exc}"
+    conn.hset(
+        jk.job,
+        mapping={
+            "error": f"finalize failed (attempt {attempts}; retrying in {delay:.0f}s): {reason}",
+            "finalize_retry_at": repr(time.time() + delay),
+        },
+    )
+    log.error("finalize of job %s failed (attempt %d): %s", job_id, attempts, reason)
+    return delay

@@ -14,6 +14,7 @@ Layout (prefix ``P``, default ``bg``, from ``BATCHGEN_PREFIX``)::
     P:{TAG}:job:ID:done           bitmap  bit i set = input i has a committed row
     P:{TAG}:job:ID:parts          hash  committed part URI -> commit record JSON
     P:{TAG}:job:ID:errors         hash  input index -> error row JSON (dead letters)
+    P:{TAG}:job:ID:finalizer      str   the finalize lease (holder, TTL)
 
 ``TAG`` is a short hash of the model's queue name. It is a Redis Cluster hash
 tag: a model's stream and all its jobs' keys share one slot, so the commit step
@@ -59,9 +60,7 @@ class JobKeys:
     done: str
     parts: str
     errors: str
-
-    def all(self) -> tuple[str, str, str, str]:
-        return (self.job, self.done, self.parts, self.errors)
+    finalizer: str  # the finalize lease
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,7 +91,11 @@ class QueueKeys:
     def job(self, job_id: str) -> JobKeys:
         base = f"{self.base}:job:{job_id}"
         return JobKeys(
-            job=base, done=f"{base}:done", parts=f"{base}:parts", errors=f"{base}:errors"
+            job=base,
+            done=f"{base}:done",
+            parts=f"{base}:parts",
+            errors=f"{base}:errors",
+            finalizer=f"{base}:finalizer",
         )
 
 
@@ -125,10 +128,10 @@ class Keys:
     def queue_for_model(self, model: str) -> QueueKeys:
         return self.queue(queue_tag(queue_name(model)))
 
-    @property
-    def finalize_queue(self) -> str:
-        """The rq queue that carries finalize tasks (rq adds its own ``rq:`` keys)."""
-        return f"{self.prefix}-finalize"
+    def finalize_queue(self, tag: str) -> str:
+        """The rq queue of one model's finalize tasks (rq adds its own ``rq:`` keys): only
+        workers of that model take them, which reach the outputs its jobs write to."""
+        return f"{self.prefix}-finalize-{tag}"
 
     def finalize_task_id(self, job_id: str) -> str:
         return f"{self.prefix}-finalize-{job_id}"

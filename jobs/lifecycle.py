@@ -16,6 +16,8 @@ state name itself.
 
 The job record's ``closed`` flag is set by finalize when it starts: from then
 on the set of committed parts is frozen and later commits are discarded.
+Finalize never gives up: a failed one is retried with backoff (finalize.py)
+while the job stays ``finalizing`` (or ``cancelling``) and status shows why.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ class JobState(str, enum.Enum):
     RUNNING = "running"  # a first row was committed
     FINALIZING = "finalizing"  # every input has a row; the finalize task writes the output
     COMPLETED = "completed"
-    FAILED = "failed"  # finalize could not write the output (see error)
     CANCELLING = "cancelling"  # workers drop its requests; finalize fills cancelled rows
     CANCELLED = "cancelled"
 
     @property
     def terminal(self) -> bool:
-        return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+        """No move leads out of it."""
+        return not MOVES[self]
 
     @property
     def live(self) -> bool:
@@ -53,10 +55,9 @@ class JobState(str, enum.Enum):
 MOVES: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.RUNNING, JobState.FINALIZING, JobState.CANCELLING}),
     JobState.RUNNING: frozenset({JobState.FINALIZING, JobState.CANCELLING}),
-    JobState.FINALIZING: frozenset({JobState.COMPLETED, JobState.FAILED}),
-    JobState.CANCELLING: frozenset({JobState.CANCELLED, JobState.FAILED}),
+    JobState.FINALIZING: frozenset({JobState.COMPLETED}),
+    JobState.CANCELLING: frozenset({JobState.CANCELLED}),
     JobState.COMPLETED: frozenset(),
-    JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
 }
 
@@ -155,17 +156,15 @@ MARK_LOST = script(
     "mark lost entries",
     keys=[("stream", "the model's request stream"), ("job", "the job record")],
     body="""
-local v = redis.call('HMGET', job, 'state', 'closed', 'enqueued', 'total', 'done', 'failed',
-                     'last_id')
+local v = redis.call('HMGET', job, 'state', 'enqueued', 'total', 'done', 'failed', 'last_id')
 local state = v[1]
 if not state then return 'missing' end
-if v[2] == '1' then return 'closed' end
 if state ~= S.QUEUED and state ~= S.RUNNING then return state end
-local enqueued, total = tonumber(v[3]), tonumber(v[4])
-local finished = tonumber(v[5]) + tonumber(v[6])
-if enqueued < total or finished >= total or not v[7] or v[7] == '' then return state end
+local enqueued, total = tonumber(v[2]), tonumber(v[3])
+local finished = tonumber(v[4]) + tonumber(v[5])
+if enqueued < total or finished >= total or not v[6] or v[6] == '' then return state end
 -- an entry up to the newest one of this job may still be read: nothing is lost yet
-if #redis.call('XRANGE', stream, '-', v[7], 'COUNT', 1) > 0 then return state end
+if #redis.call('XRANGE', stream, '-', v[6], 'COUNT', 1) > 0 then return state end
 move(job, state, S.FINALIZING, 'lost', total - finished)
 return 'lost'
 """,
@@ -187,7 +186,6 @@ FINISH = script(
     "finish job",
     keys=[
         ("job", "the job record"),
-        ("active", "the queue's unfinalized jobs"),
         ("cancelled", "the queue's cancelled jobs"),
         ("done", "the job's done-marks"),
     ],
@@ -196,9 +194,26 @@ FINISH = script(
 local state = redis.call('HGET', job, 'state')
 if not FINAL[state] then return state end
 move(job, state, FINAL[state], 'finished_at', now, 'failed', failed, 'error', '')
-redis.call('SREM', active, job_id)
+redis.call('HDEL', job, 'finalize_retry_at')
 redis.call('SREM', cancelled, job_id)
 redis.call('DEL', done)
 return FINAL[state]
+""",
+)
+
+RETIRE = script(
+    "retire job",
+    keys=[
+        ("job", "the job record"),
+        ("active", "the queue's unfinalized jobs"),
+        ("parts", "the job's committed parts (their files are deleted)"),
+    ],
+    args=[("job_id", "")],
+    body="""
+local state = redis.call('HGET', job, 'state')
+if not state or not MOVES[state] or next(MOVES[state]) ~= nil then return 0 end  -- not terminal
+redis.call('SREM', active, job_id)
+redis.call('DEL', parts)
+return 1
 """,
 )

@@ -4,8 +4,11 @@
   fewer rows than inputs, lost entries (deleted while pending or before being
   read, e.g. by XTRIM). It moves to ``finalizing``; finalize writes error rows
   for the missing indices, so done + failed = total still holds.
-- A job in ``finalizing`` or ``cancelling`` gets its finalize task enqueued
-  (idempotent), in case the worker that completed it died before enqueuing.
+- A job in ``finalizing`` or ``cancelling``, or finished but not yet cleaned up,
+  gets its finalize task queued again unless one is queued or running (its
+  lease is held) or it waits out a retry delay: the worker that completed it
+  may have died before queuing it, a finalizer may have been killed mid-run,
+  or the last attempt failed.
 - A cancelled job leaves the cancelled set once none of its entries remain.
 - Consumers of dead workers (no heartbeat, nothing pending, idle for long) are
   removed from the group, so restarts do not pile them up. Never one with
@@ -19,8 +22,11 @@ from typing import Any
 import redis
 
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys, text
-from batchgen.jobs.lifecycle import MARK_LOST
-from batchgen.jobs.tasks import MAX_FINALIZE_ATTEMPTS, enqueue_finalize
+from batchgen.jobs.lifecycle import MARK_LOST, JobState
+from batchgen.jobs.tasks import enqueue_finalize
+
+# States of an active job that need its finalize task: writing, or cleaning up after.
+FINALIZE_STATES = {s.value for s in JobState if s.needs_finalize or s.terminal}
 
 
 def sweep(conn: redis.Redis, keys: Keys, qk: QueueKeys) -> list[str]:
@@ -33,10 +39,9 @@ def sweep(conn: redis.Redis, keys: Keys, qk: QueueKeys) -> list[str]:
         if state == "missing":
             conn.srem(qk.active, job_id)
             continue
-        if state in ("lost", "finalizing", "cancelling"):
-            attempts = int(conn.hget(jk.job, "finalize_attempts") or 0)
-            if attempts < MAX_FINALIZE_ATTEMPTS and enqueue_finalize(conn, keys, job_id):
-                enqueued.append(job_id)
+        wants = state == "lost" or state in FINALIZE_STATES
+        if wants and enqueue_finalize(conn, keys, qk, job_id):
+            enqueued.append(job_id)
     for raw in conn.smembers(qk.cancelled):
         job_id = text(raw)
         last_id = text(conn.hget(qk.job(job_id).job, "last_id"))

@@ -24,7 +24,7 @@ _INT_FIELDS = (
     "cached_tokens",
     "finalize_attempts",
 )
-_FLOAT_FIELDS = ("created_at", "started_at", "finished_at")
+_FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "finalize_retry_at")
 _STR_FIELDS = ("model", "queue", "tag", "output", "source", "source_sha256", "error", "last_id")
 
 
@@ -53,7 +53,8 @@ class JobRecord:
     error: str = ""
     last_id: str = ""  # newest stream id carrying one of its requests
     closed: bool = False  # finalize has frozen the committed parts
-    finalize_attempts: int = 0
+    finalize_attempts: int = 0  # failed finalize runs (a killed finalizer is not one)
+    finalize_retry_at: float = 0.0  # after a failed finalize: when the workers retry it
     model_fingerprint: str = ""
 
     @property

@@ -1,16 +1,20 @@
 """A job's output directory, local or on an object store (pyarrow.fs).
 
-Writes are atomic: locally a temp name, fsync, rename, fsync of the directory;
-on object stores a single put (the object appears whole or not at all). Local
+Writes are atomic (``writing``): locally a temp name, fsync, rename, fsync of
+the directory; on object stores a temp object moved into place once complete.
+A failed write leaves nothing behind. Local
 writes and reads are confined to the directory's real path (names.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import IO, cast
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -53,6 +57,37 @@ class OutputDir:
             )
         return path
 
+    @contextlib.contextmanager
+    def writing(self, *names: str) -> Iterator[IO[bytes]]:
+        """A binary stream whose bytes appear at ``names`` whole when the block ends, or
+        not at all if it raises (nothing is left behind either way).
+
+        Locally: a temp file beside the target, fsync, rename, fsync of the directory.
+        On object stores: a temp object (streamed: multipart for big ones), moved into
+        place once complete, so a reader never sees a partial object.
+        """
+        final = self.file(*names)
+        parent = final.rsplit("/", 1)[0]
+        tmp = f"{parent}/.tmp-{uuid.uuid4().hex}-{names[-1]}"
+        try:
+            if self.local:
+                os.makedirs(parent, exist_ok=True)
+                self._confined(parent)
+                with _removed_on_error(lambda: os.unlink(tmp)):
+                    with open(tmp, "wb") as out:
+                        yield out
+                        out.flush()
+                        os.fsync(out.fileno())
+                    os.replace(tmp, final)
+                _fsync_dir(parent)
+            else:
+                with _removed_on_error(lambda: self.fs.delete_file(tmp)):
+                    with self.fs.open_output_stream(tmp) as stream:
+                        yield cast(IO[bytes], stream)
+                    self.fs.move(tmp, final)
+        except OSError as exc:
+            raise OutputError(f"cannot write {final}: {exc}") from exc
+
     def write_atomic(
         self, names: tuple[str, ...], data: bytes, halfway: Callable[[], None] | None = None
     ) -> str:
@@ -60,47 +95,13 @@ class OutputDir:
 
         ``halfway`` runs after half the bytes reached the temp file (a crash point).
         """
-        final = self.file(*names)
-        try:
-            if not self.local:
-                with self.fs.open_output_stream(final) as out:  # one put
-                    out.write(data)
-                return final
-            parent = os.path.dirname(final)
-            os.makedirs(parent, exist_ok=True)
-            self._confined(parent)
-            tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex}-{names[-1]}")
-            with open(tmp, "wb") as out:
-                out.write(data[: len(data) // 2])
-                if halfway is not None:
-                    out.flush()
-                    halfway()
-                out.write(data[len(data) // 2 :])
-            return self.publish_local(tmp, *names)
-        except OSError as exc:
-            raise OutputError(f"cannot write {final}: {exc}") from exc
-
-    def publish_local(self, tmp: str, *names: str) -> str:
-        """fsync the finished temp file ``tmp``, rename it to ``names``, fsync the dir."""
-        final = self.file(*names)
-        parent = os.path.dirname(final)
-        os.makedirs(parent, exist_ok=True)
-        self._confined(parent)
-        try:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-            dir_fd = os.open(parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except OSError as exc:
-            raise OutputError(f"cannot write {final}: {exc}") from exc
-        return final
+        with self.writing(*names) as out:
+            out.write(data[: len(data) // 2])
+            if halfway is not None:
+                out.flush()
+                halfway()
+            out.write(data[len(data) // 2 :])
+        return self.file(*names)
 
     def read_bytes(self, *names: str) -> bytes:
         path = self._confined(self.file(*names))
@@ -121,8 +122,52 @@ class OutputDir:
         info = self.fs.get_file_info(self.file(*names))
         return info.type != pafs.FileType.NotFound
 
+    def delete_file(self, *names: str) -> None:
+        """Remove a file if it is there."""
+        path = self._confined(self.file(*names))
+        try:
+            self.fs.delete_file(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if self.fs.get_file_info(path).type != pafs.FileType.NotFound:
+                raise OutputError(f"cannot delete {path}: {exc}") from exc
+
     def delete_dir(self, *names: str) -> None:
+        """Remove a directory and what it holds, if it is there."""
         path = self.file(*names)
         if self.fs.get_file_info(path).type == pafs.FileType.Directory:
             self._confined(path)
             self.fs.delete_dir(path)
+
+    def delete_empty_dir(self, *names: str) -> None:
+        """Remove a local directory only if nothing is left in it (atomically: rmdir).
+        Object stores have no empty directories to remove."""
+        if not self.local:
+            return
+        path = self._confined(self.file(*names))
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ENOTEMPTY:
+                raise OutputError(f"cannot remove {path}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _removed_on_error(remove: Callable[[], None]) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            remove()
+        raise
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -117,7 +117,7 @@ def test_status_jobs_cancel_download(redis_url, tmp_path):
         cli("cancel", "j1", "--redis", redis_url).output
         == "j1 cancelling (a worker finalizes it)\n"
     )
-    tasks.run_pending(conn, Keys("bg"))
+    tasks.run_pending(conn, Keys("bg"), Keys("bg").queue_for_model("m").tag)
     assert (
         json.loads(cli("status", "j1", "--json", "--redis", redis_url).output)["state"]
         == "cancelled"

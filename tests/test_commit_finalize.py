@@ -18,18 +18,20 @@ from rq import Queue
 
 from batchgen.jobs import tasks
 from batchgen.jobs.commit import PartCommit, commit
-from batchgen.jobs.finalize import LOST, finalize
+from batchgen.jobs.finalize import finalize
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys
 from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.params import DEFAULTS
 from batchgen.jobs.queue import read_new
 from batchgen.jobs.records import load_job
+from batchgen.jobs.result import LOST
 from batchgen.jobs.rows import FinishReason, Row, to_table
 from batchgen.jobs.sink import PartSink
 from batchgen.jobs.storage import OutputDir
 from batchgen.jobs.submit import submit
 
 KEYS = Keys("bg")
+QK = KEYS.queue_for_model("m")
 
 
 def rconn(url: str, **kwargs: Any) -> Any:
@@ -177,12 +179,12 @@ def test_finalize_runs_through_rq_with_the_json_serializer(redis_url, tmp_path):
     rows = [row(d.index, f"t{d.index}") for d in ds]
     result = commit(conn, qk, [PartCommit("j", publish(out, "a.parquet", rows), rows,
                                           [d.entry_id for d in ds])])  # fmt: skip
-    assert tasks.enqueue_finalize(conn, KEYS, result.finished[0]) is True
-    assert tasks.enqueue_finalize(conn, KEYS, "j") is False  # already queued
+    assert tasks.enqueue_finalize(conn, KEYS, qk, result.finished[0]) is True
+    assert tasks.enqueue_finalize(conn, KEYS, qk, "j") is False  # already queued
     data = conn.hget("rq:job:bg-finalize-j", "data")
     assert data is not None  # rq stores zlib(JSON): no pickle on the enqueue side
     assert json.loads(zlib.decompress(data)) == [tasks.FINALIZE_FUNC, None, ["j", "bg"], {}]
-    assert tasks.run_pending(conn, KEYS) == 1
+    assert tasks.run_pending(conn, KEYS, QK.tag) == 1
     assert load_job(conn, KEYS, "j").state == JobState.COMPLETED
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["files"] == ["result.parquet"]
@@ -204,16 +206,16 @@ def test_a_planted_pickle_payload_is_never_unpickled(redis_url, tmp_path):
     conn = rconn(redis_url)
     marker = tmp_path / "pwned"
     # Someone with Redis access enqueues a pickle-serialized task on our queue.
-    pickled = Queue(KEYS.finalize_queue, connection=conn)  # rq's default: pickle
+    pickled = Queue(KEYS.finalize_queue(QK.tag), connection=conn)  # rq's default: pickle
     pickled.enqueue(print, Boom(str(marker)), job_id="evil")
-    tasks.run_pending(conn, KEYS)  # our worker reads it with the JSON serializer
+    tasks.run_pending(conn, KEYS, QK.tag)  # our worker reads it with the JSON serializer
     assert not marker.exists()
-    assert conn.hget("rq:job:evil", "status") == b"failed"  # unreadable as JSON: never run
+    assert not conn.exists("rq:job:evil")  # refused and removed, never run
     # and a planted "finalize task" record in our id space is replaced, not trusted
     conn.hset("rq:job:bg-finalize-x", "data", pickle.dumps(Boom(str(marker))))
     conn.hset("rq:job:bg-finalize-x", "status", "queued")
     make_job(conn, tmp_path, 1, job_id="x")
-    tasks.enqueue_finalize(conn, KEYS, "x")
+    tasks.enqueue_finalize(conn, KEYS, QK, "x")
     assert not marker.exists()
 
 
@@ -230,7 +232,7 @@ def test_lost_entries_become_error_rows(redis_url, tmp_path):
     assert sweep(conn, KEYS, qk) == ["j"]
     record = load_job(conn, KEYS, "j")
     assert record.state == JobState.FINALIZING
-    assert tasks.run_pending(conn, KEYS) == 1
+    assert tasks.run_pending(conn, KEYS, QK.tag) == 1
     table = pq.read_table(out / "result.parquet").to_pydict()
     assert table["index"] == [0, 1, 2, 3]
     assert table["finish_reason"] == ["length", "error", "error", "error"]
@@ -262,7 +264,7 @@ def test_cancel_fills_cancelled_rows_and_keeps_finished_ones(redis_url, tmp_path
         commit(conn, qk, [PartCommit("j", publish(out, "a.parquet", rows), rows, [d.entry_id])])
     assert cancel(conn, KEYS, "j") == JobState.CANCELLING
     assert conn.smembers(qk.cancelled) == {b"j"}
-    assert tasks.run_pending(conn, KEYS) == 1
+    assert tasks.run_pending(conn, KEYS, QK.tag) == 1
     record = load_job(conn, KEYS, "j")
     assert record.state == JobState.CANCELLED
     table = pq.read_table(out / "result.parquet").to_pydict()
@@ -290,18 +292,30 @@ def test_dead_consumers_with_nothing_pending_are_pruned(redis_url, tmp_path):
     assert names == [b"alive", b"holder"]
 
 
-def test_a_sigterm_while_a_task_runs_reaches_the_process_handler(redis_url):
-    """The supervisor and the queue loop run finalize tasks in-process; a SIGTERM
-    that arrived while one ran used to land in rq's handler, and the supervisor
-    never stopped. The task here sends it to its own process."""
+def test_a_sigterm_while_a_task_runs_reaches_the_process_handler(redis_url, tmp_path):
+    """Finalize tasks run in processes with SIGTERM handlers of their own (the
+    supervisor's finalizer, ``batchgen run``); a SIGTERM that arrives while one
+    runs must reach that handler, not rq's. The finalize here sends it to its
+    own process from inside the task (through the crash-point hook)."""
     conn = rconn(redis_url)
+    out, qk = make_job(conn, tmp_path, 1)
+    (d,) = deliver(conn, qk)
+    rows = [row(0)]
+    commit(conn, qk, [PartCommit("j", publish(out, "a.parquet", rows), rows, [d.entry_id])])
+    assert tasks.enqueue_finalize(conn, KEYS, qk, "j")
     got: list[int] = []
     saved = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    hook = tasks.finalize_task
     try:
-        queue = tasks.finalize_queue(conn, KEYS)
-        queue.enqueue("os.kill", os.getpid(), signal.SIGTERM.value, job_id="term")
-        assert tasks.run_pending(conn, KEYS) == 1
+
+        def finalize_and_sigterm(job_id: str, prefix: str):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return hook(job_id, prefix)
+
+        tasks.finalize_task = finalize_and_sigterm
+        assert tasks.run_pending(conn, KEYS, QK.tag) == 1
     finally:
+        tasks.finalize_task = hook
         signal.signal(signal.SIGTERM, saved)
     assert got == [signal.SIGTERM]
-    assert conn.hget("rq:job:term", "status") == b"finished"
+    assert load_job(conn, KEYS, "j").state == JobState.COMPLETED

@@ -19,12 +19,12 @@ import redis
 
 from batchgen.jobs import tasks
 from batchgen.jobs.cancel import cancel
-from batchgen.jobs.finalize import LOST
 from batchgen.jobs.keys import GROUP, Keys
 from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.params import DEFAULTS
 from batchgen.jobs.queue import read_new, refresh
 from batchgen.jobs.records import load_job
+from batchgen.jobs.result import LOST
 from batchgen.jobs.submit import ensure_group, submit
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
 from batchgen.worker.loop.config import ENGINE_FAILED_EXIT
@@ -65,7 +65,7 @@ def finish(conn, loop: QueueLoop, job_id="j", timeout=10.0) -> None:
         return load_job(conn, KEYS, job_id).state not in (JobState.QUEUED, JobState.RUNNING)
 
     loop.run(until=done)
-    tasks.run_pending(conn, KEYS)
+    tasks.run_pending(conn, KEYS, QK.tag)
 
 
 def rows(out: Path) -> dict:
@@ -233,7 +233,7 @@ def test_a_request_that_breaks_the_step_is_found_by_bisection_and_dead_lettered(
             # 4 -> [a, b] (finish) and [POISON, c] -> [POISON] (fails alone), [c] (goes back)
             assert loop.counters["bisections"] == 2
             assert loop.counters["rows_ok"] == 2
-    tasks.run_pending(conn, KEYS)
+    tasks.run_pending(conn, KEYS, QK.tag)
     result = rows(out)
     assert result["finish_reason"] == ["length", "length", "error", "length"]
     for i in (0, 1, 3):
@@ -336,7 +336,7 @@ def test_cancel_aborts_in_flight_requests_and_drops_queued_ones(redis_url, tmp_p
     assert engine.running == {} and loop.counters["dropped"] == 2
     loop.config.burst = True
     loop.run()
-    tasks.run_pending(conn, KEYS)
+    tasks.run_pending(conn, KEYS, QK.tag)
     assert loop.counters["dropped"] == 6 and "rows_ok" not in loop.counters
     assert conn.xlen(QK.stream) == 0 and conn.xpending(QK.stream, GROUP)["pending"] == 0
     assert load_job(conn, KEYS, "j").state == JobState.CANCELLED
@@ -354,7 +354,7 @@ def test_burst_waits_for_entries_held_elsewhere_and_exits_when_the_stream_is_emp
     assert loop.run() == 0
     assert time.monotonic() - start >= 0.5  # it waited and took the ghost's entry over
     assert conn.xlen(QK.stream) == 0
-    tasks.run_pending(conn, KEYS)
+    tasks.run_pending(conn, KEYS, QK.tag)
     assert rows(out)["finish_reason"] == ["length", "length"]
 
 

@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "status": "batchgen.cli.status:status",
     "jobs": "batchgen.cli.jobs:jobs",
     "cancel": "batchgen.cli.cancel:cancel",
+    "finalize": "batchgen.cli.finalize:finalize",
     "download": "batchgen.cli.download:download",
     "worker": "batchgen.cli.worker:worker",
     "run": "batchgen.cli.run:run",

@@ -64,6 +64,7 @@ def run(
     )  # fmt: skip
     for error in result.errors:
         click.echo(f"skipped {error}", err=True)
+    tag = keys.queue_for_model(model).tag
 
     def engine():
         return load_engine(model, device=device, max_num_seqs=max_num_seqs,
@@ -95,7 +96,7 @@ def run(
             f"`batchgen worker --model {model}` finishes it, or re-run with --job-id {job_id}"
         )
     while not load_job(conn, keys, job_id).state.terminal:
-        if not run_pending(conn, keys):  # a worker elsewhere may be finalizing it
+        if not run_pending(conn, keys, tag):  # a worker elsewhere may be finalizing it
             time.sleep(0.2)
     if tty:
         click.echo("", err=True)

@@ -171,11 +171,19 @@ class Chaos:
         env.update(extra)
         return env
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> Proc:
+    def _spawn(
+        self, name: str, cmd: list[str], env: dict[str, str], stdin: bytes | None = None
+    ) -> Proc:
         log = self.tmp / f"{name}.log"
         with open(log, "ab") as out:
-            popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            popen = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+            )  # fmt: skip
+        if stdin is not None:
+            assert popen.stdin is not None
+            popen.stdin.write(stdin)
+            popen.stdin.close()
         proc = Proc(name, popen, log)
         self.procs.append(proc)
         return proc
@@ -208,6 +216,25 @@ class Chaos:
         return subprocess.run([sys.executable, "-m", "batchgen", *args], env=env or self.env(),
                               capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
+    def finalizer(self, name: str, env: dict[str, str] | None = None) -> Proc:
+        """The finalizer process a supervisor starts when its model's finalize tasks wait."""
+        config = {"redis_url": self.redis_url, "prefix": KEYS.prefix, "tag": self.qk.tag}
+        cmd = [sys.executable, "-m", "batchgen.worker.loop.finalizer"]
+        return self._spawn(name, cmd, env or self.env(), stdin=json.dumps(config).encode())
+
+    def children(self, pid: int) -> dict[int, str]:
+        """Live child processes of ``pid``: pid -> command line."""
+        found = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found[int(stat.parent.name)] = cmdline
+        return found
+
     def cli_start(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
         return self._spawn(name, [sys.executable, "-m", "batchgen", *args], env or self.env())
 
@@ -235,7 +262,7 @@ class Chaos:
 
     def finalize(self) -> int:
         """Run the queued finalize tasks here (rq, JSON serializer), as a supervisor would."""
-        return tasks.run_pending(self.conn, KEYS)
+        return tasks.run_pending(self.conn, KEYS, self.qk.tag)
 
     def result(self, job_id: str) -> dict[str, list]:
         """The final Parquet as ``batchgen download`` serves it, as columns."""

@@ -17,9 +17,9 @@ from click.testing import CliRunner
 from batchgen.cli import main
 from batchgen.jobs import submit as submit_mod
 from batchgen.jobs.crashpoints import CRASH_EXIT_CODE
-from batchgen.jobs.finalize import LOST
 from batchgen.jobs.keys import GROUP
 from batchgen.jobs.redis_server import RedisServer
+from batchgen.jobs.result import LOST
 from tests.chaos.harness import (
     Chaos,
     assert_exactly_once,

@@ -336,7 +336,7 @@ class QueueLoop:
         for job_id in result.missing:
             log.error("job %s is gone from Redis (state lost?); dropped its rows", job_id)
         for job_id in result.finished:
-            enqueue_finalize(self.conn, self.keys, job_id)
+            enqueue_finalize(self.conn, self.keys, self.qk, job_id)
         self.finished_jobs = bool(result.finished)
         return True
 

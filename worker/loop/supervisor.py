@@ -6,10 +6,11 @@ It imports no torch itself (except to count GPUs for ``--gpus``). Children run
 killed, ran out of memory, or met a poison request, which ``max_attempts``
 dead-letters), with growing backoff if it died before that, and given up on
 after repeated failures right at start (a broken model or config). One that
-exits 0 in burst mode is done. The supervisor also runs the
-finalize tasks (rq, JSON serializer) and serves Prometheus metrics. SIGTERM or
-SIGINT is forwarded to the children, which hand their requests back and exit
-within their drain timeout; stragglers are killed after it.
+exits 0 in burst mode is done. The supervisor also starts a finalizer process
+whenever its model's finalize queue holds tasks (finalizer.py: a long
+finalize never blocks the supervisor) and serves Prometheus metrics. SIGTERM
+or SIGINT is forwarded to the children, which hand their requests back and
+exit within their drain timeout; stragglers are killed after it.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import redis
 from batchgen.jobs.errors import UsageError
 from batchgen.jobs.heartbeat import live_workers
 from batchgen.jobs.keys import GROUP, Keys
-from batchgen.jobs.tasks import run_pending
+from batchgen.jobs.tasks import finalize_queue
 from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig, default_name
+from batchgen.worker.loop.finalizer import FinalizerProcess
 from batchgen.worker.loop.metrics import render, serve
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,8 @@ class Supervisor:
         self.base = base
         self.children = [Child(i, base, env) for i, env in enumerate(children_env)]
         self.metrics_port = metrics_port
+        self.qk = self.keys.queue_for_model(base.model)
+        self.finalizer = FinalizerProcess(base.redis_url or "", base.prefix, self.qk.tag)
         self.stopping = False
 
     def _stop(self, *_: object) -> None:
@@ -124,14 +128,15 @@ class Supervisor:
                 code = self._reap()
                 if code:
                     break
-                if time.monotonic() >= next_finalize:
-                    self._finalize()
+                drained = self.base.burst and all(c.done for c in self.children)
+                if drained or time.monotonic() >= next_finalize:
+                    queued = self._finalize()
                     next_finalize = time.monotonic() + 2.0
-                if self.base.burst and all(c.done for c in self.children):
-                    self._finalize()
-                    break
+                    if drained and not queued and not self.finalizer.running():
+                        break
                 time.sleep(0.2)
         finally:
+            self.finalizer.stop(timeout=5.0)
             self._terminate()
             if server is not None:
                 server.shutdown()
@@ -178,15 +183,16 @@ class Supervisor:
         except (redis.ConnectionError, redis.TimeoutError):
             return False
 
-    def _finalize(self) -> None:
+    def _finalize(self) -> bool:
+        """Start a finalizer if finalize tasks wait and none runs; whether tasks wait."""
         try:
-            ran = run_pending(self.conn, self.keys)
-            if ran:
-                log.info("ran %d finalize task(s)", ran)
+            queued = finalize_queue(self.conn, self.keys, self.qk.tag).count > 0
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            log.warning("finalize tasks skipped: Redis unavailable (%s)", exc)
-        except Exception:
-            log.exception("finalize runner failed")
+            log.warning("finalize queue unreadable: Redis unavailable (%s)", exc)
+            return False
+        if queued and not self.finalizer.running():
+            self.finalizer.start()
+        return queued
 
     def _terminate(self) -> None:
         live = [c.process for c in self.children if c.process is not None]

@@ -146,7 +146,7 @@ class Upkeep:
         finished = dead_letter(self.conn, self.qk, d, reason, self.config.name, _row_json(row))
         self.loop.count("dead_lettered", 1)
         if finished:
-            enqueue_finalize(self.conn, self.keys, d.job_id)
+            enqueue_finalize(self.conn, self.keys, self.qk, d.job_id)
 
     def drained(self) -> bool:
         """Burst mode: the stream holds no entry at all (none queued, none pending)."""

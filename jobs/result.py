@@ -1,0 +1,163 @@
+"""The final dataset: committed rows read back in input order, one per input, and a manifest.
+
+Only committed parts are read, minus the indices each part's commit record
+says it lost, plus the dead-letter error rows; an index without a row is
+filled (``cancelled`` for a cancelled job, else a ``lost`` error row). Rows are
+read in index windows so memory stays bounded for huge jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import redis
+
+import batchgen
+from batchgen.jobs.keys import QueueKeys, text, text_hash
+from batchgen.jobs.lifecycle import JobState
+from batchgen.jobs.records import JobRecord
+from batchgen.jobs.rows import SCHEMA, FinishReason, Row, from_dict, to_table
+from batchgen.jobs.storage import OutputDir
+
+log = logging.getLogger(__name__)
+
+RESULT = "result.parquet"
+MANIFEST = "manifest.json"
+WINDOW_ROWS = 1 << 20
+LOST = "lost: the queue entry was deleted before a row was committed (was the stream trimmed?)"
+
+
+@dataclass(slots=True)
+class PartRecord:
+    name: str
+    rows: int
+    lo: int
+    hi: int
+    lost: frozenset[int] = field(default_factory=frozenset)
+
+    @classmethod
+    def parse(cls, name: object, raw: object) -> PartRecord:
+        data = json.loads(text(raw))
+        lost = data.get("lost") or []
+        return cls(text(name), int(data["rows"]), int(data["lo"]), int(data["hi"]),
+                   frozenset(lost if isinstance(lost, list) else []))  # fmt: skip
+
+
+@dataclass(slots=True)
+class Counts:
+    rows: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+    filled: int = 0  # rows finalize made up (lost or cancelled before running)
+
+
+def committed_parts(conn: redis.Redis, qk: QueueKeys, job_id: str) -> list[PartRecord]:
+    raw = conn.hgetall(qk.job(job_id).parts)
+    return sorted((PartRecord.parse(k, v) for k, v in raw.items()), key=lambda p: p.lo)
+
+
+def error_rows(conn: redis.Redis, qk: QueueKeys, job_id: str) -> dict[int, Row]:
+    raw = conn.hgetall(qk.job(job_id).errors)
+    return {int(k): from_dict(json.loads(v)) for k, v in text_hash(raw).items()}
+
+
+def read_window(
+    out: OutputDir, parts: list[PartRecord], lo: int, hi: int, errors: dict[int, Row]
+) -> pa.Table:
+    """Committed winning rows with lo <= index < hi, sorted, one per index at most."""
+    tables = []
+    for part in parts:
+        if part.hi < lo or part.lo >= hi:
+            continue
+        with out.open_input(*part.name.split("/")) as src:
+            table = pq.read_table(src, schema=SCHEMA)
+        index = table.column("index")
+        keep = pc.and_(pc.greater_equal(index, lo), pc.less(index, hi))
+        if part.lost:
+            lost = pa.array(sorted(part.lost), type=pa.int64())
+            keep = pc.and_(keep, pc.invert(pc.is_in(index, value_set=lost)))
+        tables.append(table.filter(keep))
+    extra = [row for i, row in errors.items() if lo <= i < hi]
+    if extra:
+        tables.append(to_table(extra))
+    if not tables:
+        return SCHEMA.empty_table()
+    merged = pa.concat_tables(tables).sort_by("index")
+    return _first_per_index(merged)
+
+
+def _first_per_index(table: pa.Table) -> pa.Table:
+    index = table.column("index").to_numpy()
+    if len(index) < 2 or (index[1:] != index[:-1]).all():
+        return table
+    log.error("duplicate committed rows for one index; keeping the first (a bug)")
+    keep = [0] + [i for i in range(1, len(index)) if index[i] != index[i - 1]]
+    return table.take(pa.array(keep))
+
+
+def _fill(table: pa.Table, lo: int, hi: int, cancelled: bool) -> tuple[pa.Table, int]:
+    present = set(table.column("index").to_pylist())
+    if len(present) == hi - lo:
+        return table, 0
+    reason = FinishReason.CANCELLED if cancelled else FinishReason.ERROR
+    error = "cancelled before it ran" if cancelled else LOST
+    now = int(time.time() * 1000)
+    filler = [
+        Row(index=i, finish_reason=reason, error=error, finished_at=now)
+        for i in range(lo, hi)
+        if i not in present
+    ]
+    return pa.concat_tables([table, to_table(filler)]).sort_by("index"), len(filler)
+
+
+def write_result(
+    out: OutputDir, record: JobRecord, parts: list[PartRecord], errors: dict[int, Row]
+) -> Counts:
+    cancelled = record.state == JobState.CANCELLING
+    counts = Counts()
+    with out.writing(RESULT) as sink, pq.ParquetWriter(sink, SCHEMA, compression="zstd") as writer:
+        for lo in range(0, max(record.total, 1), WINDOW_ROWS):
+            hi = min(lo + WINDOW_ROWS, record.total)
+            table, filled = _fill(read_window(out, parts, lo, hi, errors), lo, hi, cancelled)
+            counts.filled += filled
+            counts.rows += table.num_rows
+            for item in pc.value_counts(table.column("finish_reason")).to_pylist():
+                reason, n = item["values"], item["counts"]
+                counts.by_reason[reason] = counts.by_reason.get(reason, 0) + n
+            writer.write_table(table)
+    return counts
+
+
+def manifest(record: JobRecord, counts: Counts, finished_at: float) -> dict[str, Any]:
+    return {
+        "batchgen_version": batchgen.__version__,
+        "job": record.spec(),
+        "state": "cancelled" if record.state == JobState.CANCELLING else "completed",
+        "model": {"name": record.model, "fingerprint": record.model_fingerprint or None},
+        "files": [RESULT],
+        "counts": {
+            "rows": counts.rows,
+            "total": record.total,
+            "skipped_invalid_lines": record.skipped,
+            "by_finish_reason": dict(sorted(counts.by_reason.items())),
+            "filled_by_finalize": counts.filled,
+        },
+        "tokens": {
+            "prompt": record.prompt_tokens,
+            "completion": record.completion_tokens,
+            "cached": record.cached_tokens,
+        },
+        "timing": {
+            "created_at": record.created_at,
+            "started_at": record.started_at or None,
+            "finished_at": finished_at,
+            "wall_s": round(finished_at - record.created_at, 3),
+        },
+        "columns": SCHEMA.names,
+    }
