@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 
 from batchgen.jobs import embedded
-from batchgen.jobs.errors import UnsafeName
+from batchgen.jobs.errors import UnsafeName, UsageError
 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
@@ -89,3 +89,18 @@ def default_output(job_id: str) -> str:
         if not os.path.realpath(job_dir).startswith(real_root + os.sep):
             raise UnsafeName(f"{job_dir} points outside the output root {root}; remove it")
     return os.path.abspath(job_dir)
+
+
+def job_output_dir(given: str | None, job_id: str, embedded_redis: bool) -> str:
+    """A job's output directory: ``given`` (checked), else the default, which is only
+    allowed with the embedded Redis: with a shared one, workers on other hosts take the
+    job's requests and must reach its output."""
+    if given:
+        return check_output(given)
+    if not embedded_redis:
+        raise UsageError(
+            "the job's output directory is required with a shared Redis (submit --output, "
+            "run --job-output): give one every worker can reach (a shared path, "
+            "s3://bucket/prefix, ...)"
+        )
+    return default_output(job_id)

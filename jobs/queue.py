@@ -23,6 +23,7 @@ import redis
 from batchgen.jobs.keys import GROUP, QueueKeys
 from batchgen.jobs.lifecycle import script
 from batchgen.jobs.lua import ACK_AND_DELETE, LuaScript
+from batchgen.jobs.rows import Row
 from batchgen.jobs.submit import ensure_group
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Delivery:
     queued_at: int = 0  # unix ms the request was first enqueued
     preemptions: int = 0  # before hand-back
     last_error: str = ""  # why the engine failed the last time it ran this (hand-back)
+    finished: dict[str, Any] | None = None  # its row, made before storage failed (hand-back)
 
     @property
     def attempts(self) -> int:
@@ -70,6 +72,7 @@ class Delivery:
             queued_at=int(extra.get("q") or eid.split("-")[0]),
             preemptions=int(extra.get("pre", 0)),
             last_error=str(extra.get("err", "")),
+            finished=extra.get("row") if isinstance(extra.get("row"), dict) else None,
         )
 
 
@@ -243,6 +246,7 @@ class HandBack:
     failed: bool = False  # the worker's engine failed: this delivery counts as a crash
     ran: bool = True  # False: never started here (a waiting suspect): the delivery is not counted
     error: str = ""  # with ``failed``: what the engine raised
+    row: Row | None = None  # finished, but its part could not be written: carried to the next
 
 
 def hand_back(conn: redis.Redis, qk: QueueKeys, consumer: str, items: list[HandBack]) -> int:
@@ -268,6 +272,8 @@ def hand_back(conn: redis.Redis, qk: QueueKeys, consumer: str, items: list[HandB
         }
         if item.error or d.last_error:
             extra["err"] = (item.error or d.last_error)[:1000]
+        if item.row is not None:
+            extra["row"] = item.row.to_dict()
         record = qk.job(d.job_id).job
         touched.append(record)
         payload.append({"job_id": d.job_id, "record": record, "old": d.entry_id, "index": d.index,

@@ -25,7 +25,18 @@ _INT_FIELDS = (
     "finalize_attempts",
 )
 _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "finalize_retry_at")
-_STR_FIELDS = ("model", "queue", "tag", "output", "source", "source_sha256", "error", "last_id")
+_STR_FIELDS = (
+    "model",
+    "queue",
+    "tag",
+    "output",
+    "output_token",
+    "source",
+    "source_sha256",
+    "error",
+    "storage_error",
+    "last_id",
+)
 
 
 @dataclass(slots=True)
@@ -36,6 +47,7 @@ class JobRecord:
     queue: str = ""  # the queue name (see keys.queue_name)
     tag: str = ""  # the queue's hash tag
     output: str = ""  # URI of the job's output directory
+    output_token: str = ""  # the token of the output's marker (ownership.py)
     defaults: dict[str, Any] = field(default_factory=dict)  # job-level sampling defaults
     source: str = ""  # input file name, for the manifest
     source_sha256: str = ""  # of the valid entries, so a re-submit can prove it is the same job
@@ -51,6 +63,7 @@ class JobRecord:
     started_at: float = 0.0
     finished_at: float = 0.0
     error: str = ""
+    storage_error: str = ""  # a worker cannot write the job's parts (rows kept, not charged)
     last_id: str = ""  # newest stream id carrying one of its requests
     closed: bool = False  # finalize has frozen the committed parts
     finalize_attempts: int = 0  # failed finalize runs (a killed finalizer is not one)

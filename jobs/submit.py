@@ -11,7 +11,10 @@ and only if ``enqueued`` still equals the chunk's start. So:
 - re-submitting a finished job enqueues nothing;
 - two submits of one job id racing never enqueue a chunk twice;
 - a different file (or flags) under an existing job id is refused (the job
-  records the sha256 of its entries);
+  records the sha256 of its entries), and so is a different output;
+- the output directory is claimed for the job before anything reaches Redis
+  (ownership.py): one that belongs to another job, or cannot be written, is
+  refused;
 - with ``wait_s``, a Redis that goes away mid-file (a restart) is waited for,
   and appending goes on from the job's ``enqueued``: nothing twice, nothing
   skipped.
@@ -35,7 +38,9 @@ from batchgen.jobs.inputs import MAX_LINE_BYTES, LineError
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys, queue_name, queue_tag, text
 from batchgen.jobs.lifecycle import CREATE, JobState, script
 from batchgen.jobs.names import check_job_id
+from batchgen.jobs.ownership import claim, new_token
 from batchgen.jobs.records import JobRecord
+from batchgen.jobs.storage import OutputDir
 from batchgen.jobs.validate import SpoolDir, validate_file
 
 CHUNK_ENTRIES = 2000
@@ -184,18 +189,28 @@ def _enqueued_after_outage(
 
 
 def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> tuple[bool, int]:
-    """Create the job, or find it and check it is this same submission; (resumed, start)."""
+    """Create the job, or find it and check it is this same submission; (resumed, start).
+
+    The output directory is claimed for the job first (ownership.py), which also
+    proves it can be written: nothing is created in Redis for an output that
+    belongs to another job or cannot be written.
+    """
     job_id = record.id
-    if not conn.hsetnx(keys.jobs, job_id, qk.tag):
-        tag = text(conn.hget(keys.jobs, job_id))
-        if tag != qk.tag:
-            other = text(conn.hget(keys.queues, tag)) or "?"
-            raise JobConflict(
-                f"job {job_id!r} already exists for model {other!r}; choose another --job-id"
-            )
+    jk = qk.job(job_id)
+    tag = text(conn.hget(keys.jobs, job_id))
+    if tag and tag != qk.tag:
+        other = text(conn.hget(keys.queues, tag)) or "?"
+        raise JobConflict(
+            f"job {job_id!r} already exists for model {other!r}; choose another --job-id"
+        )
+    raw = conn.hgetall(jk.job)
+    if raw:
+        return _resume(JobRecord.from_hash(job_id, raw), record)
+    record.output_token = new_token()
+    claim(OutputDir.open(record.output), job_id, record.output_token)
+    conn.hsetnx(keys.jobs, job_id, qk.tag)
     conn.hset(keys.queues, qk.tag, record.queue)
     ensure_group(conn, qk)
-    jk = qk.job(job_id)
     fields = [
         x for name, value in record.to_hash().items() if name != "state" for x in (name, value)
     ]
@@ -204,14 +219,25 @@ def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> 
     )
     if created:
         return False, 0
-    existing = JobRecord.from_hash(job_id, conn.hgetall(jk.job))
+    return _resume(JobRecord.from_hash(job_id, conn.hgetall(jk.job)), record)  # lost a race
+
+
+def _resume(existing: JobRecord, record: JobRecord) -> tuple[bool, int]:
+    """The job exists: go on only if this is the same submission; (True, enqueued)."""
+    job_id = record.id
     if existing.source_sha256 != record.source_sha256:
         raise JobConflict(
             f"job {job_id!r} was submitted from different input or flags "
             f"({existing.source}, {existing.total} requests); choose another --job-id"
         )
+    if existing.output != record.output:
+        raise JobConflict(
+            f"job {job_id!r} exists with output {existing.output}, not {record.output}; re-submit "
+            "it with the same --output, or choose another --job-id"
+        )
     if existing.state in (JobState.CANCELLING, JobState.CANCELLED):
         raise JobConflict(f"job {job_id!r} was cancelled; submit under another --job-id")
+    claim(OutputDir.open(existing.output), job_id, existing.output_token)
     return True, existing.enqueued
 
 

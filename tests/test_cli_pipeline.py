@@ -67,7 +67,10 @@ def test_bad_flags_and_names_are_usage_errors(redis_url, tmp_path):
     result = cli("submit", src, "--model", "m", "--output", "/a/../b", "--redis", redis_url)
     assert result.exit_code == 2 and "contains '..'" in result.output
     result = cli("submit", src, "--model", "m", "--redis", redis_url)
-    assert result.exit_code == 2 and "--output is required with a shared Redis" in result.output
+    assert (
+        result.exit_code == 2
+        and "output directory is required with a shared Redis (submit --output" in result.output
+    )
 
 
 def test_unreachable_redis_is_one_line(tmp_path, monkeypatch):

@@ -118,7 +118,11 @@ def test_a_request_committed_by_two_workers_keeps_the_first_row(redis_url, tmp_p
     table = pq.read_table(out / "result.parquet")
     assert table.column("index").to_pylist() == [0, 1, 2]
     assert table.column("text").to_pylist() == ["from w2"] * 3
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "result.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "batchgen-job.json",
+        "manifest.json",
+        "result.parquet",
+    ]
 
 
 def test_commits_after_finalize_are_discarded_and_acked(redis_url, tmp_path):
@@ -157,18 +161,19 @@ def test_sink_publishes_then_commits_and_retries_the_same_part(private_redis, tm
     ds = deliver(conn, qk)
     sink = PartSink(qk, "w1")
     for d in ds:
-        sink.add("j", str(out), d.entry_id, row(d.index))
+        sink.add(d, str(out), row(d.index))
     private_redis.kill()
     dead = rconn(private_redis.url, socket_connect_timeout=0.5)
-    assert sink.flush(dead) is None  # Redis down: the part stays written, uncommitted
+    flushed = sink.flush(dead)  # Redis down: the part stays written, uncommitted
+    assert (flushed.commit, flushed.redis_failed) == (None, True)
     assert len(sink.written) == 1 and not sink.buffers
     private_redis.start()
-    result = sink.flush(rconn(private_redis.url))
+    result = sink.flush(rconn(private_redis.url)).commit
     assert result is not None and result.finished == ["j"]
     conn = rconn(private_redis.url)
     (committed,) = conn.hkeys(qk.job("j").parts)
-    files = [p.name for p in (out / "parts").iterdir()]
-    assert files == [committed.decode().removeprefix("parts/")]  # no second file for the retry
+    files = [p.name for p in (out / "parts" / "j").iterdir()]
+    assert files == [committed.decode().removeprefix("parts/j/")]  # no second file for the retry
     assert load_job(conn, KEYS, "j").done == 2
 
 

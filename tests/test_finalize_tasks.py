@@ -48,8 +48,8 @@ def ready_job(conn, tmp_path: Path, model: str, job_id: str, n: int = 2) -> tupl
     sink = PartSink(qk, "w")
     for d in read_new(conn, qk, "w", n, None):
         row = Row(index=d.index, text=f"t{d.index}", finish_reason=FinishReason.LENGTH)
-        sink.add(job_id, str(out), d.entry_id, row)
-    result = sink.flush(conn)
+        sink.add(d, str(out), row)
+    result = sink.flush(conn).commit
     assert result is not None and result.finished == [job_id]
     return out, qk
 
@@ -133,7 +133,11 @@ def test_a_failing_finalize_backs_off_shows_in_status_and_never_gives_up(
     record = load_job(conn, KEYS, "j")
     assert (record.state, record.error, record.done) == (JobState.COMPLETED, "", 2)
     assert pq.read_table(out / "result.parquet").column("text").to_pylist() == ["t0", "t1"]
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "result.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "batchgen-job.json",
+        "manifest.json",
+        "result.parquet",
+    ]
     assert sweep(conn, KEYS, qk) == [] and not conn.sismember(qk.active, "j")
 
 
@@ -141,7 +145,7 @@ def test_batchgen_finalize_refuses_a_running_job_and_a_held_lease(redis_url, tmp
     conn = rconn(redis_url)
     src = tmp_path / "r.jsonl"
     src.write_text('{"prompt": "p"}\n{"prompt": "q"}\n')
-    submit(conn, KEYS, source_path=str(src), model="m", output=str(tmp_path / "o"),
+    submit(conn, KEYS, source_path=str(src), model="other", output=str(tmp_path / "o"),
            defaults=dict(DEFAULTS), job_id="running")  # fmt: skip
     result = CliRunner().invoke(main, ["finalize", "running", "--redis", redis_url])
     assert result.exit_code == 1

@@ -104,8 +104,8 @@ def _completed_job(conn, tmp_path):
     qk = KEYS.queue_for_model("m")
     (d,) = read_new(conn, qk, "w", 1, None)
     sink = PartSink(qk, "w")
-    sink.add("j", str(out), d.entry_id, Row(index=0, text="hi", finish_reason=FinishReason.STOP))
-    assert sink.flush(conn) is not None
+    sink.add(d, str(out), Row(index=0, text="hi", finish_reason=FinishReason.STOP))
+    assert sink.flush(conn).commit is not None
     return out
 
 
@@ -119,9 +119,7 @@ def test_download_before_completion_needs_partial(redis_url, tmp_path):
     qk = KEYS.queue_for_model("m")
     ds = read_new(conn, qk, "w", 1, None)
     sink = PartSink(qk, "w")
-    sink.add(
-        "j", str(out), ds[0].entry_id, Row(index=0, text="hi", finish_reason=FinishReason.STOP)
-    )
+    sink.add(ds[0], str(out), Row(index=0, text="hi", finish_reason=FinishReason.STOP))
     sink.flush(conn)
     with pytest.raises(JobNotReady) as info:
         download(conn, KEYS, "j", str(tmp_path / "dl.parquet"))

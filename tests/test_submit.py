@@ -34,7 +34,7 @@ def write_prompts(path: Path, n: int, start: int = 0, pad: int = 0) -> Path:
 
 
 def run(conn, path, job_id="job1", **kw):
-    kw.setdefault("output", "/tmp/out")
+    kw.setdefault("output", str(Path(path).parent / f"out-{job_id}"))
     return submit(conn, KEYS, source_path=str(path), model="m", defaults=dict(DEFAULTS),
                   job_id=job_id, **kw)  # fmt: skip
 
@@ -73,7 +73,7 @@ def test_submit_creates_the_job_and_one_entry_per_line(redis_url, tmp_path):
     record = load_job(conn, KEYS, "job1")
     assert (record.state, record.total, record.enqueued, record.done, record.failed) == (
         JobState.QUEUED, 5, 5, 0, 0)  # fmt: skip
-    assert (record.model, record.queue, record.output) == ("m", "m", "/tmp/out")
+    assert (record.model, record.queue, record.output) == ("m", "m", str(tmp_path / "out-job1"))
     qk = KEYS.queue_for_model("m")
     entries = conn.xrange(qk.stream)
     assert [int(f[b"i"]) for _, f in entries] == [0, 1, 2, 3, 4]
@@ -100,7 +100,7 @@ def test_resubmit_with_other_input_or_model_is_refused(redis_url, tmp_path):
         run(conn, write_prompts(tmp_path / "b.jsonl", 4))
     with pytest.raises(JobConflict, match="already exists for model 'm'"):
         submit(conn, KEYS, source_path=str(tmp_path / "a.jsonl"), model="other",
-               output="/tmp/o", defaults=dict(DEFAULTS), job_id="job1")  # fmt: skip
+               output=str(tmp_path / "o"), defaults=dict(DEFAULTS), job_id="job1")  # fmt: skip
     assert stream_indices(conn) == [0, 1, 2]
 
 

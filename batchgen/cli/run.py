@@ -21,6 +21,14 @@ from batchgen.cli._common import (
 @click.argument("prompts", type=click.Path(dir_okay=False))
 @click.option("--model", required=True, help="Model path (HF checkpoint directory).")
 @click.option("-o", "--output", "dest", required=True, help="Parquet file to write.")
+@click.option(
+    "--job-output",
+    metavar="URI",
+    default=None,
+    help="The job's output directory (parts, result), as submit's --output. Default: "
+    "$BATCHGEN_OUTPUT_ROOT/JOB with the embedded Redis; required with a shared Redis, whose "
+    "other workers may take the job's requests.",
+)
 @sampling_options
 @click.option("--device", default=None, help="cpu, cuda, ... (default: the engine's choice).")
 @click.option("--max-num-seqs", type=int, default=256, show_default=True)
@@ -30,7 +38,7 @@ from batchgen.cli._common import (
 @redis_option
 @handles_errors
 def run(
-    prompts: str, model: str, dest: str, max_tokens: int | None, temperature: float | None,
+    prompts: str, model: str, dest: str, job_output: str | None, max_tokens: int | None, temperature: float | None,
     top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...],
     device: str | None, max_num_seqs: int, num_kv_blocks: int | None, job_id: str | None,
     skip_invalid: bool, redis_url: str | None,
@@ -44,7 +52,7 @@ def run(
     from batchgen.jobs.errors import BatchgenError
     from batchgen.jobs.keys import prefix_from_env
     from batchgen.jobs.lifecycle import JobState
-    from batchgen.jobs.names import check_job_id, default_output
+    from batchgen.jobs.names import check_job_id, job_output_dir
     from batchgen.jobs.records import load_job
     from batchgen.jobs.submit import new_job_id, submit
     from batchgen.jobs.tasks import run_pending
@@ -59,8 +67,9 @@ def run(
     job_id = check_job_id(job_id) if job_id else new_job_id()
     conn, keys, target = connect(redis_url)
     result = submit(
-        conn, keys, source_path=prompts, model=model, output=default_output(job_id),
-        defaults=defaults, job_id=job_id, skip_invalid=skip_invalid,
+        conn, keys, source_path=prompts, model=model,
+        output=job_output_dir(job_output, job_id, target.embedded), defaults=defaults,
+        job_id=job_id, skip_invalid=skip_invalid,
     )  # fmt: skip
     for error in result.errors:
         click.echo(f"skipped {error}", err=True)

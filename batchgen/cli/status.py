@@ -30,6 +30,8 @@ def _render(s) -> str:
     ]
     if d["error"]:
         lines.append(f"error      {d['error']}")
+    if d["storage_error"]:
+        lines.append(f"storage    {d['storage_error']}")
     return "\n".join(lines)
 
 

@@ -56,8 +56,7 @@ def submit(
     fields override them. Unknown fields are errors (except body.model/body.user).
     """
     from batchgen.jobs.connection import wait_from_env
-    from batchgen.jobs.errors import UsageError
-    from batchgen.jobs.names import check_job_id, check_output, default_output
+    from batchgen.jobs.names import check_job_id, job_output_dir
     from batchgen.jobs.submit import new_job_id
     from batchgen.jobs.submit import submit as run_submit
 
@@ -66,15 +65,8 @@ def submit(
         stop=stop,
     )  # fmt: skip
     job_id = check_job_id(job_id) if job_id else new_job_id()
-    out_uri = check_output(output) if output else None
     conn, keys, target = connect(redis_url)
-    if out_uri is None:
-        if not target.embedded:
-            raise UsageError(
-                "--output is required with a shared Redis: give a directory every worker "
-                "can reach (a shared path, s3://bucket/prefix, ...)"
-            )
-        out_uri = default_output(job_id)
+    out_uri = job_output_dir(output, job_id, target.embedded)
     result = run_submit(
         conn, keys, source_path=prompts, model=model, output=out_uri, defaults=defaults,
         job_id=job_id, skip_invalid=skip_invalid, wait_s=wait_from_env(),

@@ -312,9 +312,14 @@ def assert_nothing_left(chaos: Chaos, job_id: str, output: Path | None = None) -
     assert conn.xlen(chaos.qk.stream) == 0
     assert chaos.pending() == 0
     if output is not None:
-        assert sorted(os.listdir(output)) == ["manifest.json", "result.parquet"]
+        assert sorted(os.listdir(output)) == [
+            "batchgen-job.json",
+            "manifest.json",
+            "result.parquet",
+        ]
 
 
-def iter_parts(output: Path) -> Iterator[Path]:
-    parts = output / "parts"
+def iter_parts(output: Path, job_id: str) -> Iterator[Path]:
+    """The files in the job's parts folder (temp files of unfinished writes included)."""
+    parts = output / "parts" / job_id
     return iter(sorted(parts.iterdir())) if parts.is_dir() else iter(())

@@ -32,6 +32,7 @@ class LoopConfig:
     flush_rows: int = 4096
     flush_interval_s: float = 2.0
     drain_timeout_s: float = 30.0  # SIGTERM: time to commit and hand back before exiting
+    storage_outage_s: float = 300.0  # a job's parts unwritable this long: hand its requests back
     sweep_interval_s: float = 10.0
     cancel_poll_s: float = 1.0
     supervisor: str = ""  # the supervisor's id, for metrics

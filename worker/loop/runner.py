@@ -29,6 +29,7 @@ import redis
 
 from batchgen.jobs.keys import Keys
 from batchgen.jobs.queue import Delivery, HandBack, hand_back, read_new
+from batchgen.jobs.rows import from_dict
 from batchgen.jobs.sink import PartSink
 from batchgen.jobs.submit import ensure_group
 from batchgen.jobs.tasks import enqueue_finalize
@@ -36,6 +37,7 @@ from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig
 from batchgen.worker.loop.engine_api import EngineAPI
 from batchgen.worker.loop.flight import Flight, error_row, output_row
 from batchgen.worker.loop.isolation import Isolation
+from batchgen.worker.loop.outages import StorageOutages
 from batchgen.worker.loop.upkeep import LoopView, Upkeep
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,9 @@ class QueueLoop:
         self.qk = self.keys.queue_for_model(config.model)
         self.inflight: dict[str, Flight] = {}  # entry id (= engine request id) -> flight
         self.isolation = Isolation()
+        self.outages = StorageOutages(
+            conn, self.qk, config.name, config.storage_outage_s, self._count
+        )
         self.engine_failed = False
         self.engine_error = ""  # what the failed step raised, kept with the hand-backs
         self.sink = PartSink(
@@ -230,6 +235,10 @@ class QueueLoop:
         return True
 
     def _start(self, d: Delivery, output: str) -> None:
+        if d.finished is not None:  # made before its storage failed: only its part is missing
+            self.sink.add(d, output, from_dict(d.finished))
+            self._count("rows_carried")
+            return
         try:
             params = self.api.sampling_params(**d.request["s"])
         except (TypeError, ValueError) as exc:
@@ -258,7 +267,7 @@ class QueueLoop:
 
     def _error(self, d: Delivery, output: str, message: str, prompt_tokens: int = 0) -> None:
         row = error_row(d, message, self.config.name, prompt_tokens)
-        self.sink.add(d.job_id, output, d.entry_id, row)
+        self.sink.add(d, output, row)
         self._count("rows_error")
 
     def finished(self, out) -> None:
@@ -267,7 +276,7 @@ class QueueLoop:
         if flight is None:
             return  # aborted meanwhile (cancelled, or claimed by another worker)
         row = output_row(flight, out, self.config.name)
-        self.sink.add(flight.delivery.job_id, flight.output, flight.delivery.entry_id, row)
+        self.sink.add(flight.delivery, flight.output, row)
         self._count("rows_error" if row.failed else "rows_ok")
         self._count("prompt_tokens", row.prompt_tokens)
         self._count("generation_tokens", row.completion_tokens)
@@ -326,11 +335,16 @@ class QueueLoop:
     # -- Redis steps -----------------------------------------------------------
 
     def flush(self) -> bool:
-        result = self.sink.flush(self.conn)
-        if result is None:
+        flushed = self.sink.flush(self.conn)
+        for job_id in self.outages.update(self.sink, flushed.recovered):
+            self._hand_back_job(job_id)
+        if flushed.redis_failed:
             self._redis_down(RuntimeError("commit failed"))
             return False
         self._redis_ok()
+        result = flushed.commit
+        if result is None:
+            return True
         self._count("commits")
         self._count("rows_lost_to_duplicates", result.lost)
         for job_id in result.missing:
@@ -339,6 +353,27 @@ class QueueLoop:
             enqueue_finalize(self.conn, self.keys, self.qk, job_id)
         self.finished_jobs = bool(result.finished)
         return True
+
+    def _hand_back_job(self, job_id: str) -> None:
+        """Its output failed past the limit: hand back, uncharged, all this worker holds of it."""
+        failure = self.sink.failing[job_id]
+        rows = [HandBack(d, list(row.token_ids), row=row) for d, row in self.sink.rows(job_id)]
+        try:
+            handed = hand_back(self.conn, self.qk, self.config.name, rows)
+            self.sink.take(job_id)
+            running = []
+            for entry_id, flight in list(self.inflight.items()):
+                if flight.delivery.job_id == job_id:
+                    out = self.engine.abort(entry_id)
+                    del self.inflight[entry_id]
+                    self.isolation.forget(entry_id)
+                    tokens = list(out.token_ids) if out else list(flight.delivery.resume)
+                    running.append(HandBack(flight.delivery, tokens))
+            handed += hand_back(self.conn, self.qk, self.config.name, running)
+        except _REDIS_DOWN as exc:  # kept (or pending here); tried again after the next flush
+            log.warning("could not hand job %s's requests back (%s)", job_id, exc)
+            return
+        self.outages.handed_back(job_id, failure, handed)
 
     def shutdown(self) -> None:
         """Stop admitting; commit what finished; hand back what did not; retire."""
@@ -366,6 +401,10 @@ class QueueLoop:
             items.append(HandBack(d, list(d.resume), 0, failed, error=error))
         self.inflight.clear()
         items += self.isolation.hand_backs()
+        for job_id in list(self.sink.failing):  # finished, but their parts cannot be written
+            items += [
+                HandBack(d, list(row.token_ids), row=row) for d, row in self.sink.take(job_id)
+            ]
         while items and time.monotonic() < deadline:
             try:
                 self._count("handed_back", hand_back(self.conn, self.qk, self.config.name, items))
