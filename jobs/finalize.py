@@ -104,8 +104,7 @@ def _write(conn: redis.Redis, keys: Keys, qk: QueueKeys, job_id: str, state: Job
     CrashPlan.from_env().reached("before_finalize_commit")
     failed = counts.rows - counts.by_reason.get("stop", 0) - counts.by_reason.get("length", 0)
     final = FINISH(
-        conn, job=jk.job, cancelled=qk.cancelled, done=jk.done, job_id=job_id,
-        now=repr(finished_at), failed=failed,
+        conn, job=jk.job, done=jk.done, now=repr(finished_at), failed=failed,
     )  # fmt: skip
     return JobState(text(final))
 

@@ -10,6 +10,7 @@ Layout (prefix ``P``, default ``bg``, from ``BATCHGEN_PREFIX``)::
     P:{TAG}:dead                  stream  dead-lettered requests
     P:{TAG}:active                set   unfinalized jobs of this model
     P:{TAG}:cancelled             set   cancelled jobs workers must drop
+    P:{TAG}:events                channel  "cancel:JOB" (workers subscribe)
     P:{TAG}:job:ID                hash  the job record (see records.py)
     P:{TAG}:job:ID:done           bitmap  bit i set = input i has a committed row
     P:{TAG}:job:ID:parts          hash  committed part URI -> commit record JSON
@@ -87,6 +88,11 @@ class QueueKeys:
     @property
     def cancelled(self) -> str:
         return f"{self.base}:cancelled"
+
+    @property
+    def events(self) -> str:
+        """A pub/sub channel: ``cancel:JOB`` when a job is cancelled (workers listen)."""
+        return f"{self.base}:events"
 
     def job(self, job_id: str) -> JobKeys:
         base = f"{self.base}:job:{job_id}"

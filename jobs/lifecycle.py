@@ -139,13 +139,18 @@ return 1
 CANCEL = script(
     "cancel job",
     keys=[("job", "the job record"), ("cancelled", "the queue's cancelled jobs (workers poll)")],
-    args=[("job_id", "")],
+    args=[
+        ("job_id", ""),
+        ("events", "the queue's events channel (workers listen)"),
+        ("now", "unix seconds"),
+    ],
     body="""
 local state = redis.call('HGET', job, 'state')
 if not state then return '' end
 if state == S.QUEUED or state == S.RUNNING then
-  move(job, state, S.CANCELLING)
+  move(job, state, S.CANCELLING, 'cancelled_at', now)
   redis.call('SADD', cancelled, job_id)
+  redis.call('PUBLISH', events, 'cancel:' .. job_id)
   return S.CANCELLING
 end
 return state
@@ -184,18 +189,13 @@ return state
 
 FINISH = script(
     "finish job",
-    keys=[
-        ("job", "the job record"),
-        ("cancelled", "the queue's cancelled jobs"),
-        ("done", "the job's done-marks"),
-    ],
-    args=[("job_id", ""), ("now", "unix seconds"), ("failed", "rows that are not stop/length")],
+    keys=[("job", "the job record"), ("done", "the job's done-marks")],
+    args=[("now", "unix seconds"), ("failed", "rows that are not stop/length")],
     body="""
 local state = redis.call('HGET', job, 'state')
 if not FINAL[state] then return state end
 move(job, state, FINAL[state], 'finished_at', now, 'failed', failed, 'error', '')
 redis.call('HDEL', job, 'finalize_retry_at')
-redis.call('SREM', cancelled, job_id)
 redis.call('DEL', done)
 return FINAL[state]
 """,

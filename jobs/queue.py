@@ -1,11 +1,11 @@
-"""The consumer side of a model's request stream (REDIS-FACTS.md "Streams").
+"""The consumer side of a model's request stream.
 
 A worker is a named consumer in group ``workers``. It reads new entries
 (XREADGROUP ``>``), keeps the ones it holds from looking idle (``refresh``:
 XCLAIM JUSTID to itself, only where it still owns them), takes over entries
-idle past a timeout (``reclaim``: XAUTOCLAIM, full form, looping on the
-cursor; deleted entries are reported as lost), dead-letters entries delivered
-too often, hands in-flight requests back on shutdown (``hand_back``), and drops
+idle past a timeout (``reclaim``: XPENDING IDLE + XCLAIM per id, in one script,
+so every claimed entry has its exact delivery count; deleted ones are acked
+and reported as lost), dead-letters entries delivered too often, hands in-flight requests back on shutdown (``hand_back``), and drops
 entries of cancelled jobs. Every step that moves an entry is one atomic
 script, and entries are deleted once acked so the stream does not grow.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.keys import GROUP, QueueKeys
+from batchgen.jobs.keys import GROUP, QueueKeys, text
 from batchgen.jobs.lifecycle import script
 from batchgen.jobs.lua import ACK_AND_DELETE, LuaScript
 from batchgen.jobs.rows import Row
@@ -146,68 +146,51 @@ class Reclaimed:
     lost_ids: list[str] = field(default_factory=list)  # deleted while pending: bodies gone
 
 
+RECLAIM = LuaScript.define(
+    "reclaim",
+    keys=[("stream", "the model's request stream")],
+    args=[
+        ("group", ""),
+        ("me", "this consumer"),
+        ("min_idle", "ms an entry must be idle"),
+        ("count", "claim at most this many"),
+    ],
+    body="""
+-- One id at a time, so each claimed entry comes with its exact delivery count and a
+-- deleted one is known by its id on every server version (7.0 drops it from the PEL
+-- and returns nothing; 6.2 returns a nil entry and keeps it pending: acked here).
+local claimed, lost = {}, {}
+for _, p in ipairs(redis.call('XPENDING', stream, group, 'IDLE', min_idle, '-', '+', count)) do
+  local id, delivered = p[1], p[4]
+  local entry = redis.call('XCLAIM', stream, group, me, min_idle, id)[1]
+  if type(entry) == 'table' and type(entry[2]) == 'table' then
+    claimed[#claimed + 1] = {id, entry[2], delivered + 1}
+  else
+    redis.call('XACK', stream, group, id)
+    lost[#lost + 1] = id
+  end
+end
+return {claimed, lost}
+""",
+)
+
+
 def reclaim(
-    conn: redis.Redis,
-    qk: QueueKeys,
-    consumer: str,
-    min_idle_ms: int,
-    count: int,
-    known: set[str] | frozenset[str] = frozenset(),
+    conn: redis.Redis, qk: QueueKeys, consumer: str, min_idle_ms: int, count: int
 ) -> Reclaimed:
-    """Claim up to ``count`` entries idle for ``min_idle_ms`` (a dead worker's).
-
-    XAUTOCLAIM scans at most 10 x COUNT entries a call, so this loops on the
-    cursor. Deleted entries come back in the third reply element on Redis 7+
-    (already purged from the PEL) or as nil bodies on 6.2 (still in our PEL:
-    found with XPENDING and acked here). ``known``: ids this worker holds.
-    """
-    out = Reclaimed()
-    cursor = "0-0"
-    while count > len(out.deliveries):
-        want = count - len(out.deliveries)
-        reply: Any = conn.xautoclaim(
-            qk.stream, GROUP, consumer, min_idle_ms, start_id=cursor, count=want
-        )
-        next_cursor = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
-        entries = [(eid, f) for eid, f in reply[1] if eid is not None and f]
-        if len(reply) > 2 and reply[2]:
-            out.lost_ids += [d.decode() for d in reply[2]]
-        if any(eid is None or not f for eid, f in reply[1]):
-            out.lost_ids += _nil_bodies(conn, qk, consumer, cursor, next_cursor, entries, known)
-        if entries:
-            counts = _delivery_counts(conn, qk, consumer, [e for e, _ in entries])
-            out.deliveries += [
-                Delivery.parse(eid, f, counts.get(eid.decode(), 1)) for eid, f in entries
-            ]
-        if next_cursor == "0-0":
-            break
-        cursor = next_cursor
-    if out.lost_ids:
-        conn.xack(qk.stream, GROUP, *out.lost_ids)
-    return out
-
-
-def _nil_bodies(conn, qk, consumer, start, end, entries, known) -> list[str]:
-    held = conn.xpending_range(
-        qk.stream, GROUP, min=start, max="+" if end == "0-0" else f"({end}", count=10_000,
-        consumername=consumer,
-    )  # fmt: skip
-    with_body = {eid.decode() for eid, _ in entries}
-    ids = [p["message_id"].decode() for p in held]
-    return [i for i in ids if i not in with_body and i not in known]
-
-
-def _delivery_counts(conn, qk: QueueKeys, consumer: str, ids: list[bytes]) -> dict[str, int]:
-    first, last = min(ids, key=_id_key), max(ids, key=_id_key)
-    held = conn.xpending_range(
-        qk.stream, GROUP, min=first, max=last, count=len(ids) * 4 + 100, consumername=consumer
+    """Claim up to ``count`` entries idle for ``min_idle_ms`` (a dead worker's), each with
+    its exact delivery count, in one atomic step. Entries deleted while pending (a
+    trimmed stream) are acked and reported as lost."""
+    if count <= 0:
+        return Reclaimed()
+    claimed, lost = RECLAIM(
+        conn, stream=qk.stream, group=GROUP, me=consumer, min_idle=min_idle_ms, count=count
     )
-    return {p["message_id"].decode(): int(p["times_delivered"]) for p in held}
-
-
-def _id_key(entry_id: bytes) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq or 0)
+    deliveries = []
+    for entry_id, flat, delivered in claimed:
+        fields = dict(zip(flat[::2], flat[1::2]))
+        deliveries.append(Delivery.parse(entry_id, fields, int(delivered)))
+    return Reclaimed(deliveries, [text(i) for i in lost])
 
 
 HAND_BACK = script(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -288,25 +289,56 @@ def test_entries_deleted_while_pending_are_reported_lost(redis_url, tmp_path):
     assert conn.xpending(QK.stream, GROUP)["pending"] == 0
 
 
-def test_live_work_is_kept_fresh_and_work_taken_by_another_is_dropped(redis_url, tmp_path):
+class SlowEngine(FakeEngine):
+    """A step that takes longer than the claim timeout (a Triton JIT, a huge batch)."""
+
+    step_s = 0.0
+
+    def step(self):
+        time.sleep(self.step_s)
+        return super().step()
+
+
+def test_claims_stay_fresh_through_a_step_longer_than_the_claim_timeout(redis_url, tmp_path):
+    """Refreshed between steps, a worker in a 1.5 s step looked dead after 0.4 s and
+    other workers took its live work; the keeper thread refreshes meanwhile."""
     conn = rconn(redis_url)
-    out = make_job(conn, tmp_path, ["slow one", "slow two"], max_tokens=40)
-    engine = FakeEngine()
+    make_job(conn, tmp_path, ["slow one", "slow two"], max_tokens=40)
+    engine = SlowEngine()
     loop = make_loop(conn, engine, claim_timeout_s=0.4)
-    loop.tick()
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:  # 1 s of work: past the claim timeout, refreshed
-        loop.upkeep.run()
-        _, claimed, *_ = conn.xautoclaim(QK.stream, GROUP, "thief", 400, count=10)
-        assert claimed == []
-        time.sleep(0.05)
+    loop.start_keeper()
+    loop.tick()  # admits both (and takes a first, quick step)
+    stolen: list = []
+    stop = threading.Event()
+
+    def thief() -> None:
+        thief_conn = rconn(redis_url)
+        while not stop.is_set():
+            _, claimed, *_ = thief_conn.xautoclaim(QK.stream, GROUP, "thief", 400, count=10)
+            stolen.extend(claimed)
+            time.sleep(0.05)
+
+    other = threading.Thread(target=thief)
+    other.start()
+    engine.step_s = 1.5
+    try:
+        loop.tick()  # 1.5 s in one step: nothing on the main thread refreshes
+    finally:
+        stop.set()
+        other.join()
+    assert stolen == [] and len(engine.running) == 2
     assert "reclaimed" not in loop.counters  # nor did it take its own entries for stale
-    stolen = next(iter(loop.inflight))
-    conn.xclaim(QK.stream, GROUP, "thief", 0, [stolen])  # taken over (we looked dead)
-    loop.upkeep.refresh()
-    assert stolen not in loop.inflight and stolen not in engine.running
+    engine.step_s = 0.0
+    taken = next(iter(loop.inflight))
+    conn.xclaim(QK.stream, GROUP, "thief", 0, [taken])  # taken over (say we had looked dead)
+    deadline = time.monotonic() + 5
+    while "stolen" not in loop.counters:  # the keeper's next refresh reports it
+        assert time.monotonic() < deadline
+        loop.tick()
+        time.sleep(0.02)
+    assert taken not in loop.inflight and taken not in engine.running
     assert loop.counters["stolen"] == 1
-    del out
+    loop.shutdown()
 
 
 def test_refresh_resets_the_idle_time_of_every_held_entry(redis_url, tmp_path):
@@ -328,12 +360,19 @@ def test_cancel_aborts_in_flight_requests_and_drops_queued_ones(redis_url, tmp_p
     conn = rconn(redis_url)
     out = make_job(conn, tmp_path, [f"p{i}" for i in range(6)], max_tokens=50)
     engine = FakeEngine(max_num_seqs=2)
-    loop = make_loop(conn, engine)
+    loop = make_loop(conn, engine, cancel_poll_s=600.0)  # no polling: the message must do
+    loop.start_keeper()
     loop.tick()
     assert len(engine.running) == 2
     cancel(conn, KEYS, "j")
-    loop.upkeep.poll_cancelled()  # workers poll the cancelled set every cancel_poll_s
-    assert engine.running == {} and loop.counters["dropped"] == 2
+    deadline = time.monotonic() + 5
+    while not loop.keeper.cancelled:  # published; heard by the keeper within a few ms
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    steps = engine.stats().num_steps
+    read = loop.tick()  # the next tick aborts them before stepping, and drops what it reads
+    assert engine.running == {} and loop.counters["dropped"] == 2 + read
+    assert engine.stats().num_steps == steps and list(loop.cancel_seen) == ["j"]
     loop.config.burst = True
     loop.run()
     tasks.run_pending(conn, KEYS, QK.tag)
@@ -375,12 +414,16 @@ def test_heartbeat_reports_in_flight_requests(redis_url, tmp_path):
 
     conn = rconn(redis_url)
     make_job(conn, tmp_path, ["a", "b", "c"], max_tokens=30)
-    loop = make_loop(conn, FakeEngine(max_num_seqs=2))
+    loop = make_loop(conn, FakeEngine(max_num_seqs=2), heartbeat_s=0.05)
     loop.tick()
-    loop.upkeep.beat()
+    loop.start_keeper()
+    deadline = time.monotonic() + 5
+    while job_status(conn, KEYS, "j").to_dict()["in_flight"] != 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     status = job_status(conn, KEYS, "j").to_dict()
     assert (status["in_flight"], status["queued"], status["live_workers"]) == (2, 1, 1)
-    loop.upkeep.retire()
+    loop.shutdown()
     assert job_status(conn, KEYS, "j").to_dict()["live_workers"] == 0
 
 

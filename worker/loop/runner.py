@@ -35,8 +35,9 @@ from batchgen.jobs.submit import ensure_group
 from batchgen.jobs.tasks import enqueue_finalize
 from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig
 from batchgen.worker.loop.engine_api import EngineAPI
-from batchgen.worker.loop.flight import Flight, error_row, output_row
+from batchgen.worker.loop.flight import Flight, error_row, now_ms, output_row
 from batchgen.worker.loop.isolation import Isolation
+from batchgen.worker.loop.keeper import Keeper
 from batchgen.worker.loop.outages import StorageOutages
 from batchgen.worker.loop.upkeep import LoopView, Upkeep
 
@@ -71,9 +72,6 @@ class QueueLoop:
             self.qk,
             config,
             LoopView(
-                held=self.held,
-                release=self.release,
-                cancel=self.cancel_jobs,
                 admit=self.admit,
                 capacity=self.reclaim_capacity,
                 count=self._count,
@@ -81,6 +79,9 @@ class QueueLoop:
                 stopping=lambda: self.stopping,
             ),
         )
+        self.keeper = Keeper(conn, self.keys, self.qk, config)
+        self.cancelled: set[str] = set()  # jobs whose requests this loop no longer runs
+        self.cancel_seen: dict[str, int] = {}  # job -> unix ms this loop learned of its cancel
         self.rejections: tuple[type[BaseException], ...] = (*api.rejected, ValueError)
         self.stopping = False
         self.finished_jobs = False  # the last flush completed a job (``until`` may hold now)
@@ -95,6 +96,7 @@ class QueueLoop:
         self._install_signals()
         ensure_group(self.conn, self.qk)
         self.conn.hset(self.keys.queues, self.qk.tag, self.upkeep.queue_name)
+        self.start_keeper()
         try:
             while not self.stopping:
                 try:
@@ -121,6 +123,7 @@ class QueueLoop:
 
     def tick(self) -> int:
         """One iteration; how many entries were read."""
+        self._sync_keeper()
         self.upkeep.run()
         read = 0
         block = None
@@ -137,8 +140,11 @@ class QueueLoop:
                 self._redis_down(exc)
                 deliveries = []
             read = len(deliveries)
+            if deliveries:  # a cancel that happened before this read must be seen now
+                self._cancel_jobs(self.keeper.poll_cancelled())
             self.admit(deliveries)
         stepped = False
+        self._cancel_jobs(self.keeper.cancelled)  # heard while admitting: before the step
         if self.engine.has_unfinished():
             try:
                 outputs = self.engine.step()
@@ -165,7 +171,7 @@ class QueueLoop:
         suspects: list[Delivery] = []
         for d in deliveries:
             job = self.upkeep.job(d.job_id)
-            if job is None or d.job_id in self.upkeep.cancelled:
+            if job is None or d.job_id in self.cancelled:
                 self.sink.drop([d.entry_id])
                 self._count("dropped")
                 continue
@@ -199,7 +205,7 @@ class QueueLoop:
     def _start_alone(self) -> None:
         for d in self.isolation.next_set():
             job = self.upkeep.job(d.job_id)
-            if job is None or d.job_id in self.upkeep.cancelled:
+            if job is None or d.job_id in self.cancelled:
                 self.sink.drop([d.entry_id])
                 continue
             self._start(d, job.output)
@@ -286,28 +292,51 @@ class QueueLoop:
         if self.inflight.pop(entry_id, None) is not None:
             self.engine.abort(entry_id)
 
-    # -- what upkeep sees (LoopView) ---------------------------------------------
+    # -- what the keeper thread learned -------------------------------------------
 
-    def held(self) -> list[str]:
-        """Entries this worker holds: in flight, waiting to run alone, awaiting commit."""
-        return [*self.inflight, *self.isolation.held(), *self.sink.entry_ids()]
+    def start_keeper(self) -> None:
+        """Start the thread that keeps claims and heartbeat fresh and hears cancels (once)."""
+        if self.keeper.ident is None:
+            self._sync_keeper(beat=True)
+            self.keeper.start()
 
-    def release(self, entry_ids: list[str]) -> None:
+    def _sync_keeper(self, beat: bool = False) -> None:
+        """Hand the keeper what we hold (and the heartbeat when due); take what it heard."""
+        self.keeper.held = (*self.inflight, *self.isolation.held(), *self.sink.entry_ids())
+        if beat or self.upkeep.due("heartbeat", self.config.heartbeat_s / 2):
+            self.keeper.payload = self.upkeep.payload()
+        stolen = self.keeper.take_stolen()
+        if stolen:
+            self._release(stolen)
+        self._cancel_jobs(self.keeper.cancelled)
+
+    def _release(self, entry_ids: set[str]) -> None:
         """Another worker claimed these while we were stalled: they are theirs now."""
-        gone = set(entry_ids)
-        self.isolation.remove(lambda d: d.entry_id not in gone)
-        for entry_id in entry_ids:
+        held = [e for e in entry_ids if e in self.inflight or e in self.isolation.held()]
+        self.isolation.remove(lambda d: d.entry_id not in entry_ids)
+        for entry_id in held:
             self.abort(entry_id)
+        self._count("stolen", len(held))
 
-    def cancel_jobs(self, job_ids: set[str]) -> None:
-        """Abort the requests of cancelled jobs and drop their entries (no rows)."""
-        doomed = [e for e, f in self.inflight.items() if f.delivery.job_id in job_ids]
+    def _cancel_jobs(self, job_ids: frozenset[str]) -> None:
+        """Abort the requests of newly cancelled jobs and drop their entries (no rows)."""
+        new = job_ids - self.cancelled
+        if not new:
+            return
+        self.cancelled |= new
+        now = now_ms()
+        for job_id in new:
+            self.cancel_seen[job_id] = now
+        doomed = [e for e, f in self.inflight.items() if f.delivery.job_id in new]
         for entry_id in doomed:
             self.abort(entry_id)
-        doomed += self.isolation.remove(lambda d: d.job_id not in job_ids)
+        doomed += self.isolation.remove(lambda d: d.job_id not in new)
         if doomed:
             self.sink.drop(doomed)
             self._count("dropped", len(doomed))
+        log.info("jobs %s cancelled: aborted %d requests here", sorted(new), len(doomed))
+
+    # -- what upkeep sees (LoopView) ---------------------------------------------
 
     def reclaim_capacity(self) -> int:
         """How many idle entries to take over now (none while a set must run alone)."""
@@ -327,6 +356,7 @@ class QueueLoop:
         )
         return {
             "in_flight": in_flight,
+            "cancels": dict(self.cancel_seen),
             "buffered_rows": self.sink.buffered,
             "counters": dict(self.counters),
             "engine": engine,
@@ -412,6 +442,7 @@ class QueueLoop:
             except _REDIS_DOWN as exc:
                 log.warning("hand-back failed (%s); retrying until the drain timeout", exc)
                 time.sleep(0.2)
+        self.keeper.stop()
         self.upkeep.retire()
 
     # -- helpers ---------------------------------------------------------------

@@ -1,12 +1,10 @@
-"""The loop's periodic Redis chores, each on its own interval.
+"""The loop's periodic Redis chores on the main thread, each on its own interval.
 
-- heartbeat: a key with a TTL carrying what status and metrics show
-- refresh: XCLAIM JUSTID on the entries we hold (in flight or awaiting commit)
-  so no one reclaims live work; entries another worker took are aborted here
-- reclaim: XAUTOCLAIM entries idle past the claim timeout (a dead worker's);
+- reclaim: take over entries idle past the claim timeout (a dead worker's);
   deleted ones are counted as lost (maintenance.sweep turns them into rows)
-- cancel poll: abort and drop the requests of cancelled jobs
 - sweep: lost requests and stuck finalizes (jobs/maintenance.py)
+- the heartbeat's payload, which the keeper thread sends (keeper.py also keeps
+  the claims fresh and hears cancels, off the main thread)
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from batchgen.jobs import heartbeat
 from batchgen.jobs.keys import Keys, QueueKeys, queue_name, text
 from batchgen.jobs.maintenance import sweep
 from batchgen.jobs.modelinfo import fingerprint
-from batchgen.jobs.queue import Delivery, dead_letter, reclaim, recreate_group, refresh
+from batchgen.jobs.queue import Delivery, dead_letter, reclaim, recreate_group
 from batchgen.jobs.tasks import enqueue_finalize
 from batchgen.worker.loop.config import LoopConfig
 from batchgen.worker.loop.flight import error_row
@@ -45,9 +43,6 @@ class JobInfo:
 class LoopView:
     """What upkeep may see of the queue loop and ask of it."""
 
-    held: Callable[[], list[str]]  # entries held (in flight, waiting, awaiting commit)
-    release: Callable[[list[str]], None]  # entries another worker took over: let them go
-    cancel: Callable[[set[str]], None]  # jobs cancelled: abort and drop their requests
     admit: Callable[[list[Delivery]], None]  # entries taken over from a dead worker
     capacity: Callable[[], int]  # how many entries to take over now
     count: Callable[[str, int], None]  # bump a metrics counter
@@ -65,7 +60,6 @@ class Upkeep:
         self.config = config
         self.loop = loop
         self.queue_name = queue_name(config.model)
-        self.cancelled: set[str] = set()
         self.jobs: dict[str, JobInfo | None] = {}  # None: the job's record is gone
         self.fingerprint = fingerprint(config.model)
         self.started_at = time.time()
@@ -81,12 +75,6 @@ class Upkeep:
     def run(self) -> None:
         c = self.config
         try:
-            if self.due("cancel", c.cancel_poll_s):
-                self.poll_cancelled()
-            if self.due("heartbeat", c.heartbeat_s):
-                self.beat()
-            if self.due("refresh", c.refresh_s):
-                self.refresh()
             if not self.loop.stopping() and self.due("reclaim", c.reclaim_s):
                 self.reclaim()
             if self.due("sweep", c.sweep_interval_s):
@@ -107,17 +95,6 @@ class Upkeep:
                 conn.hsetnx(jk.job, "model_fingerprint", self.fingerprint)
         return self.jobs[job_id]
 
-    def poll_cancelled(self) -> None:
-        self.cancelled = {text(m) for m in self.conn.smembers(self.qk.cancelled)}
-        if self.cancelled:
-            self.loop.cancel(self.cancelled)
-
-    def refresh(self) -> None:
-        gone = refresh(self.conn, self.qk, self.config.name, self.loop.held())
-        if gone:
-            self.loop.release(gone)
-            self.loop.count("stolen", len(gone))
-
     def reclaim(self) -> None:
         capacity = self.loop.capacity()
         if capacity <= 0:
@@ -128,7 +105,6 @@ class Upkeep:
             self.config.name,
             int(self.config.claim_timeout_s * 1000),
             capacity,
-            known=set(self.loop.held()),
         )
         if claimed.lost_ids:
             log.error(
@@ -172,10 +148,6 @@ class Upkeep:
             "started_at": self.started_at,
             **self.loop.activity(),
         }
-
-    def beat(self) -> None:
-        ttl = max(int(self.config.heartbeat_s * 3), 2)
-        heartbeat.beat(self.conn, self.keys, self.config.name, self.payload(), ttl)
 
     def retire(self) -> None:
         with contextlib.suppress(*_REDIS_DOWN):
