@@ -92,6 +92,7 @@ class PartCommit:
     name: str  # relative to the job's output dir, e.g. "parts/w1-000003-ab12.parquet"
     rows: list[Row]
     entry_ids: list[str]
+    nbytes: int = 0  # the rows' size in memory (Arrow): finalize plans its windows by it
 
 
 @dataclass(slots=True)
@@ -116,7 +117,12 @@ def commit(
         jk = qk.job(part.job_id)
         touched += [jk.job, jk.done, jk.parts]
         indices = [row.index for row in part.rows]
-        meta = {"rows": len(indices), "lo": min(indices, default=0), "hi": max(indices, default=0)}
+        meta = {
+            "rows": len(indices),
+            "lo": min(indices, default=0),
+            "hi": max(indices, default=0),
+            "bytes": part.nbytes,
+        }
         rows = part.rows
         payload["parts"].append({
             "job_id": part.job_id, "record": jk.job, "done": jk.done, "parts": jk.parts,

@@ -23,9 +23,10 @@ from batchgen.jobs.records import load_job, queue_of_job
 from batchgen.jobs.result import (
     MANIFEST,
     RESULT,
-    WINDOW_ROWS,
+    WINDOW_BYTES,
     committed_parts,
     error_rows,
+    plan_windows,
     read_window,
 )
 from batchgen.jobs.rows import SCHEMA
@@ -67,8 +68,8 @@ def download(
         _atomic_local(target) as tmp,
         pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer,
     ):
-        for lo in range(0, max(record.total, 1), WINDOW_ROWS):
-            table = read_window(out, parts, lo, min(lo + WINDOW_ROWS, record.total), errors)
+        for lo, hi in plan_windows(parts, record.total, WINDOW_BYTES):
+            table = read_window(out, parts, lo, hi, errors)
             rows += table.num_rows
             writer.write_table(table)
     return target, rows

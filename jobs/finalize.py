@@ -35,6 +35,7 @@ from batchgen.jobs.lifecycle import CLOSE, FINISH, RETIRE, JobState
 from batchgen.jobs.records import load_job, queue_of_job
 from batchgen.jobs.result import (
     MANIFEST,
+    WINDOW_BYTES,
     committed_parts,
     error_rows,
     manifest,
@@ -50,16 +51,24 @@ class FinalizeSettings:
     lease_s: float = 30.0  # a finalizer silent this long is dead
     retry_s: float = 2.0  # first retry after a failure; doubles each time
     retry_cap_s: float = 300.0
+    window_bytes: int = WINDOW_BYTES  # rows held in memory at once (about)
 
     @classmethod
     def from_env(cls) -> FinalizeSettings:
-        """``BATCHGEN_FINALIZE_LEASE_S`` / ``_RETRY_S`` / ``_RETRY_CAP_S`` override the defaults."""
-        base = cls()
-        values = {}
-        for name in ("lease_s", "retry_s", "retry_cap_s"):
+        """``BATCHGEN_FINALIZE_LEASE_S``, ``_RETRY_S``, ``_RETRY_CAP_S``, ``_WINDOW_BYTES``
+        override the defaults."""
+
+        def value(name: str, default: float) -> float:
             raw = os.environ.get(f"BATCHGEN_FINALIZE_{name.upper()}")
-            values[name] = float(raw) if raw else getattr(base, name)
-        return cls(**values)
+            return float(raw) if raw else default
+
+        base = cls()
+        return cls(
+            lease_s=value("lease_s", base.lease_s),
+            retry_s=value("retry_s", base.retry_s),
+            retry_cap_s=value("retry_cap_s", base.retry_cap_s),
+            window_bytes=int(value("window_bytes", base.window_bytes)),
+        )
 
     def retry_delay(self, attempts: int) -> float:
         return min(self.retry_s * 2 ** max(attempts - 1, 0), self.retry_cap_s)
@@ -85,19 +94,20 @@ def finalize(
             return "missing"
         state = JobState(text(raw))
         if state.needs_finalize:
-            state = _write(conn, keys, qk, job_id, state)
+            state = _write(conn, keys, qk, job_id, settings)
         if state.terminal:
             _clean_up(conn, qk, job_id)
         return state.value
 
 
-def _write(conn: redis.Redis, keys: Keys, qk: QueueKeys, job_id: str, state: JobState) -> JobState:
+def _write(
+    conn: redis.Redis, keys: Keys, qk: QueueKeys, job_id: str, settings: FinalizeSettings
+) -> JobState:
     record = load_job(conn, keys, job_id)
     jk = qk.job(job_id)
     out = OutputDir.open(record.output)
-    counts = write_result(
-        out, record, committed_parts(conn, qk, job_id), error_rows(conn, qk, job_id)
-    )
+    parts, errors = committed_parts(conn, qk, job_id), error_rows(conn, qk, job_id)
+    counts = write_result(out, record, parts, errors, settings.window_bytes)
     finished_at = time.time()
     body = manifest(record, counts, finished_at)
     out.write_atomic((MANIFEST,), json.dumps(body, indent=2).encode())

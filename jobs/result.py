@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 RESULT = "result.parquet"
 MANIFEST = "manifest.json"
 WINDOW_ROWS = 1 << 20
+WINDOW_BYTES = 256 << 20  # rows held in memory at once while finalizing (about)
 LOST = "lost: the queue entry was deleted before a row was committed (was the stream trimmed?)"
 
 
@@ -41,13 +42,15 @@ class PartRecord:
     lo: int
     hi: int
     lost: frozenset[int] = field(default_factory=frozenset)
+    nbytes: int = 0  # its rows' size in memory
 
     @classmethod
     def parse(cls, name: object, raw: object) -> PartRecord:
         data = json.loads(text(raw))
         lost = data.get("lost") or []
         return cls(text(name), int(data["rows"]), int(data["lo"]), int(data["hi"]),
-                   frozenset(lost if isinstance(lost, list) else []))  # fmt: skip
+                   frozenset(lost if isinstance(lost, list) else []),
+                   int(data.get("bytes") or 0))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -65,6 +68,37 @@ def committed_parts(conn: redis.Redis, qk: QueueKeys, job_id: str) -> list[PartR
 def error_rows(conn: redis.Redis, qk: QueueKeys, job_id: str) -> dict[int, Row]:
     raw = conn.hgetall(qk.job(job_id).errors)
     return {int(k): from_dict(json.loads(v)) for k, v in text_hash(raw).items()}
+
+
+def plan_windows(
+    parts: list[PartRecord], total: int, budget_bytes: int, max_rows: int = WINDOW_ROWS
+) -> list[tuple[int, int]]:
+    """Index ranges [lo, hi) covering 0..total in order, each needing at most about
+    ``budget_bytes`` of rows in memory: every part overlapping a window is read whole.
+
+    A window ends before the first part (by its lowest index) that would push it
+    over the budget, but takes at least one, so a part bigger than the budget gets
+    a window of its own; at most ``max_rows`` indices (rows that finalize fills).
+    """
+    by_lo = sorted(parts, key=lambda p: p.lo)
+    out: list[tuple[int, int]] = []
+    start, i = 0, 0
+    while start < max(total, 1):
+        memory = sum(p.nbytes for p in by_lo[:i] if p.hi >= start)  # reaching in from before
+        taken = False
+        while i < len(by_lo):
+            j = i
+            while j < len(by_lo) and by_lo[j].lo == by_lo[i].lo:
+                j += 1
+            size = sum(p.nbytes for p in by_lo[i:j])
+            if (taken and memory + size > budget_bytes) or by_lo[i].lo >= start + max_rows:
+                break
+            memory, i, taken = memory + size, j, True
+        end = by_lo[i].lo if i < len(by_lo) else total
+        end = min(max(end, start + 1), start + max_rows, max(total, 1))
+        out.append((start, end))
+        start = end
+    return out
 
 
 def read_window(
@@ -117,13 +151,17 @@ def _fill(table: pa.Table, lo: int, hi: int, cancelled: bool) -> tuple[pa.Table,
 
 
 def write_result(
-    out: OutputDir, record: JobRecord, parts: list[PartRecord], errors: dict[int, Row]
+    out: OutputDir,
+    record: JobRecord,
+    parts: list[PartRecord],
+    errors: dict[int, Row],
+    window_bytes: int = WINDOW_BYTES,
 ) -> Counts:
+    """Stream the result into ``out``: window by window (``plan_windows``), never whole."""
     cancelled = record.state == JobState.CANCELLING
     counts = Counts()
     with out.writing(RESULT) as sink, pq.ParquetWriter(sink, SCHEMA, compression="zstd") as writer:
-        for lo in range(0, max(record.total, 1), WINDOW_ROWS):
-            hi = min(lo + WINDOW_ROWS, record.total)
+        for lo, hi in plan_windows(parts, record.total, window_bytes):
             table, filled = _fill(read_window(out, parts, lo, hi, errors), lo, hi, cancelled)
             counts.filled += filled
             counts.rows += table.num_rows

@@ -178,7 +178,8 @@ class PartSink:
         self.seq += 1
         name = f"{self.worker}-{self.seq:06d}-{uuid.uuid4().hex[:8]}.parquet"
         sink = io.BytesIO()
-        pq.write_table(to_table(buf.rows), sink, compression="zstd")
+        table = to_table(buf.rows)
+        pq.write_table(table, sink, compression="zstd")
         try:
             out = self.outputs.get(job_id) or OutputDir.open(buf.output_uri)
             self.outputs[job_id] = out
@@ -191,7 +192,9 @@ class PartSink:
             self._failed(job_id, buf, str(exc))
             return False
         self.crash.reached("after_publish")
-        self.written.append(PartCommit(job_id, f"parts/{job_id}/{name}", buf.rows, buf.entry_ids))
+        self.written.append(
+            PartCommit(job_id, f"parts/{job_id}/{name}", buf.rows, buf.entry_ids, table.nbytes)
+        )
         return True
 
     def _failed(self, job_id: str, buf: _Buffer, error: str) -> None:

@@ -1,8 +1,8 @@
 """A job's output directory, local or on an object store (pyarrow.fs).
 
-Writes are atomic (``writing``): locally a temp name, fsync, rename, fsync of
-the directory; on object stores a temp object moved into place once complete.
-A failed write leaves nothing behind. Local
+Writes are whole or absent (``writing``): locally a temp name, fsync, rename,
+fsync of the directory; on object stores a streamed upload that completes at
+the end. A failed write leaves nothing behind. Local
 writes and reads are confined to the directory's real path (names.py).
 """
 
@@ -63,8 +63,11 @@ class OutputDir:
         not at all if it raises (nothing is left behind either way).
 
         Locally: a temp file beside the target, fsync, rename, fsync of the directory.
-        On object stores: a temp object (streamed: multipart for big ones), moved into
-        place once complete, so a reader never sees a partial object.
+        On object stores: streamed to the key (a multipart upload for big objects, so
+        memory stays bounded), which appears when the upload completes at the end of
+        the block; if the block raises, what was uploaded is deleted. (pyarrow cannot
+        abort an upload, and a copy into place would be limited to 5 GB.) Readers never
+        look at an object before Redis or a manifest says it is complete.
         """
         final = self.file(*names)
         parent = final.rsplit("/", 1)[0]
@@ -81,10 +84,11 @@ class OutputDir:
                     os.replace(tmp, final)
                 _fsync_dir(parent)
             else:
-                with _removed_on_error(lambda: self.fs.delete_file(tmp)):
-                    with self.fs.open_output_stream(tmp) as stream:
-                        yield cast(IO[bytes], stream)
-                    self.fs.move(tmp, final)
+                with (
+                    _removed_on_error(lambda: self.fs.delete_file(final)),
+                    self.fs.open_output_stream(final) as stream,
+                ):
+                    yield cast(IO[bytes], stream)
         except OSError as exc:
             raise OutputError(f"cannot write {final}: {exc}") from exc
 
@@ -141,11 +145,18 @@ class OutputDir:
             self.fs.delete_dir(path)
 
     def delete_empty_dir(self, *names: str) -> None:
-        """Remove a local directory only if nothing is left in it (atomically: rmdir).
-        Object stores have no empty directories to remove."""
-        if not self.local:
-            return
+        """Remove a directory only if nothing is left in it (another job may use it).
+
+        Locally atomically (rmdir). On object stores a directory is an empty marker
+        object (pyarrow leaves one behind when it deletes the last file under it)."""
         path = self._confined(self.file(*names))
+        if not self.local:
+            info = self.fs.get_file_info(path)
+            if info.type == pafs.FileType.Directory and not self.fs.get_file_info(
+                pafs.FileSelector(path)
+            ):
+                self.fs.delete_dir(path)
+            return
         try:
             os.rmdir(path)
         except FileNotFoundError:
