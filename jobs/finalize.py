@@ -129,7 +129,10 @@ def _clean_up(conn: redis.Redis, qk: QueueKeys, job_id: str) -> None:
         out.delete_file(*name.split("/"))
     out.delete_dir("parts", job_id)
     out.delete_empty_dir("parts")
-    RETIRE(conn, job=jk.job, active=qk.active, parts=jk.parts, job_id=job_id)
+    RETIRE(
+        conn, job=jk.job, active=qk.active, parts=jk.parts, errors=jk.errors, dead=jk.dead,
+        expiring=qk.expiring, job_id=job_id, now=repr(time.time()),
+    )  # fmt: skip
 
 
 def record_failure(

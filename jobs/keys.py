@@ -7,14 +7,15 @@ Layout (prefix ``P``, default ``bg``, from ``BATCHGEN_PREFIX``)::
     P:workers                     zset  worker name -> last heartbeat (unix s)
     P:worker:NAME                 str   heartbeat JSON, expires (TTL)
     P:{TAG}:stream                stream  requests of one model; group "workers"
-    P:{TAG}:dead                  stream  dead-lettered requests
     P:{TAG}:active                set   unfinalized jobs of this model
     P:{TAG}:cancelled             set   cancelled jobs workers must drop
     P:{TAG}:events                channel  "cancel:JOB" (workers subscribe)
+    P:{TAG}:expiring              zset  finished job -> when its state expires
     P:{TAG}:job:ID                hash  the job record (see records.py)
     P:{TAG}:job:ID:done           bitmap  bit i set = input i has a committed row
     P:{TAG}:job:ID:parts          hash  committed part URI -> commit record JSON
     P:{TAG}:job:ID:errors         hash  input index -> error row JSON (dead letters)
+    P:{TAG}:job:ID:dead           stream  the job's dead-lettered requests, with reasons
     P:{TAG}:job:ID:finalizer      str   the finalize lease (holder, TTL)
 
 ``TAG`` is a short hash of the model's queue name. It is a Redis Cluster hash
@@ -61,7 +62,12 @@ class JobKeys:
     done: str
     parts: str
     errors: str
+    dead: str  # dead-lettered requests (a stream)
     finalizer: str  # the finalize lease
+
+    def all(self) -> tuple[str, ...]:
+        """Every key of the job (they expire, or go, together)."""
+        return (self.job, self.done, self.parts, self.errors, self.dead, self.finalizer)
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,16 +84,17 @@ class QueueKeys:
         return f"{self.base}:stream"
 
     @property
-    def dead(self) -> str:
-        return f"{self.base}:dead"
-
-    @property
     def active(self) -> str:
         return f"{self.base}:active"
 
     @property
     def cancelled(self) -> str:
         return f"{self.base}:cancelled"
+
+    @property
+    def expiring(self) -> str:
+        """Finished jobs by when their state expires (the index entry goes then too)."""
+        return f"{self.base}:expiring"
 
     @property
     def events(self) -> str:
@@ -101,6 +108,7 @@ class QueueKeys:
             done=f"{base}:done",
             parts=f"{base}:parts",
             errors=f"{base}:errors",
+            dead=f"{base}:dead",
             finalizer=f"{base}:finalizer",
         )
 

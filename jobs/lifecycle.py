@@ -207,13 +207,22 @@ RETIRE = script(
         ("job", "the job record"),
         ("active", "the queue's unfinalized jobs"),
         ("parts", "the job's committed parts (their files are deleted)"),
+        ("errors", "the job's error rows"),
+        ("dead", "the job's dead letters"),
+        ("expiring", "finished jobs by expiry time"),
     ],
-    args=[("job_id", "")],
+    args=[("job_id", ""), ("now", "unix seconds")],
     body="""
-local state = redis.call('HGET', job, 'state')
+local v = redis.call('HMGET', job, 'state', 'retention_s')
+local state = v[1]
 if not state or not MOVES[state] or next(MOVES[state]) ~= nil then return 0 end  -- not terminal
 redis.call('SREM', active, job_id)
 redis.call('DEL', parts)
+local keep = tonumber(v[2]) or 0
+if keep > 0 then  -- the finished job's state goes after its retention (its outputs stay)
+  for _, key in ipairs({job, errors, dead}) do redis.call('EXPIRE', key, keep) end
+  redis.call('ZADD', expiring, tonumber(now) + keep, job_id)
+end
 return 1
 """,
 )

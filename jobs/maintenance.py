@@ -10,6 +10,7 @@
   may have died before queuing it, a finalizer may have been killed mid-run,
   or the last attempt failed.
 - A cancelled job leaves the cancelled set once none of its entries remain.
+- Finished jobs whose state expired (their retention) leave the job index.
 - Consumers of dead workers (no heartbeat, nothing pending, idle for long) are
   removed from the group, so restarts do not pile them up. Never one with
   pending entries: XGROUP DELCONSUMER would drop those for good.
@@ -17,6 +18,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import redis
@@ -48,8 +50,19 @@ def sweep(conn: redis.Redis, keys: Keys, qk: QueueKeys) -> list[str]:
         leftover = last_id and conn.xrange(qk.stream, "-", last_id, count=1)
         if not leftover and not conn.sismember(qk.active, job_id):
             conn.srem(qk.cancelled, job_id)
+    forget_expired(conn, keys, qk)
     prune_consumers(conn, keys, qk)
     return enqueued
+
+
+def forget_expired(conn: redis.Redis, keys: Keys, qk: QueueKeys, now: float | None = None) -> int:
+    """Drop index entries of finished jobs whose state has expired (retention.py)."""
+    gone = [text(j) for j in conn.zrangebyscore(qk.expiring, 0, now or time.time())]
+    if not gone:
+        return 0
+    conn.hdel(keys.jobs, *gone)
+    conn.zrem(qk.expiring, *gone)
+    return len(gone)
 
 
 def prune_consumers(

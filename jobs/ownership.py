@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from batchgen.jobs.errors import JobConflict, OutputError
-from batchgen.jobs.storage import OutputDir
+from batchgen.jobs.storage import TEMP_PREFIX, OutputDir
 
 MARKER = "batchgen-job.json"
 
@@ -95,7 +95,7 @@ def _create(out: OutputDir, body: bytes) -> None:
     final = out.file(MARKER)
     try:
         os.makedirs(out.path, exist_ok=True)
-        tmp = f"{out.path}/.tmp-{uuid.uuid4().hex}-{MARKER}"
+        tmp = f"{out.path}/{TEMP_PREFIX}{uuid.uuid4().hex}-{MARKER}"
         with open(tmp, "wb") as f:
             f.write(body)
             f.flush()

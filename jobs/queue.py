@@ -270,7 +270,7 @@ DEAD_LETTER = script(
     "dead letter",
     keys=[
         ("stream", "the model's request stream"),
-        ("dead", "the dead-letter stream"),
+        ("dead", "the job's dead-letter stream"),
         ("job", "the job record"),
         ("done", "its done-marks"),
         ("errors", "its error rows"),
@@ -312,7 +312,7 @@ def dead_letter(
     """
     jk = qk.job(delivery.job_id)
     made = DEAD_LETTER(
-        conn, stream=qk.stream, dead=qk.dead, job=jk.job, done=jk.done, errors=jk.errors,
+        conn, stream=qk.stream, dead=jk.dead, job=jk.job, done=jk.done, errors=jk.errors,
         group=GROUP, id=delivery.entry_id, job_id=delivery.job_id, index=delivery.index,
         request=json.dumps(delivery.request), reason=reason, deliveries=delivery.failed_attempts,
         worker=worker, row=row_json, now=repr(time.time()),

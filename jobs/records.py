@@ -23,6 +23,7 @@ _INT_FIELDS = (
     "completion_tokens",
     "cached_tokens",
     "finalize_attempts",
+    "retention_s",
 )
 _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "finalize_retry_at")
 _STR_FIELDS = (
@@ -66,6 +67,7 @@ class JobRecord:
     storage_error: str = ""  # a worker cannot write the job's parts (rows kept, not charged)
     last_id: str = ""  # newest stream id carrying one of its requests
     closed: bool = False  # finalize has frozen the committed parts
+    retention_s: int = 0  # the finished job's Redis state expires after this (retention.py)
     finalize_attempts: int = 0  # failed finalize runs (a killed finalizer is not one)
     finalize_retry_at: float = 0.0  # after a failed finalize: when the workers retry it
     model_fingerprint: str = ""

@@ -22,6 +22,8 @@ import pyarrow.fs as pafs
 from batchgen.jobs.errors import OutputError, UnsafeName
 from batchgen.jobs.names import check_file_name
 
+TEMP_PREFIX = ".tmp-"
+
 
 @dataclass(slots=True)
 class OutputDir:
@@ -71,7 +73,7 @@ class OutputDir:
         """
         final = self.file(*names)
         parent = final.rsplit("/", 1)[0]
-        tmp = f"{parent}/.tmp-{uuid.uuid4().hex}-{names[-1]}"
+        tmp = f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex}-{names[-1]}"
         try:
             if self.local:
                 os.makedirs(parent, exist_ok=True)
@@ -125,6 +127,19 @@ class OutputDir:
     def exists(self, *names: str) -> bool:
         info = self.fs.get_file_info(self.file(*names))
         return info.type != pafs.FileType.NotFound
+
+    def delete_temp_files(self) -> int:
+        """Remove temp files of writes that were killed halfway; how many."""
+        if self.fs.get_file_info(self.path).type != pafs.FileType.Directory:
+            return 0
+        removed = 0
+        for info in self.fs.get_file_info(pafs.FileSelector(self.path)):
+            name = info.base_name
+            if info.type == pafs.FileType.File and name.startswith(TEMP_PREFIX):
+                check_file_name(name.removeprefix(TEMP_PREFIX))  # one of ours
+                self.fs.delete_file(self._confined(f"{self.path}/{name}"))
+                removed += 1
+        return removed
 
     def delete_file(self, *names: str) -> None:
         """Remove a file if it is there."""

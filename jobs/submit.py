@@ -32,6 +32,7 @@ from typing import Any
 
 import redis
 
+from batchgen.jobs import retention
 from batchgen.jobs.connection import describe_connection_error, is_oom, queue_full
 from batchgen.jobs.errors import InvalidInput, JobConflict, RedisUnavailable, UsageError
 from batchgen.jobs.inputs import MAX_LINE_BYTES, LineError
@@ -107,6 +108,7 @@ def submit(
     max_line_bytes: int = MAX_LINE_BYTES,
     progress: Callable[[int, int], None] | None = None,
     wait_s: float = 0.0,
+    retention_s: int | None = None,
 ) -> SubmitResult:
     job_id = check_job_id(job_id) if job_id else new_job_id()
     if not os.path.isfile(source_path) or not os.access(source_path, os.R_OK):
@@ -137,6 +139,7 @@ def submit(
             total=checked.total,
             skipped=checked.error_count,
             created_at=time.time(),
+            retention_s=retention.default() if retention_s is None else retention_s,
         )
         resumed, start = _create(conn, keys, qk, record)
         position = start

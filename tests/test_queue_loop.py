@@ -179,7 +179,7 @@ def test_entries_delivered_too_often_are_dead_lettered(redis_url, tmp_path):
     loop = make_loop(conn, claim_timeout_s=0.1, max_attempts=3)
     finish(conn, loop)
     assert loop.counters["dead_lettered"] == 1
-    ((_, dead),) = conn.xrange(QK.dead)
+    ((_, dead),) = conn.xrange(QK.job("j").dead)
     reason = "delivered 4 times (max_attempts 3); the worker running it stopped every time"
     assert (dead[b"j"], dead[b"i"], dead[b"reason"], dead[b"deliveries"]) == (
         b"j", b"0", reason.encode(), b"4")  # fmt: skip

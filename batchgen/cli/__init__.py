@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "status": "batchgen.cli.status:status",
     "jobs": "batchgen.cli.jobs:jobs",
     "cancel": "batchgen.cli.cancel:cancel",
+    "delete": "batchgen.cli.delete:delete",
     "finalize": "batchgen.cli.finalize:finalize",
     "download": "batchgen.cli.download:download",
     "worker": "batchgen.cli.worker:worker",

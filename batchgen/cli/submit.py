@@ -29,6 +29,13 @@ from batchgen.cli._common import (
 @sampling_options
 @click.option("--job-id", default=None, help="Name the job; re-submitting it never enqueues twice.")
 @click.option("--skip-invalid", is_flag=True, help="Queue the valid lines; report the others.")
+@click.option(
+    "--retention",
+    metavar="DURATION",
+    default=None,
+    help="Keep the finished job's Redis state this long (7d, 36h, ...); the outputs stay. "
+    "Default $BATCHGEN_RETENTION, else 7d.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print {job_id, total, ...} as JSON.")
 @redis_option
 @handles_errors
@@ -44,6 +51,7 @@ def submit(
     stop: tuple[str, ...],
     job_id: str | None,
     skip_invalid: bool,
+    retention: str | None,
     as_json: bool,
     redis_url: str | None,
 ) -> None:
@@ -55,6 +63,7 @@ def submit(
     ({"custom_id", "method", "url", "body"}). Flags set job defaults; a line's own
     fields override them. Unknown fields are errors (except body.model/body.user).
     """
+    from batchgen.jobs import retention as keep
     from batchgen.jobs.connection import wait_from_env
     from batchgen.jobs.names import check_job_id, job_output_dir
     from batchgen.jobs.submit import new_job_id
@@ -65,11 +74,12 @@ def submit(
         stop=stop,
     )  # fmt: skip
     job_id = check_job_id(job_id) if job_id else new_job_id()
+    retention_s = keep.parse(retention) if retention else keep.default()
     conn, keys, target = connect(redis_url)
     out_uri = job_output_dir(output, job_id, target.embedded)
     result = run_submit(
         conn, keys, source_path=prompts, model=model, output=out_uri, defaults=defaults,
-        job_id=job_id, skip_invalid=skip_invalid, wait_s=wait_from_env(),
+        job_id=job_id, skip_invalid=skip_invalid, wait_s=wait_from_env(), retention_s=retention_s,
     )  # fmt: skip
     if result.skipped:
         click.echo(f"skipped {result.skipped} invalid line(s):", err=True)

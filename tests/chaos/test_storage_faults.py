@@ -81,7 +81,7 @@ def test_unwritable_parts_charge_nothing_lose_nothing_and_are_reported(chaos, re
         reported = status(chaos, "disk")["storage_error"]
         assert reported.startswith("worker w cannot write parts since ") and "rows kept" in reported
         conn, jk = chaos.conn, chaos.qk.job("disk")
-        assert conn.hlen(jk.errors) == 0 and conn.xlen(chaos.qk.dead) == 0  # nothing charged
+        assert conn.hlen(jk.errors) == 0 and conn.xlen(jk.dead) == 0  # nothing charged
         assert chaos.record("disk").done == 0
         repair()
         wait_until(lambda: chaos.record("disk").state.value == "finalizing", 120, "the rows")

@@ -161,7 +161,7 @@ def test_a_request_that_kills_its_worker_every_time_is_dead_lettered_alone(chaos
     rows = chaos.result("poison")
     assert_exactly_once(rows, lines, reference(lines), errors={2: DEAD})
     assert rows["attempts"][2] == 4
-    dead = chaos.conn.xrange(chaos.qk.dead)
+    dead = chaos.conn.xrange(chaos.qk.job("poison").dead)
     assert [(f[b"i"], f[b"deliveries"], f[b"reason"].decode()) for _, f in dead] == [
         (b"2", b"4", DEAD.removeprefix("dead-lettered: "))
     ]

@@ -319,8 +319,14 @@ class QueueLoop:
         self._count("stolen", len(held))
 
     def _cancel_jobs(self, job_ids: frozenset[str]) -> None:
-        """Abort the requests of newly cancelled jobs and drop their entries (no rows)."""
+        """Abort the requests of newly cancelled jobs and drop their entries (no rows).
+
+        A job leaves the cancelled set once none of its entries remain: forgotten here."""
         new = job_ids - self.cancelled
+        if len(self.cancelled) > len(job_ids) - len(new):
+            for job_id in self.cancelled - job_ids:
+                self.cancel_seen.pop(job_id, None)
+            self.cancelled &= job_ids
         if not new:
             return
         self.cancelled |= new
