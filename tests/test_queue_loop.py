@@ -95,7 +95,7 @@ def test_reads_only_what_the_engine_can_admit_and_keeps_it_full(redis_url, tmp_p
     assert engine.added == [e.decode() for e, _ in conn.xrange(QK.stream)][:4]
     assert conn.xpending(QK.stream, GROUP)["pending"] == 4
     loop.tick()  # one step finished nothing (3 tokens each); still 4 in flight, none read
-    assert len(engine.added) == 4 and len(loop.inflight) == 4
+    assert len(engine.added) == 4 and len(loop.requests.flights) == 4
     finish(conn, loop)
     result = rows(out)
     assert result["index"] == list(range(10))
@@ -260,7 +260,7 @@ def test_one_suspect_at_a_time_the_others_go_back_uncharged(redis_url, tmp_path)
     loop = make_loop(conn, claim_timeout_s=0.1, max_attempts=3)
     time.sleep(0.15)  # idle past the claim timeout (a fixed wait on purpose)
     loop.upkeep.reclaim()  # third delivery: the last chance of each
-    assert [[d.index for d in group] for group in loop.isolation.waiting] == [[0]]
+    assert [[d.index for d in group] for group in loop.requests.isolation.waiting] == [[0]]
     back = [(f[b"i"], json.loads(f[b"x"])) for _, f in conn.xrange(QK.stream) if b"x" in f]
     assert [(i, x["a"], x["f"]) for i, x in back] == [(b"1", 2, 2), (b"2", 2, 2)]
     assert loop.counters["deferred"] == 2
@@ -329,14 +329,14 @@ def test_claims_stay_fresh_through_a_step_longer_than_the_claim_timeout(redis_ur
     assert stolen == [] and len(engine.running) == 2
     assert "reclaimed" not in loop.counters  # nor did it take its own entries for stale
     engine.step_s = 0.0
-    taken = next(iter(loop.inflight))
+    taken = next(iter(loop.requests.flights))
     conn.xclaim(QK.stream, GROUP, "thief", 0, [taken])  # taken over (say we had looked dead)
     deadline = time.monotonic() + 5
     while "stolen" not in loop.counters:  # the keeper's next refresh reports it
         assert time.monotonic() < deadline
         loop.tick()
         time.sleep(0.02)
-    assert taken not in loop.inflight and taken not in engine.running
+    assert taken not in loop.requests.flights and taken not in engine.running
     assert loop.counters["stolen"] == 1
     loop.shutdown()
 
@@ -372,7 +372,7 @@ def test_cancel_aborts_in_flight_requests_and_drops_queued_ones(redis_url, tmp_p
     steps = engine.stats().num_steps
     read = loop.tick()  # the next tick aborts them before stepping, and drops what it reads
     assert engine.running == {} and loop.counters["dropped"] == 2 + read
-    assert engine.stats().num_steps == steps and list(loop.cancel_seen) == ["j"]
+    assert engine.stats().num_steps == steps and list(loop.requests.cancel_seen) == ["j"]
     loop.config.burst = True
     loop.run()
     tasks.run_pending(conn, KEYS, QK.tag)

@@ -1,0 +1,262 @@
+"""The requests a worker runs: admission, the engine's in-flight set, isolation, rows.
+
+Entries come in (``admit``): a job that is gone or cancelled is dropped, an
+entry delivered more than ``max_attempts`` times is dead-lettered, a request
+on its last chance is isolated (isolation.py), the rest start in the engine;
+a request that cannot run becomes an error row. Finished outputs become rows
+in the sink. Cancels, entries another worker took over, a failed engine step
+(bisection) and a shutdown or storage hand-back all change the in-flight set
+here; the queue loop (runner.py) does the Redis steps around it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import redis
+
+from batchgen.jobs.queue import Delivery, HandBack
+from batchgen.jobs.rows import from_dict
+from batchgen.jobs.sink import PartSink
+from batchgen.worker.loop.config import LoopConfig
+from batchgen.worker.loop.engine_api import EngineAPI
+from batchgen.worker.loop.flight import Flight, error_row, now_ms, output_row
+from batchgen.worker.loop.isolation import Isolation
+from batchgen.worker.loop.upkeep import JobInfo
+
+log = logging.getLogger(__name__)
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+class Requests:
+    def __init__(
+        self,
+        api: EngineAPI,
+        sink: PartSink,
+        config: LoopConfig,
+        job: Callable[[str], JobInfo | None],  # a job's output, None if the job is gone
+        dead_letter: Callable[[Delivery, str], None],
+        hand_back: Callable[[list[HandBack]], int],  # raises while Redis is down
+        count: Callable[[str, int], None],
+    ) -> None:
+        self.api = api
+        self.engine = api.engine
+        self.sink = sink
+        self.config = config
+        self.job = job
+        self.dead_letter = dead_letter
+        self.hand_back = hand_back
+        self.count = count
+        self.flights: dict[str, Flight] = {}  # entry id (= engine request id) -> flight
+        self.isolation = Isolation()
+        self.cancelled: set[str] = set()  # jobs whose requests this worker no longer runs
+        self.cancel_seen: dict[str, int] = {}  # job -> unix ms this worker applied its cancel
+        self.rejections: tuple[type[BaseException], ...] = (*api.rejected, ValueError)
+
+    def held(self) -> tuple[str, ...]:
+        """Entries this worker holds: in flight, waiting to run alone, awaiting commit."""
+        return (*self.flights, *self.isolation.held(), *self.sink.entry_ids())
+
+    def per_job(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for flight in self.flights.values():
+            counts[flight.delivery.job_id] = counts.get(flight.delivery.job_id, 0) + 1
+        return counts
+
+    def capacity(self) -> int:
+        """How many more entries to take now (none while a set must run alone)."""
+        return 0 if self.isolation.busy else self.engine.free_capacity()
+
+    def admit(self, deliveries: list[Delivery]) -> None:
+        suspects: list[Delivery] = []
+        for d in deliveries:
+            job = self.job(d.job_id)
+            if job is None or d.job_id in self.cancelled:
+                self.sink.drop([d.entry_id])
+                self.count("dropped", 1)
+                continue
+            if d.failed_attempts > self.config.max_attempts:
+                last = f"; last error: {d.last_error}" if d.last_error else ""
+                self.dead_letter(
+                    d,
+                    f"delivered {d.failed_attempts} times (max_attempts {self.config.max_attempts}); "
+                    f"the worker running it stopped every time{last}",
+                )
+                continue
+            if 1 < d.failed_attempts == self.config.max_attempts:
+                suspects.append(d)  # its last chance: alone, so it fails by itself
+                continue
+            self.start(d, job.output)
+        if suspects:
+            self._isolate(suspects)
+
+    def _isolate(self, suspects: list[Delivery]) -> None:
+        """Keep one suspect to run alone; hand the others back as they came."""
+        others = self.isolation.suspects(suspects)
+        if not others:
+            return
+        items = [HandBack(d, list(d.resume), ran=False) for d in others]
+        try:
+            self.count("deferred", self.hand_back(items))
+        except REDIS_DOWN as exc:  # keep them (refreshed) and run them alone, in turn
+            log.warning("could not hand suspects back (%s); they wait here", exc)
+            self.isolation.wait_alone(others)
+
+    def start_alone(self) -> None:
+        for d in self.isolation.next_set():
+            job = self.job(d.job_id)
+            if job is None or d.job_id in self.cancelled:
+                self.sink.drop([d.entry_id])
+                continue
+            self.start(d, job.output)
+            if d.entry_id in self.flights:
+                self.isolation.started(d.entry_id)
+
+    def bisect(self, error: str) -> bool:
+        """After a failed step: drop the engine's requests and queue the in-flight
+        set to run again in two halves. False when there is nothing to halve (the
+        culprit is the one request left) or the engine cannot even let go."""
+        if len(self.flights) < 2:
+            return False
+        try:
+            outputs = {out.request_id: out for out in self.engine.drain()}
+        except Exception:
+            log.exception("engine drain failed after a failed step")
+            return False
+        deliveries = []
+        for entry_id, flight in self.flights.items():
+            d, out = flight.delivery, outputs.get(entry_id)
+            if out is not None:  # keep what it generated before the failed step
+                d = replace(d, resume=list(out.token_ids),
+                            preemptions=d.preemptions + out.num_preemptions)  # fmt: skip
+            deliveries.append(d)
+        self.flights.clear()
+        self.isolation.bisect(deliveries)
+        log.warning(
+            "engine step failed (%s); running its %d requests again in halves to find the culprit",
+            error,
+            len(deliveries),
+        )
+        self.count("bisections", 1)
+        return True
+
+    def start(self, d: Delivery, output: str) -> None:
+        if d.finished is not None:  # made before its storage failed: only its part is missing
+            self.sink.add(d, output, from_dict(d.finished))
+            self.count("rows_carried", 1)
+            return
+        try:
+            params = self.api.sampling_params(**d.request["s"])
+        except (TypeError, ValueError) as exc:
+            return self.error(d, output, f"invalid sampling parameters: {exc}")
+        prompt = d.request["p"] if "p" in d.request else d.request["m"]
+        try:
+            token_ids = self.engine.encode(prompt)
+        except Exception as exc:  # a tokenizer or chat-template failure fails this row only
+            return self.error(d, output, f"cannot tokenize the prompt: {exc}")
+        limit = self.engine.max_model_len
+        if len(token_ids) >= limit:
+            return self.error(
+                d,
+                output,
+                f"prompt is {len(token_ids)} tokens; the model's context is {limit} tokens",
+                len(token_ids),
+            )
+        try:
+            self.engine.add_request(
+                d.entry_id, token_ids, params, resume_token_ids=d.resume or None
+            )
+        except self.rejections as exc:
+            reason = getattr(exc, "reason", None) or str(exc)
+            return self.error(d, output, f"request rejected: {reason}", len(token_ids))
+        self.flights[d.entry_id] = Flight(d, output, len(token_ids))
+
+    def error(self, d: Delivery, output: str, message: str, prompt_tokens: int = 0) -> None:
+        row = error_row(d, message, self.config.name, prompt_tokens)
+        self.sink.add(d, output, row)
+        self.count("rows_error", 1)
+
+    def finished(self, out) -> None:
+        self.isolation.forget(out.request_id)
+        flight = self.flights.pop(out.request_id, None)
+        if flight is None:
+            return  # aborted meanwhile (cancelled, or claimed by another worker)
+        row = output_row(flight, out, self.config.name)
+        self.sink.add(flight.delivery, flight.output, row)
+        self.count("rows_error" if row.failed else "rows_ok", 1)
+        self.count("prompt_tokens", row.prompt_tokens)
+        self.count("generation_tokens", row.completion_tokens)
+
+    def abort(self, entry_id: str) -> None:
+        self.isolation.forget(entry_id)
+        if self.flights.pop(entry_id, None) is not None:
+            self.engine.abort(entry_id)
+
+    def release(self, entry_ids: set[str]) -> None:
+        """Another worker claimed these while we were stalled: they are theirs now."""
+        held = [e for e in entry_ids if e in self.flights or e in self.isolation.held()]
+        self.isolation.remove(lambda d: d.entry_id not in entry_ids)
+        for entry_id in held:
+            self.abort(entry_id)
+        self.count("stolen", len(held))
+
+    def cancel(self, job_ids: frozenset[str]) -> None:
+        """Abort the requests of newly cancelled jobs and drop their entries (no rows).
+
+        A job leaves the cancelled set once none of its entries remain: forgotten here."""
+        new = job_ids - self.cancelled
+        if len(self.cancelled) > len(job_ids) - len(new):
+            for job_id in self.cancelled - job_ids:
+                self.cancel_seen.pop(job_id, None)
+            self.cancelled &= job_ids
+        if not new:
+            return
+        self.cancelled |= new
+        now = now_ms()
+        for job_id in new:
+            self.cancel_seen[job_id] = now
+        doomed = [e for e, f in self.flights.items() if f.delivery.job_id in new]
+        for entry_id in doomed:
+            self.abort(entry_id)
+        doomed += self.isolation.remove(lambda d: d.job_id not in new)
+        if doomed:
+            self.sink.drop(doomed)
+            self.count("dropped", len(doomed))
+        log.info("jobs %s cancelled: aborted %d requests here", sorted(new), len(doomed))
+
+    def take_job(self, job_id: str) -> list[HandBack]:
+        """Everything of a job it runs, out of the engine: to hand back uncharged."""
+        items = []
+        for entry_id, flight in list(self.flights.items()):
+            if flight.delivery.job_id == job_id:
+                out = self.engine.abort(entry_id)
+                del self.flights[entry_id]
+                self.isolation.forget(entry_id)
+                tokens = list(out.token_ids) if out else list(flight.delivery.resume)
+                items.append(HandBack(flight.delivery, tokens))
+        return items
+
+    def take_all(self, outputs: list[Any], failed: bool, error: str) -> list[HandBack]:
+        """Shutdown: every request it holds, to hand back. ``outputs``: the engine's drain;
+        ``failed``: the engine raised, so this attempt counts as a failure."""
+        items = []
+        for out in outputs:
+            flight = self.flights.pop(out.request_id, None)
+            if flight is not None:
+                tokens = list(out.token_ids)
+                items.append(
+                    HandBack(flight.delivery, tokens, out.num_preemptions, failed, error=error)
+                )
+        for flight in self.flights.values():  # the engine could not say: tokens as received
+            d = flight.delivery
+            items.append(HandBack(d, list(d.resume), 0, failed, error=error))
+        self.flights.clear()
+        items += self.isolation.hand_backs()
+        for job_id in list(self.sink.failing):  # finished, but their parts cannot be written
+            items += [
+                HandBack(d, list(row.token_ids), row=row) for d, row in self.sink.take(job_id)
+            ]
+        return items
