@@ -1,7 +1,8 @@
 """Worker heartbeats: a key per worker with a TTL, indexed in a sorted set.
 
-Liveness comes from these keys, never from XINFO (REDIS-FACTS.md): a worker
-whose key expired is dead, whatever its consumer entry says.
+Liveness comes from these keys, never from XINFO CONSUMERS (a consumer's idle
+time grows while it is busy generating, and its meaning changed in Redis 7.2):
+a worker whose key expired is dead, whatever its consumer entry says.
 """
 
 from __future__ import annotations

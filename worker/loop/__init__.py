@@ -1,6 +1,7 @@
 """The queue loop: Redis stream entries in, engine requests, Parquet rows out.
 
-It knows nothing of attention; the engine knows nothing of Redis (DESIGN.md).
+It knows nothing of attention; the engine knows nothing of Redis
+(docs/architecture.md).
 """
 
 from batchgen.worker.loop.config import LoopConfig
