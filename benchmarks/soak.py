@@ -1,18 +1,22 @@
-"""Soak: thousands of requests through CPU workers that are kill -9'ed every few
-seconds, with Redis itself killed and restarted once; nothing lost, nothing twice.
+"""Soak: a seeded, replayable storm of faults over three jobs at once; nothing lost,
+nothing twice, nothing left behind.
 
-    .venv/bin/python benchmarks/soak.py                          # 2,000 requests, 3 workers
-    .venv/bin/python benchmarks/soak.py --requests 500 --kill-every 2
+    .venv/bin/python benchmarks/soak.py                          # seeds 1-3, 300 requests a job
+    .venv/bin/python benchmarks/soak.py --seeds 7 --requests 100  # replay one seed
 
-Runs ``batchgen submit`` and one ``batchgen worker --workers N --burst``
-supervisor (it restarts the engine processes it loses) against a private
-redis-server with AOF everysec, on a toy model (written to a temp dir unless
-``--model``). A chaos thread SIGKILLs a random serving engine process every
-``--kill-every`` seconds until 90% of the rows are in, and SIGKILLs redis-server
-once (at 40%), restarting it on the same data dir a second later. (A kill also
-comes whenever 8% more rows are in, so a fast machine sees as many kills.) Prints a
-table and, last, one JSON object of figures: requests, kills, restarts, lost,
-duplicated, wall time.
+Three jobs go to one ``batchgen worker --workers N`` supervisor on a toy model,
+against a private redis-server with AOF everysec: one plain, one cancelled
+midway, one whose output directory is broken for ``broken_for_s`` (a file
+where its parts folder goes). Meanwhile, at points drawn from the seed and
+reached by progress (not by the clock: a slow machine sees the same story),
+serving engine processes are SIGKILLed, redis-server is SIGKILLed once and
+restarted on its AOF, and one finalize is killed mid-run (it freezes at a crash
+point and is SIGKILLed). Afterwards: each completed job holds exactly one row
+per line, tokens equal to a fault-free run, no error rows; the cancelled job
+did no work after its cancel beyond the step each worker was in; no output
+holds a file its manifest does not list; nothing is pending; and after
+``batchgen delete`` no Redis key or value mentions any of the jobs. Prints a
+table and one JSON object per seed.
 """
 
 from __future__ import annotations
@@ -21,307 +25,185 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import redis
 
-from batchgen.jobs.heartbeat import live_workers
-from batchgen.jobs.keys import GROUP, Keys, text
-from batchgen.jobs.records import load_job
 from batchgen.jobs.redis_server import RedisServer
-from batchgen.jobs.result import LOST
-
-KEYS = Keys("bg")
+from benchmarks.soak_chaos import JOBS, Storm
+from benchmarks.soak_checks import check_world
 
 
 @dataclass(slots=True)
 class SoakConfig:
-    requests: int = 2000
+    seed: int = 1
+    requests: int = 300  # per job
     workers: int = 3
-    kill_every_s: float = 3.0  # one engine process SIGKILLed this often,
-    kill_every_share: float = 0.08  # ... and whenever this share of the rows came in,
-    kill_until: float = 0.9  # ... until this share of the rows is committed
-    redis_kill_at: float = 0.4  # redis-server SIGKILLed once, at this share
-    redis_down_s: float = 1.0
     max_tokens: tuple[int, int] = (4, 16)
-    max_num_seqs: int = 32
+    max_num_seqs: int = 16
     claim_timeout_s: float = 2.0
-    max_attempts: int = 5
+    max_attempts: int = 20  # kills must never dead-letter an innocent request
+    kill_gap: tuple[float, float] = (0.04, 0.10)  # share of all rows between two kills
+    kill_until: float = 0.9  # no kills once this share of all rows is in
+    broken_for_s: float = 15.0
     timeout_s: float = 900.0
-    seed: int = 0
 
 
 @dataclass(slots=True)
 class SoakResult:
-    requests: int
-    workers: int
+    seed: int
+    requests: int  # per job
     kills: int = 0  # engine processes SIGKILLed
     restarts: int = 0  # engine processes the supervisor started again
     redis_restarts: int = 0
+    finalize_kills: int = 0
+    broken_s: float = 0.0  # how long the broken job's output failed
     rows: int = 0
-    done: int = 0
-    failed: int = 0
-    lost: int = 0  # rows finalize had to fill: a request that never got a row
-    duplicated: int = 0  # input lines with more than one row, ids seen twice
-    dead_lettered: int = 0
-    discarded_duplicates: int = 0  # rows committed a second time and dropped by the commit step
+    error_rows: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    late_cancelled_rows: int = 0  # rows of the cancelled job made after its cancel
+    orphan_files: int = 0
     pending_at_end: int = 0
-    stream_entries_at_end: int = 0
-    max_attempts_seen: int = 0
+    keys_left: int = 0  # Redis keys or values mentioning a job after delete
     wall_s: float = 0.0
-    rows_per_s: float = 0.0
     ok: bool = False
     problems: list[str] = field(default_factory=list)
 
 
-def prompt_lines(config: SoakConfig) -> list[dict[str, Any]]:
+def job_lines(config: SoakConfig) -> dict[str, list[dict[str, Any]]]:
     rng = random.Random(config.seed)
     lo, hi = config.max_tokens
-    return [
-        {"id": f"soak-{i}", "prompt": f"Soak request {i}: {rng.choice(WORDS)} {rng.choice(WORDS)}.",
-         "max_tokens": rng.randint(lo, hi)}
-        for i in range(config.requests)
-    ]  # fmt: skip
+    words = ["sea", "storm", "harbour", "lighthouse", "gull", "tide", "reef", "anchor", "sail"]
+    return {
+        job: [
+            {
+                "id": f"{job}-{i}",
+                "max_tokens": rng.randint(lo, hi),
+                "prompt": f"{job} {i}: {rng.choice(words)} and {rng.choice(words)}.",
+            }
+            for i in range(config.requests)
+        ]
+        for job in JOBS
+    }
 
 
-WORDS = ["sea", "storm", "harbour", "lighthouse", "gull", "tide", "reef", "anchor", "sail"]
-
-
-def _rows_in(conn: Any, job_id: str) -> int:
-    try:
-        record = load_job(conn, KEYS, job_id)
-    except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
-        return -1
-    except Exception:  # the record not there yet
-        return 0
-    return record.done + record.failed
-
-
-def _parent_pid(pid: int) -> int:
-    """The parent of a live (not zombie) process ``pid``; -1 if there is none."""
-    try:
-        state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
-    except (OSError, ValueError):
-        return -1
-    return -1 if state in ("Z", "X") else int(ppid)
-
-
-class Chaos(threading.Thread):
-    """Kills serving engine processes of one supervisor, and redis-server once."""
-
-    def __init__(self, config: SoakConfig, server: RedisServer, supervisor_pid: int) -> None:
-        super().__init__(daemon=True)
-        self.config, self.server, self.supervisor_pid = config, server, supervisor_pid
-        self.conn: Any = redis.Redis.from_url(server.url, socket_timeout=5)
-        self.rng = random.Random(config.seed + 1)
-        self.kills = 0
-        self.redis_restarts = 0
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # reported by the driver
-            self.error = exc
-
-    def _run(self) -> None:
-        config, total = self.config, self.config.requests
-        last_kill, rows_at_kill = time.monotonic(), 0
-        while not self.stop.wait(0.25):
-            rows = _rows_in(self.conn, "soak")
-            if rows < 0:
-                continue  # Redis is down (our own doing) or busy loading
-            if not self.redis_restarts and rows >= config.redis_kill_at * total:
-                self.server.kill()
-                time.sleep(config.redis_down_s)  # the outage
-                self.server.start()
-                self.redis_restarts += 1
-                continue
-            due = time.monotonic() - last_kill >= config.kill_every_s
-            due = due or rows - rows_at_kill >= config.kill_every_share * total  # fast machines
-            if due and rows < config.kill_until * total and self._kill_one():
-                last_kill, rows_at_kill = time.monotonic(), rows
-
-    def _kill_one(self) -> bool:
-        """SIGKILL one serving engine process of our supervisor; whether one was."""
-        try:
-            workers = live_workers(self.conn, KEYS)
-        except (redis.ConnectionError, redis.TimeoutError):
-            return False
-        pids = [int(w["pid"]) for w in workers if w.get("pid")]
-        pids = [p for p in pids if _parent_pid(p) == self.supervisor_pid]  # alive, ours
-        if not pids:
-            return False
-        try:
-            os.kill(self.rng.choice(pids), signal.SIGKILL)
-        except ProcessLookupError:
-            return False
-        self.kills += 1
-        return True
-
-
-def run_soak(
-    config: SoakConfig, model: Path, workdir: Path, reference: Any = None
-) -> tuple[SoakResult, dict[str, list]]:
-    """Run it; (figures, the final rows as columns). ``reference(lines)``, if given,
-    returns the fault-free token ids to compare every ok row with."""
+def run_soak(config: SoakConfig, model: Path, workdir: Path, reference: Any = None) -> SoakResult:
+    """Run one seed. ``reference(lines)``, if given, returns fault-free token ids."""
+    result = SoakResult(config.seed, config.requests)
     server = RedisServer(workdir / "redis")
     server.start()
     env = {**os.environ, "BATCHGEN_REDIS_URL": server.url, "BATCHGEN_HOME": str(workdir / "home"),
-           "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    for name in ("BATCHGEN_TEST_CRASH_AT", "BATCHGEN_CHAOS_POISON", "BATCHGEN_PREFIX",
-                 "OMP_NUM_THREADS"):  # fmt: skip
+           "PYTHONUNBUFFERED": "1", "BATCHGEN_FINALIZE_LEASE_S": "2",
+           # the first finalize of all freezes before marking its job: the storm kills it
+           "BATCHGEN_TEST_CRASH_AT": "before_finalize_commit:1:stop",
+           "BATCHGEN_TEST_CRASH_ONCE": str(workdir / "finalize-crashed")}  # fmt: skip
+    for name in ("BATCHGEN_CHAOS_POISON", "BATCHGEN_PREFIX", "OMP_NUM_THREADS"):
         env.pop(name, None)
     cli = [sys.executable, "-m", "batchgen"]
-    lines = prompt_lines(config)
-    src = workdir / "soak.jsonl"
-    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    out_dir = workdir / "out"
-    result = SoakResult(config.requests, config.workers)
-    log = workdir / "worker.log"
-    supervisor = None
-    chaos = None
+    lines = job_lines(config)
+    outputs = {job: workdir / f"out-{job}" for job in JOBS}
+    supervisor = storm = None
+    start = time.monotonic()
     try:
-        start = time.monotonic()
-        subprocess.run([*cli, "submit", str(src), "--model", str(model), "--job-id", "soak",
-                        "--output", str(out_dir)], env=env, check=True, capture_output=True)  # fmt: skip
+        for job in JOBS:
+            src = workdir / f"{job}.jsonl"
+            src.write_text("".join(json.dumps(line) + "\n" for line in lines[job]))
+            subprocess.run([*cli, "submit", str(src), "--model", str(model), "--job-id", job,
+                            "--output", str(outputs[job])], env=env, check=True,
+                           capture_output=True)  # fmt: skip
+        (outputs["broken"] / "parts").write_text("not a directory: every part write fails")
+        log = workdir / "worker.log"
         with open(log, "wb") as sink:
             supervisor = subprocess.Popen(
-                [*cli, "worker", "--model", str(model), "--device", "cpu", "--burst",
+                [*cli, "worker", "--model", str(model), "--device", "cpu",
                  "--workers", str(config.workers), "--max-num-seqs", str(config.max_num_seqs),
                  "--claim-timeout", str(config.claim_timeout_s),
                  "--max-attempts", str(config.max_attempts)],
                 env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
-        chaos = Chaos(config, server, supervisor.pid)
-        chaos.start()
-        try:
-            code = supervisor.wait(timeout=config.timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
-            result.problems.append(f"the worker did not finish in {config.timeout_s}s")
-        chaos.stop.set()
-        chaos.join()
+        storm = Storm(config, server, supervisor.pid, model, outputs, cli, env)
+        storm.run_until_done()
         result.wall_s = round(time.monotonic() - start, 1)
-        if chaos.error is not None:
-            result.problems.append(f"chaos thread failed: {chaos.error!r}")
-        if code not in (0, None):
-            result.problems.append(f"the worker exited with {code}")
-        result.kills, result.redis_restarts = chaos.kills, chaos.redis_restarts
-        worker_log = log.read_text(errors="replace")
-        result.restarts = len(re.findall(r"worker \d+ exited with .*; restarting", worker_log))
-        rows = _collect(result, server, out_dir, lines, reference)
+        supervisor.send_signal(signal.SIGTERM)
+        supervisor.wait(timeout=120)
+        storm.report(result, log.read_text(errors="replace"))
+        conn: Any = redis.Redis.from_url(server.url)
+        check_world(result, conn, lines, outputs, storm.qk, storm.cancel, reference, cli, env)
+    except Exception as exc:  # a problem of the run itself: reported, not raised
+        result.problems.append(f"{type(exc).__name__}: {exc}")
     finally:
-        if chaos is not None:
-            chaos.stop.set()
         if supervisor is not None and supervisor.poll() is None:
             os.killpg(supervisor.pid, signal.SIGKILL)
             supervisor.wait()
         server.kill()
     result.ok = not result.problems
-    return result, rows
+    return result
 
 
-def _collect(
-    result: SoakResult, server: RedisServer, out_dir: Path, lines: list[dict], reference: Any
-) -> dict[str, list]:
-    conn: Any = redis.Redis.from_url(server.url)
-    record = load_job(conn, KEYS, "soak")
-    result.done, result.failed = record.done, record.failed
-    qk = KEYS.queue(record.tag)
-    result.stream_entries_at_end = int(conn.xlen(qk.stream))
-    result.pending_at_end = int(conn.xpending(qk.stream, GROUP)["pending"])
-    for raw in conn.hvals(qk.job("soak").parts):
-        result.discarded_duplicates += len(json.loads(text(raw)).get("lost") or [])
-    if record.state.value != "completed":
-        result.problems.append(f"the job is {record.state.value}, not completed")
-        return {}
-    rows = pq.read_table(out_dir / "result.parquet").to_pydict()
-    n = result.requests
-    result.rows = len(rows["index"])
-    ids = Counter(rows["id"])
-    indices = Counter(rows["index"])
-    result.duplicated = sum(c - 1 for c in ids.values() if c > 1) + sum(
-        c - 1 for c in indices.values() if c > 1
-    )
-    errors = [e or "" for e in rows["error"]]
-    result.lost = sum(e.startswith(LOST[:5]) for e in errors)
-    result.dead_lettered = sum(e.startswith("dead-lettered") for e in errors)
-    result.max_attempts_seen = max(rows["attempts"], default=0)
-    result.rows_per_s = round(result.rows / max(result.wall_s, 1e-9), 1)
-    checks = [
-        (result.rows == n, f"{result.rows} rows for {n} requests"),
-        (rows["index"] == list(range(n)), "rows not one per index in input order"),
-        (rows["id"] == [line["id"] for line in lines], "ids differ from the submitted ones"),
-        (result.done + result.failed == n, f"done {result.done} + failed {result.failed} != {n}"),
-        (result.duplicated == 0, f"{result.duplicated} duplicated rows"),
-        (result.lost == 0, f"{result.lost} lost rows"),
-        (result.failed == result.dead_lettered, "failed rows other than dead letters"),
-        (result.pending_at_end == 0, f"{result.pending_at_end} entries still pending"),
-        (result.stream_entries_at_end == 0, "entries left in the stream"),
-    ]
-    result.problems += [message for good, message in checks if not good]
-    if reference is not None:
-        expected = reference(lines)
-        wrong = [
-            i for i, tokens in enumerate(rows["token_ids"])
-            if not errors[i] and tokens != expected[i]
-        ]  # fmt: skip
-        if wrong:
-            result.problems.append(f"{len(wrong)} rows differ from a fault-free run: {wrong[:5]}")
-    return rows
+def fault_free(model: Path) -> Any:
+    """``lines -> token ids`` of ``Engine.generate`` on the same lines, no fault at all
+    (one thread, as the workers run)."""
+    import torch
+
+    from batchgen.worker import Engine, SamplingParams
+
+    torch.set_num_threads(1)
+    engine = Engine.from_pretrained(model, device="cpu")
+
+    def run(lines: list[dict[str, Any]]) -> list[list[int]]:
+        params = [SamplingParams(max_tokens=line["max_tokens"]) for line in lines]
+        return [list(o.token_ids) for o in engine.generate([ln["prompt"] for ln in lines], params)]
+
+    return run
 
 
-def table(result: SoakResult) -> str:
-    names = ["requests", "workers", "kills", "restarts", "redis_restarts", "rows", "done",
-             "failed", "dead_lettered", "lost", "duplicated", "discarded_duplicates",
-             "pending_at_end", "max_attempts_seen", "wall_s", "rows_per_s"]  # fmt: skip
-    data = asdict(result)
-    width = max(len(n) for n in names)
-    out = [f"{'figure':<{width}}  value", f"{'-' * width}  -----"]
-    out += [f"{name:<{width}}  {data[name]}" for name in names]
-    out.append(f"{'verdict':<{width}}  " + ("ok" if result.ok else "; ".join(result.problems)))
+def table(results: list[SoakResult]) -> str:
+    names = ["seed", "requests", "kills", "restarts", "redis_restarts", "finalize_kills",
+             "broken_s", "rows", "error_rows", "lost", "duplicated", "late_cancelled_rows",
+             "orphan_files", "pending_at_end", "keys_left", "wall_s"]  # fmt: skip
+    rows = [asdict(r) for r in results]
+    widths = [max(len(n), *(len(str(r[n])) for r in rows)) for n in names]
+    out = ["  ".join(n.rjust(w) for n, w in zip(names, widths))]
+    out += ["  ".join(str(r[n]).rjust(w) for n, w in zip(names, widths)) for r in rows]
+    for r in results:
+        out.append(f"seed {r.seed}: " + ("ok" if r.ok else "; ".join(r.problems)))
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=2000)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds to run")
+    parser.add_argument("--requests", type=int, default=300, help="per job")
     parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--kill-every", type=float, default=3.0, help="seconds between kills")
     parser.add_argument("--model", type=Path, default=None, help="default: a toy llama")
-    parser.add_argument("--keep", type=Path, default=None, help="keep the work dir here")
     args = parser.parse_args(argv)
-    config = SoakConfig(requests=args.requests, workers=args.workers,
-                        kill_every_s=args.kill_every)  # fmt: skip
-    workdir = Path(tempfile.mkdtemp(prefix="batchgen-soak-")) if args.keep is None else args.keep
-    workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    base = Path(tempfile.mkdtemp(prefix="batchgen-soak-"))
     try:
         model = args.model
         if model is None:
             from batchgen.toy import write_toy_checkpoint
 
-            model = write_toy_checkpoint(workdir / "toy", arch="llama", size="tiny")
-        result, _ = run_soak(config, model, workdir)
+            model = write_toy_checkpoint(base / "toy", arch="llama", size="tiny")
+        for seed in (int(s) for s in args.seeds.split(",")):
+            config = SoakConfig(seed=seed, requests=args.requests, workers=args.workers)
+            workdir = base / f"seed-{seed}"
+            workdir.mkdir()
+            results.append(run_soak(config, model, workdir, reference=fault_free(model)))
+            print(json.dumps(asdict(results[-1])), flush=True)
     finally:
-        if args.keep is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(table(result))
-    print(json.dumps(asdict(result)))
-    return 0 if result.ok else 1
+        shutil.rmtree(base, ignore_errors=True)
+    print(table(results))
+    return 0 if all(r.ok for r in results) else 1
 
 
 if __name__ == "__main__":

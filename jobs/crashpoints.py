@@ -14,6 +14,10 @@ spot); a SIGCONT lets it go on from there. Only the fault tests set it. Points:
   same point: the commit and the ack are one step, so there is no gap between
 - ``before_hand_back``: SIGTERM drain has the in-flight outputs, Redis not told
 - ``before_finalize_commit``: the final file is written, the job not marked
+
+With ``BATCHGEN_TEST_CRASH_ONCE=PATH`` the crash happens once across all the
+processes that share the setting: in the one that creates PATH first (a fault
+test that wants one finalizer of many killed).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 
 CRASH_EXIT_CODE = 77
 ENV = "BATCHGEN_TEST_CRASH_AT"
+ONCE_ENV = "BATCHGEN_TEST_CRASH_ONCE"
 _ALIASES = {"after_commit_before_ack": "after_commit"}
 
 
@@ -34,6 +39,7 @@ class CrashPlan:
     on_hit: int = 1
     hits: int = 0
     stop: bool = False  # SIGSTOP ourselves instead of exiting
+    once: str = ""  # a file only the first process to reach the point may create
 
     @classmethod
     def from_env(cls) -> CrashPlan:
@@ -44,13 +50,14 @@ class CrashPlan:
         count, _, action = rest.partition(":")
         if action not in ("", "stop", "exit"):
             raise ValueError(f"{ENV}={raw!r}: the action after NAME:N must be 'stop' or 'exit'")
-        return cls(_ALIASES.get(name, name), int(count or 1), stop=action == "stop")
+        return cls(_ALIASES.get(name, name), int(count or 1), stop=action == "stop",
+                   once=os.environ.get(ONCE_ENV, ""))  # fmt: skip
 
     def reached(self, point: str) -> None:
         if self.point != point:
             return
         self.hits += 1
-        if self.hits != self.on_hit:
+        if self.hits != self.on_hit or not self._first():
             return
         verb = "stopping (SIGSTOP)" if self.stop else "exiting"
         sys.stderr.write(f"batchgen: crash point {point} reached ({ENV}); {verb}\n")
@@ -59,3 +66,12 @@ class CrashPlan:
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until SIGCONT
             return
         os._exit(CRASH_EXIT_CODE)
+
+    def _first(self) -> bool:
+        if not self.once:
+            return True
+        try:
+            os.close(os.open(self.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True

@@ -260,6 +260,13 @@ class Chaos:
         assert out.returncode == 0, out.stderr
         return self.output(job_id)
 
+    def finalized(self, job_id: str, timeout: float = 60) -> str:
+        """Run its finalize here once the worker that completed it has queued it (the
+        state moves a moment before); the job's final state."""
+        wait_until(lambda: self.finalize() or self.record(job_id).state.terminal, timeout,
+                   f"{job_id}'s finalize task")  # fmt: skip
+        return self.record(job_id).state.value
+
     def finalize(self) -> int:
         """Run the queued finalize tasks here (rq, JSON serializer), as a supervisor would."""
         return tasks.run_pending(self.conn, KEYS, self.qk.tag)

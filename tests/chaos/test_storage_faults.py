@@ -86,7 +86,7 @@ def test_unwritable_parts_charge_nothing_lose_nothing_and_are_reported(chaos, re
         repair()
         wait_until(lambda: chaos.record("disk").state.value == "finalizing", 120, "the rows")
         assert status(chaos, "disk")["storage_error"] is None  # cleared once writes work
-        assert chaos.finalize() == 1
+        assert chaos.finalized("disk") == "completed"
         rows = chaos.result("disk")
         assert_exactly_once(rows, lines, reference(lines))
         assert set(rows["worker"]) == {"w"}
@@ -104,7 +104,7 @@ def test_an_output_that_cannot_be_opened_fails_only_its_own_job(chaos, reference
     chaos.conn.hset(chaos.qk.job("broken").job, "output", "nosuch://bucket/x")
     worker = chaos.loop_worker("w", max_attempts=2, storage_outage_s=600.0)
     wait_until(lambda: chaos.record("plain").state.value == "finalizing", 120, "the plain job")
-    assert chaos.finalize() == 1
+    assert chaos.finalized("plain") == "completed"
     rows = chaos.result("plain")
     assert_exactly_once(rows, plain, reference(plain))
     assert rows["attempts"] == [1] * len(plain)  # nothing charged to the plain job
