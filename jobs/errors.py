@@ -57,5 +57,10 @@ class UnsafeRedis(BatchgenError):
     """The Redis server would evict keys, which silently loses work."""
 
 
+class UnsafeRedisURL(UsageError):
+    """A Redis URL whose parameters could weaken TLS verification, or that batchgen does not
+    accept (redis-py would hand them to the connection, overriding batchgen's settings)."""
+
+
 class OutputError(BatchgenError):
     """The output location could not be written or read."""

@@ -60,6 +60,9 @@ def test_acl_user_and_password(private_redis: RedisServer):
 def test_passwords_never_appear_in_messages():
     assert redact("rediss://user:p%40ss@host:6380/0") == "rediss://user:***@host:6380/0"
     assert redact("redis://host:6379/0") == "redis://host:6379/0"
+    # redis-py takes the password up to the host's last @: all of it is hidden
+    assert redact("redis://u:p@ss@host:6379/0?db=1") == "redis://u:***@host:6379/0?db=1"
+    assert redact("unix://:tok@en@/run/r.sock") == "unix://:***@/run/r.sock"
 
 
 def test_url_precedence(monkeypatch):
