@@ -33,7 +33,7 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
-from batchgen.jobs import embedded
+from batchgen.jobs import cmdline, embedded
 from batchgen.jobs.errors import (
     QueueFull,
     RedisUnavailable,
@@ -50,6 +50,8 @@ _TLS_ENV = {
     "ssl_certfile": "BATCHGEN_REDIS_CERT",
     "ssl_keyfile": "BATCHGEN_REDIS_KEY",
 }
+# scheme://user:PASSWORD@host: redis-py's password ends at the host's last '@'
+_PASSWORD = re.compile(r"^([a-z]+://[^:@/?#]*:)([^/?#]*)@")
 _PLAIN_PARAMS = ("db", *_TLS_ENV)
 # The verification switches, each with the one value that keeps verification on.
 _VERIFY_PARAMS = {"ssl_cert_reqs": "required", "ssl_check_hostname": "true"}
@@ -120,8 +122,15 @@ def _shown(name: str, value: str) -> str:
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for messages (the password ends at the host's last @)."""
-    return re.sub(r"^([a-z]+://[^:@/?#]*:)[^/?#]*@", r"\1***@", url)
+    """The URL without its password, for messages."""
+    return _PASSWORD.sub(r"\1***@", url)
+
+
+def hide_password_from_ps(url: str) -> None:
+    """``url`` came on our command line (``--redis``): overwrite its password there."""
+    match = _PASSWORD.match(url)
+    if match:
+        cmdline.hide(match.group(2))
 
 
 def wait_from_env() -> float:
