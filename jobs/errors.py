@@ -57,6 +57,10 @@ class UnsafeRedis(BatchgenError):
     """The Redis server would evict keys, which silently loses work."""
 
 
+class UntrustedRedis(BatchgenError):
+    """The embedded Redis socket, its directory or the server behind it is not this user's own."""
+
+
 class UnsafeRedisURL(UsageError):
     """A Redis URL whose parameters could weaken TLS verification, or that batchgen does not
     accept (redis-py would hand them to the connection, overriding batchgen's settings)."""

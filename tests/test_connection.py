@@ -98,10 +98,3 @@ def test_embedded_default_is_shared_by_processes_and_persists(tmp_path):
         assert "shared" in out.stdout and "queued" in out.stdout
     finally:
         embedded.stop(tmp_path / "home")
-
-
-def test_embedded_socket_path_stays_short(tmp_path):
-    deep = tmp_path / ("d" * 120)
-    path = embedded.socket_path(deep)
-    assert len(str(path)) <= 100 and str(path).startswith("/tmp/batchgen-")
-    assert embedded.socket_path(tmp_path / "h") == tmp_path / "h" / "redis" / "redis.sock"
