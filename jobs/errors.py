@@ -29,6 +29,10 @@ class UnsafeName(UsageError):
     """A job id or output path that could escape where batchgen writes."""
 
 
+class InlineCredentials(UsageError):
+    """An output URI carries credentials; they come from the environment instead."""
+
+
 class JobNotFound(BatchgenError):
     """No job with that id in this Redis."""
 
