@@ -80,8 +80,10 @@ def _untrusted(what: str) -> UntrustedRedis:
 
 
 def _check_private_dir(path: Path) -> None:
-    """``path`` must be a real directory of ours that nobody else may enter."""
+    """``path`` must be a directory of ours that nobody else may enter."""
     info = path.lstat()
+    if stat.S_ISLNK(info.st_mode) and info.st_uid == os.geteuid():
+        info = path.stat()  # our own link (a data dir moved to another disk): judge its target
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
         kind = "directory" if stat.S_ISDIR(info.st_mode) else "non-directory"
         raise _untrusted(

@@ -126,8 +126,11 @@ def image_bin(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     server = Path(find_redis_server())
-    for name in ("redis-server", "redis-cli"):
-        (bin_dir / name).symlink_to(server.with_name(name))
+    cli = server.with_name("redis-cli")
+    if not cli.exists():
+        pytest.skip(f"no redis-cli beside {server} to run the health check with")
+    (bin_dir / "redis-server").symlink_to(server)
+    (bin_dir / "redis-cli").symlink_to(cli)
     entrypoint = bin_dir / "docker-entrypoint.sh"
     entrypoint.write_text('#!/bin/sh\nexec "$@"\n')
     entrypoint.chmod(0o755)
