@@ -6,6 +6,11 @@ server (embedded.py). ``rediss://`` verifies the server certificate
 from the URL query (``?ssl_ca_certs=...&ssl_certfile=...&ssl_keyfile=...``) or
 ``BATCHGEN_REDIS_CA`` / ``BATCHGEN_REDIS_CERT`` / ``BATCHGEN_REDIS_KEY``.
 User and password go in the URL (``rediss://user:pass@host:6380/0``).
+No other query parameter is accepted (check_url): redis-py hands query
+parameters to the connection and lets them override ours, so
+``?ssl_cert_reqs=none`` or ``?ssl_check_hostname=false`` would turn verification
+off. Only ``ssl_cert_reqs=required`` and ``ssl_check_hostname=true`` (what
+batchgen sets anyway) and ``db`` may also appear.
 
 redis-py 8 defaults to a 5 s socket timeout, shorter than a long XREADGROUP
 BLOCK; callers that block pass ``block_s`` and get a socket timeout above it.
@@ -22,13 +27,20 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlparse
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
-from batchgen.jobs import embedded
-from batchgen.jobs.errors import QueueFull, RedisUnavailable, UnsafeRedis, UsageError
+from batchgen.jobs import cmdline, embedded
+from batchgen.jobs.errors import (
+    QueueFull,
+    RedisUnavailable,
+    UnsafeRedis,
+    UnsafeRedisURL,
+    UsageError,
+)
 
 ENV_URL = "BATCHGEN_REDIS_URL"
 ENV_WAIT = "BATCHGEN_REDIS_WAIT"
@@ -38,6 +50,11 @@ _TLS_ENV = {
     "ssl_certfile": "BATCHGEN_REDIS_CERT",
     "ssl_keyfile": "BATCHGEN_REDIS_KEY",
 }
+# scheme://user:PASSWORD@host: redis-py's password ends at the host's last '@'
+_PASSWORD = re.compile(r"^([a-z]+://[^:@/?#]*:)([^/?#]*)@")
+_PLAIN_PARAMS = ("db", *_TLS_ENV)
+# The verification switches, each with the one value that keeps verification on.
+_VERIFY_PARAMS = {"ssl_cert_reqs": "required", "ssl_check_hostname": "true"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,13 +71,66 @@ def resolve(url: str | None = None) -> Target:
             raise RedisUnavailable(
                 f"unsupported Redis URL {redact(chosen)!r}: use redis://, rediss:// or unix://"
             )
+        check_url(chosen)
         return Target(chosen, embedded=False)
     return Target(embedded.ensure_running(), embedded=True)
 
 
+def check_url(url: str) -> None:
+    """Refuse query parameters that could weaken TLS verification, or that we do not know.
+
+    The query is read exactly as redis-py reads it (``urlparse`` + ``parse_qs``:
+    percent-escapes and ``+`` decoded), so no spelling slips past: the names are
+    compared case-blind for the message, exactly for acceptance, and a name given
+    twice is refused (redis-py would keep the first).
+    """
+    parts = urlparse(url)
+    where = redact(url.split("?", 1)[0])
+    seen: set[str] = set()
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        lower = name.lower()
+        if name in _PLAIN_PARAMS:
+            if name != "db" and parts.scheme != "rediss":
+                raise UnsafeRedisURL(
+                    f"Redis URL {where}: TLS parameters need a rediss:// URL ({name})"
+                )
+        elif lower.startswith("ssl_"):
+            keeps_verifying = _VERIFY_PARAMS.get(name) == value.lower()
+            if not keeps_verifying or parts.scheme != "rediss":
+                raise UnsafeRedisURL(
+                    f"Redis URL {where}: {_shown(name, value)} could weaken TLS verification; "
+                    "batchgen always verifies the server's certificate and host name: remove it "
+                    "(give the CA with ssl_ca_certs=PATH or BATCHGEN_REDIS_CA)"
+                )
+        else:
+            raise UnsafeRedisURL(
+                f"Redis URL {where}: unsupported parameter {name!r}; batchgen accepts only "
+                f"{', '.join(_PLAIN_PARAMS)} (user and password go before the host: "
+                "redis://user:password@host:port/db)"
+            )
+        if name in seen:
+            raise UnsafeRedisURL(f"Redis URL {where}: {name!r} is given twice; give it once")
+        seen.add(name)
+
+
+def _shown(name: str, value: str) -> str:
+    """A refused TLS parameter for the message: the switches with their value (never a
+    secret), any other (say ``ssl_password``) by name only."""
+    if name.lower() not in _VERIFY_PARAMS:
+        return name
+    return f"{name}={value}" if re.fullmatch(r"[\w.-]+", value) else f"{name}={value!r}"
+
+
 def redact(url: str) -> str:
     """The URL without its password, for messages."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    return _PASSWORD.sub(r"\1***@", url)
+
+
+def hide_password_from_ps(url: str) -> None:
+    """``url`` came on our command line (``--redis``): overwrite its password there."""
+    match = _PASSWORD.match(url)
+    if match:
+        cmdline.hide(match.group(2))
 
 
 def wait_from_env() -> float:

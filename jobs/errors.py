@@ -29,6 +29,10 @@ class UnsafeName(UsageError):
     """A job id or output path that could escape where batchgen writes."""
 
 
+class InlineCredentials(UsageError):
+    """An output URI carries credentials; they come from the environment instead."""
+
+
 class JobNotFound(BatchgenError):
     """No job with that id in this Redis."""
 
@@ -55,6 +59,15 @@ class RedisUnavailable(BatchgenError):
 
 class UnsafeRedis(BatchgenError):
     """The Redis server would evict keys, which silently loses work."""
+
+
+class UntrustedRedis(BatchgenError):
+    """The embedded Redis socket, its directory or the server behind it is not this user's own."""
+
+
+class UnsafeRedisURL(UsageError):
+    """A Redis URL whose parameters could weaken TLS verification, or that batchgen does not
+    accept (redis-py would hand them to the connection, overriding batchgen's settings)."""
 
 
 class OutputError(BatchgenError):

@@ -13,6 +13,10 @@
   that would take a write outside it (a symlinked ``parts`` dir, or a job dir
   under OUTPUT_ROOT pointing elsewhere) is refused (storage.py checks real paths).
 - ``download`` serves only files the manifest lists, each a plain file name.
+- An output URI never carries credentials (``s3://KEY:SECRET@bucket``, an access
+  key before the bucket, ``?secret_key=...``): it is stored with the job and
+  shown by status, so such a URI is refused; the object store's credentials
+  come from the environment (``AWS_*`` and the like) on each machine.
 """
 
 from __future__ import annotations
@@ -20,14 +24,23 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from urllib.parse import parse_qsl
 
 from batchgen.jobs import embedded
-from batchgen.jobs.errors import UnsafeName, UsageError
+from batchgen.jobs.errors import InlineCredentials, UnsafeName, UsageError
 
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 _PERCENT = re.compile(r"%[0-9A-Fa-f]{2}")
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "abfs", "abfss")
+# Query parameters that carry a credential: access_key, secret_key, session_token,
+# sas_token, account_key, client_secret, password, a SAS signature (sig), ...
+_SECRET_PARAM = re.compile(r"key|secret|token|passw|credential|signature|^sig$", re.IGNORECASE)
+_ENV_HINT = (
+    "batchgen stores the URI with the job and shows it in status, so it refuses them: give "
+    "credentials by environment on every machine (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+    "AWS_SESSION_TOKEN for s3://; the store's own variables for the others)"
+)
 
 
 def check_job_id(job_id: str) -> str:
@@ -60,6 +73,9 @@ def check_output(raw: str) -> str:
             f"--output {raw!r} contains percent-escapes; write the path plainly (no %XX)"
         )
     scheme, sep, rest = raw.partition("://")
+    reason = inline_credentials(raw)
+    if reason:
+        raise InlineCredentials(f"--output: {reason}")
     path = rest if sep else raw
     if any(part == ".." for part in re.split(r"[/\\]", path)):
         raise UnsafeName(f"--output {raw!r} contains '..'; give the directory without it")
@@ -78,6 +94,52 @@ def check_output(raw: str) -> str:
     if not rest.strip("/"):
         raise UnsafeName(f"--output {raw!r} names no bucket or directory")
     return f"{scheme}://{rest.rstrip('/')}"
+
+
+def _userinfo_end(head: str) -> int:
+    """Where ``user:secret@`` ends in ``head`` (the URI before its query), or -1.
+
+    A secret may hold '/' (AWS secrets do), so the userinfo is not cut at the
+    first '/': it is any '@' with a ':' before it.
+    """
+    at = head.find("@", head.find(":") + 1) if ":" in head else -1
+    return head.rfind("@") if at >= 0 else -1
+
+
+def inline_credentials(uri: str) -> str | None:
+    """Why ``uri`` carries credentials inline, or None."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        return None
+    head, _, query = rest.partition("?")
+    what = ""
+    if _userinfo_end(head) >= 0:
+        what = "user:secret@ before the bucket"
+    elif scheme == "s3" and "@" in head.split("/", 1)[0]:
+        what = "an access key before the bucket"
+    else:
+        names = [name for name, _ in parse_qsl(query, keep_blank_values=True)]
+        secret = [name for name in names if _SECRET_PARAM.search(name)]
+        what = f"query parameter {secret[0]!r}" if secret else ""
+    if not what:
+        return None
+    return f"the {scheme}:// URI carries credentials ({what}); {_ENV_HINT}"
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` with inline credentials masked, for a job recorded before they were refused."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep or inline_credentials(uri) is None:
+        return uri
+    head, q, query = rest.partition("?")
+    end = _userinfo_end(head)
+    if end >= 0 or (scheme == "s3" and "@" in head.split("/", 1)[0]):
+        head = "***" + head[max(end, head.find("@")) :]
+    pairs = [
+        f"{pair.partition('=')[0]}=***" if _SECRET_PARAM.search(pair.partition("=")[0]) else pair
+        for pair in query.split("&")
+    ]
+    return f"{scheme}://{head}{q}{'&'.join(pairs) if q else ''}"
 
 
 def default_output(job_id: str) -> str:

@@ -11,6 +11,7 @@ import redis
 from batchgen.jobs.heartbeat import live_workers
 from batchgen.jobs.keys import Keys, text_hash
 from batchgen.jobs.lifecycle import JobState
+from batchgen.jobs.names import redact_uri
 from batchgen.jobs.records import JobRecord, load_job
 
 
@@ -44,7 +45,7 @@ class JobStatus:
             "eta_s": None if self.eta_s is None else round(self.eta_s, 1),
             "live_workers": len(self.workers),
             "workers": self.workers,
-            "output": r.output,
+            "output": redact_uri(r.output),
             "created_at": r.created_at,
             "started_at": r.started_at or None,
             "finished_at": r.finished_at or None,

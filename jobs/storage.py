@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from batchgen.jobs.errors import OutputError, UnsafeName
-from batchgen.jobs.names import check_file_name
+from batchgen.jobs.names import check_file_name, inline_credentials
 
 TEMP_PREFIX = ".tmp-"
 
@@ -36,6 +36,9 @@ class OutputDir:
     def open(cls, uri: str) -> OutputDir:
         if "://" not in uri:
             return cls(uri, pafs.LocalFileSystem(), uri, local=True)
+        reason = inline_credentials(uri)  # a job recorded before submit refused them
+        if reason:
+            raise OutputError(f"cannot open output: {reason}")
         try:
             fs, path = pafs.FileSystem.from_uri(uri)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:

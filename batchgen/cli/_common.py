@@ -17,7 +17,17 @@ REDIS_HELP = (
 
 
 def redis_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--redis", "redis_url", metavar="URL", default=None, help=REDIS_HELP)(func)
+    return click.option("--redis", "redis_url", metavar="URL", default=None, help=REDIS_HELP,
+                        callback=_hide_password)(func)  # fmt: skip
+
+
+def _hide_password(_ctx: click.Context, _param: click.Parameter, url: str | None) -> str | None:
+    """Others can read our command line (ps) for as long as a worker runs: blank the password."""
+    if url:
+        from batchgen.jobs.connection import hide_password_from_ps
+
+        hide_password_from_ps(url)
+    return url
 
 
 def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -171,19 +171,14 @@ class Chaos:
         env.update(extra)
         return env
 
-    def _spawn(
-        self, name: str, cmd: list[str], env: dict[str, str], stdin: bytes | None = None
-    ) -> Proc:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], stdin: bytes = b"") -> Proc:
         log = self.tmp / f"{name}.log"
         with open(log, "ab") as out:
-            popen = subprocess.Popen(
-                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
-            )  # fmt: skip
-        if stdin is not None:
-            assert popen.stdin is not None
-            popen.stdin.write(stdin)
-            popen.stdin.close()
+            popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        assert popen.stdin is not None
+        with contextlib.suppress(BrokenPipeError), popen.stdin as pipe:
+            pipe.write(stdin)
         proc = Proc(name, popen, log)
         self.procs.append(proc)
         return proc
@@ -198,8 +193,8 @@ class Chaos:
         extra = {"BATCHGEN_TEST_CRASH_AT": crash_at} if crash_at else {}
         if poison:
             extra |= self.poison_env(poison)
-        cmd = [sys.executable, "-m", "batchgen.worker.loop", json.dumps(cfg.to_dict())]
-        return self._spawn(name, cmd, self.env(**extra))
+        cmd = [sys.executable, "-m", "batchgen.worker.loop"]  # its config on stdin
+        return self._spawn(name, cmd, self.env(**extra), stdin=json.dumps(cfg.to_dict()).encode())
 
     def worker_cli(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
         """``batchgen worker --model M --device cpu ARGS`` (the supervisor and its children)."""

@@ -1,4 +1,8 @@
-"""One engine process: ``python -m batchgen.worker.loop CONFIG_JSON`` (the supervisor starts it)."""
+"""One engine process: ``python -m batchgen.worker.loop < CONFIG_JSON`` (the supervisor starts it).
+
+The LoopConfig comes as JSON on stdin, never as an argument: it holds the Redis
+URL with its password, and any local user can read a command line.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,14 @@ import logging
 import sys
 
 
-def main(argv: list[str]) -> int:
+def main() -> int:
     from batchgen.jobs.connection import connect
     from batchgen.jobs.errors import BatchgenError
     from batchgen.worker.loop.config import LoopConfig
     from batchgen.worker.loop.engine_api import load_engine
     from batchgen.worker.loop.runner import QueueLoop
 
-    config = LoopConfig.from_dict(json.loads(argv[1]))
+    config = LoopConfig.from_dict(json.loads(sys.stdin.read()))
     if config.supervised:
         _die_with_parent()
     logging.basicConfig(
@@ -51,4 +55,4 @@ def _die_with_parent() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

@@ -15,6 +15,7 @@ exit within their drain timeout; stragglers are killed after it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -81,8 +82,13 @@ class Child:
     def start(self) -> None:
         config = replace(self.config, name=f"{default_name()}-w{self.index}")
         self.names.append(config.name)
-        cmd = [sys.executable, "-m", "batchgen.worker.loop", json.dumps(config.to_dict())]
-        self.process = subprocess.Popen(cmd, env={**os.environ, **self.env})
+        # The config (Redis password included) goes through a pipe: a command line
+        # is readable by every local user (ps), the environment is inherited.
+        cmd = [sys.executable, "-m", "batchgen.worker.loop"]
+        self.process = subprocess.Popen(cmd, env={**os.environ, **self.env}, stdin=subprocess.PIPE)
+        assert self.process.stdin is not None
+        with contextlib.suppress(BrokenPipeError), self.process.stdin as pipe:
+            pipe.write(json.dumps(config.to_dict()).encode())  # far below a pipe's buffer
         self.started = time.monotonic()
 
 
