@@ -48,7 +48,8 @@ class Keeper(threading.Thread):
         self.payload: dict[str, Any] = {}  # set by the loop: what the heartbeat carries
         self.cancelled: frozenset[str] = frozenset()  # read by the loop
         self._stolen: set[str] = set()
-        self._lock = threading.Lock()  # guards _stolen only
+        self._lock = threading.Lock()  # guards _stolen and the publishing of ``cancelled``
+        self._cancelled_read_at = 0.0
         self._halt = threading.Event()
         self._pubsub: Any = None
 
@@ -68,9 +69,17 @@ class Keeper(threading.Thread):
             self.join(timeout=10)
 
     def poll_cancelled(self) -> frozenset[str]:
-        """Read the cancelled set now (the loop calls this right after reading entries)."""
-        self.cancelled = frozenset(text(m) for m in self.conn.smembers(self.qk.cancelled))
-        return self.cancelled
+        """Read the cancelled set now (the loop calls this right after reading entries).
+
+        Both threads call it: a read that started before the newest one published is
+        returned but not published, so the loop never sees the set go back in time."""
+        started = time.monotonic()
+        fresh = frozenset(text(m) for m in self.conn.smembers(self.qk.cancelled))
+        with self._lock:
+            if started >= self._cancelled_read_at:
+                self._cancelled_read_at = started
+                self.cancelled = fresh
+        return fresh
 
     # -- the thread ---------------------------------------------------------------
 

@@ -207,11 +207,11 @@ class Requests:
         """Abort the requests of newly cancelled jobs and drop their entries (no rows).
 
         A job leaves the cancelled set once none of its entries remain: forgotten here."""
+        gone = self.cancelled - job_ids
+        for job_id in gone:
+            self.cancel_seen.pop(job_id, None)
+        self.cancelled -= gone
         new = job_ids - self.cancelled
-        if len(self.cancelled) > len(job_ids) - len(new):
-            for job_id in self.cancelled - job_ids:
-                self.cancel_seen.pop(job_id, None)
-            self.cancelled &= job_ids
         if not new:
             return
         self.cancelled |= new

@@ -28,7 +28,7 @@ from typing import Any
 import redis
 
 from batchgen.jobs.keys import Keys
-from batchgen.jobs.queue import HandBack, hand_back, read_new
+from batchgen.jobs.queue import Delivery, HandBack, hand_back, read_new
 from batchgen.jobs.sink import PartSink
 from batchgen.jobs.submit import ensure_group
 from batchgen.jobs.tasks import enqueue_finalize
@@ -68,7 +68,7 @@ class QueueLoop:
             self.qk,
             config,
             LoopView(
-                admit=lambda deliveries: self.requests.admit(deliveries),
+                admit=self._admit_reclaimed,
                 capacity=lambda: self.requests.capacity(),
                 count=self._count,
                 activity=self.activity,
@@ -169,6 +169,11 @@ class QueueLoop:
         return read
 
     # -- what the keeper thread learned -------------------------------------------
+
+    def _admit_reclaimed(self, deliveries: list[Delivery]) -> None:
+        """Entries taken over from a dead worker: a cancel before the claim must be seen."""
+        self.requests.cancel(self.keeper.poll_cancelled())
+        self.requests.admit(deliveries)
 
     def start_keeper(self) -> None:
         """Start the thread that keeps claims and heartbeat fresh and hears cancels (once)."""
