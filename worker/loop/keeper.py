@@ -97,7 +97,8 @@ class Keeper(threading.Thread):
                     if time.monotonic() >= due[i]:
                         chore()
                         due[i] = time.monotonic() + every
-                self._listen(max(min(due) - time.monotonic(), 0.01))
+                # short waits: stop() is answered within a quarter second
+                self._listen(min(max(min(due) - time.monotonic(), 0.01), 0.25))
             except _REDIS_DOWN as exc:
                 log.warning("keeper: Redis unavailable (%s); retrying", exc)
                 self._close_pubsub()

@@ -148,6 +148,8 @@ class QueueLoop:
             requests.admit(deliveries)
         stepped = False
         requests.cancel(self.keeper.cancelled)  # heard while admitting: before the step
+        # what the keeper keeps fresh while the step (however long) and the flush run
+        self.keeper.held = requests.held()
         if self.engine.has_unfinished():
             try:
                 outputs = self.engine.step()
@@ -183,7 +185,8 @@ class QueueLoop:
 
     def _sync_keeper(self, beat: bool = False) -> None:
         """Hand the keeper what we hold (and the heartbeat when due); take what it heard."""
-        self.keeper.held = self.requests.held()
+        if beat:
+            self.keeper.held = self.requests.held()
         if beat or self.upkeep.due("heartbeat", self.config.heartbeat_s / 2):
             self.keeper.payload = self.upkeep.payload()
         stolen = self.keeper.take_stolen()
