@@ -47,7 +47,7 @@ class CancelRecord:
 
 
 def children(pid: int) -> dict[int, str]:
-    """Live children of ``pid``: pid -> command line."""
+    """Live children of ``pid``: pid -> "STATE command line" (STATE as in /proc: T = stopped)."""
     found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

@@ -217,19 +217,6 @@ class Chaos:
         cmd = [sys.executable, "-m", "batchgen.worker.loop.finalizer"]
         return self._spawn(name, cmd, env or self.env(), stdin=json.dumps(config).encode())
 
-    def children(self, pid: int) -> dict[int, str]:
-        """Live child processes of ``pid``: pid -> command line."""
-        found = {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found[int(stat.parent.name)] = cmdline
-        return found
-
     def cli_start(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
         return self._spawn(name, [sys.executable, "-m", "batchgen", *args], env or self.env())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
+from benchmarks.soak_chaos import children
 from tests.chaos.harness import (
     Chaos,
     assert_exactly_once,
@@ -51,7 +52,7 @@ def test_a_finalize_that_hangs_does_not_stop_the_supervisor(chaos):
     supervisor = chaos.worker_cli("sup", "--workers", "1", env=env)
 
     def finalizer_frozen() -> int | None:
-        for pid, cmd in chaos.children(supervisor.pid).items():
+        for pid, cmd in children(supervisor.pid).items():
             if "worker.loop.finalizer" in cmd and process_state(pid) == "T":
                 return pid
         return None
@@ -60,7 +61,7 @@ def test_a_finalize_that_hangs_does_not_stop_the_supervisor(chaos):
     assert state(chaos, "hang") == "finalizing"
 
     def engine_children() -> set[int]:
-        kids = chaos.children(supervisor.pid).items()
+        kids = children(supervisor.pid).items()
         return {pid for pid, cmd in kids if "worker.loop" in cmd and "finalizer" not in cmd}
 
     (engine,) = wait_until(engine_children, 30, "the engine process")
