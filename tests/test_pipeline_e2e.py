@@ -175,7 +175,8 @@ def test_two_cpu_workers_burst_through_200_mixed_prompts(
 def test_run_writes_the_same_rows_as_submit_and_worker(model, reference, env, tmp_path):
     lines = mixed_lines(24)
     out = batchgen(env, "run", str(write_jsonl(tmp_path / "p.jsonl", lines)), "--model", str(model),
-                   "-o", str(tmp_path / "run.parquet"), "--device", "cpu")  # fmt: skip
+                   "-o", str(tmp_path / "run.parquet"), "--device", "cpu",
+                   "--job-output", str(tmp_path / "run-job"))  # fmt: skip
     assert out.returncode == 0, out.stderr
     rows = pq.read_table(tmp_path / "run.parquet").to_pydict()
     assert rows["index"] == list(range(24))
