@@ -189,9 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=300, help="per job")
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--model", type=Path, default=None, help="default: a toy llama")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="work (and keep logs, Redis data, outputs) in this directory")  # fmt: skip
     args = parser.parse_args(argv)
     results = []
-    base = Path(tempfile.mkdtemp(prefix="batchgen-soak-"))
+    base = args.keep or Path(tempfile.mkdtemp(prefix="batchgen-soak-"))
+    base.mkdir(parents=True, exist_ok=True)
     try:
         model = args.model
         if model is None:
@@ -205,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_soak(config, model, workdir, reference=fault_free(model)))
             print(json.dumps(asdict(results[-1])), flush=True)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        if args.keep is None:
+            shutil.rmtree(base, ignore_errors=True)
     print(table(results))
     return 0 if all(r.ok for r in results) else 1
 

@@ -56,6 +56,7 @@ class _Buffer:
     output_uri: str
     rows: list[Row] = field(default_factory=list)
     deliveries: list[Delivery] = field(default_factory=list)  # the entry each row came from
+    indices: set[int] = field(default_factory=set)  # of the rows
     failure: StorageFailure | None = None
 
     @property
@@ -85,9 +86,19 @@ class PartSink:
     seq: int = 0
 
     def add(self, delivery: Delivery, output_uri: str, row: Row) -> None:
+        """Buffer a row. A second row for an input index already buffered is dropped (its
+        entry acked with the part): a part holds one row per index, because the commit
+        records the indices a part lost, not which of its rows."""
         buf = self.buffers.get(delivery.job_id)
         if buf is None:
             buf = self.buffers[delivery.job_id] = _Buffer(output_uri)
+        if row.index in buf.indices:
+            log.warning("job %s: a second row for input %d here; keeping the first",
+                        delivery.job_id, row.index)  # fmt: skip
+            if delivery.entry_id not in buf.entry_ids:
+                self.drop([delivery.entry_id])
+            return
+        buf.indices.add(row.index)
         buf.rows.append(row)
         buf.deliveries.append(delivery)
         if self.oldest is None:

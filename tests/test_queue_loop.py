@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from batchgen.jobs.params import DEFAULTS
 from batchgen.jobs.queue import read_new, refresh
 from batchgen.jobs.records import load_job
 from batchgen.jobs.result import LOST
+from batchgen.jobs.rows import FinishReason, Row
+from batchgen.jobs.sink import PartSink
 from batchgen.jobs.submit import ensure_group, submit
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
 from batchgen.worker.loop.config import ENGINE_FAILED_EXIT
@@ -446,3 +449,44 @@ def test_the_loop_rides_out_a_redis_restart(private_redis, tmp_path):
     result = rows(out)
     assert result["index"] == list(range(20))
     assert result["token_ids"] == [expected_tokens(tokens(f"p{i}"), 3) for i in range(20)]
+
+
+def test_a_worker_never_runs_an_entry_it_holds_twice(redis_url, tmp_path):
+    """Its own entries looked idle (its keeper starved of CPU past the claim timeout) and
+    its reclaim took them: they were admitted again, the same index twice in one part,
+    and finalize dropped both rows of it as lost (the soak caught it under load)."""
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, ["a", "b", "c"], max_tokens=2)
+    engine = FakeEngine()
+    loop = make_loop(conn, engine, claim_timeout_s=0.2)
+    (out / "parts").write_text("storage down: the rows stay in the sink")
+    while loop.sink.buffered < 3:  # read, run, finish: three rows held, unwritable
+        loop.tick()
+    assert len(engine.added) == 3
+    pending = conn.xpending_range(QK.stream, GROUP, "-", "+", 10)
+    ids = [p["message_id"] for p in pending]
+    conn.execute_command("XCLAIM", QK.stream, GROUP, "w1", 0, *ids, "IDLE", 60_000)
+    loop.upkeep.reclaim()  # claims them back: they are its own
+    assert loop.counters["reclaimed"] == 3 and len(engine.added) == 3  # none admitted again
+    (out / "parts").unlink()
+    finish(conn, loop)
+    assert rows(out)["index"] == [0, 1, 2] and rows(out)["error"] == [None] * 3
+
+
+def test_a_part_holds_one_row_per_index(redis_url, tmp_path):
+    """A second row for an index already in the buffer is dropped, its entry acked with
+    the part: a commit records the indices a part lost, so two rows of one index in one
+    part would both be excluded at finalize."""
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, ["a", "b"], max_tokens=2)
+    first, second = read_new(conn, QK, "w", 2, None)
+    sink = PartSink(QK, "w")
+    sink.add(first, str(out), Row(index=0, text="first", finish_reason=FinishReason.STOP))
+    handed = replace(first, entry_id=second.entry_id)  # another entry of input 0
+    sink.add(handed, str(out), Row(index=0, text="again", finish_reason=FinishReason.STOP))
+    flushed = sink.flush(conn)
+    assert flushed.commit is not None and flushed.commit.lost == 0
+    assert conn.xlen(QK.stream) == 0 and conn.xpending(QK.stream, GROUP)["pending"] == 0
+    (part,) = (out / "parts" / "j").iterdir()
+    assert pq.read_table(part).column("text").to_pylist() == ["first"]
+    assert load_job(conn, KEYS, "j").done == 1

@@ -173,9 +173,13 @@ class QueueLoop:
     # -- what the keeper thread learned -------------------------------------------
 
     def _admit_reclaimed(self, deliveries: list[Delivery]) -> None:
-        """Entries taken over from a dead worker: a cancel before the claim must be seen."""
+        """Entries taken over from a dead worker: a cancel before the claim must be seen.
+
+        One this worker holds itself (it looked idle: the keeper was starved of CPU past
+        the claim timeout) is ours already: claiming it only refreshed it."""
+        held = set(self.requests.held())
         self.requests.cancel(self.keeper.poll_cancelled())
-        self.requests.admit(deliveries)
+        self.requests.admit([d for d in deliveries if d.entry_id not in held])
 
     def start_keeper(self) -> None:
         """Start the thread that keeps claims and heartbeat fresh and hears cancels (once)."""
