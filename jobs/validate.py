@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchgen.jobs.inputs import MAX_LINE_BYTES, LineError, parse_line, read_lines
+from batchgen.jobs.inputs import parse_line
+from batchgen.jobs.lines import MAX_LINE_BYTES, LineError, read_lines
 
 SHOWN_ERRORS = 20
 PARALLEL_MIN_BYTES = 32 << 20  # below this, one process is quicker than starting more

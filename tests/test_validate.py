@@ -43,7 +43,7 @@ def test_parallel_validation_equals_sequential(messy):
     assert [e.line for e in one.errors] == [6, 43, 80, 117, 121, 154, 191, 228, 265]
     assert (
         str(one.errors[4])
-        == "line 121, column 1: line is 5,015 bytes, over the limit of 4,096 bytes"
+        == "line 121, column 1: line is 5,014 bytes, over the limit of 4,096 bytes"
     )
     assert one.total == 300 - 9 - 6  # minus errors and blank lines
 
