@@ -85,8 +85,7 @@ def _validate_range(
                 if len(errors) < SHOWN_ERRORS:
                     errors.append(entry)
                 continue
-            write(entry)
-            write(b"\n")
+            write(entry + b"\n")
             total += 1
     return total, error_count, errors
 
