@@ -3,21 +3,34 @@
 Python's ``json`` accepts NaN and Infinity, keeps the last of duplicate keys,
 turns 10,000-digit integers into a ValueError without a position, and recurses
 on deep nesting. Here those are errors with a column. The fast path is
-``json.loads`` with hooks; the slow lexer below only runs to find the column
-once something is known to be wrong (or when a line has enough brackets that it
-could nest too deep).
+``json.loads`` with hooks; everything else only runs for lines that need it, and
+all of it is linear in the line's length, with memory bounded by it:
+
+- Depth and the number of values are checked before parsing (so a hostile line
+  never builds a huge tree), on a skeleton of the line: escapes blanked (then a
+  string is ``"[^"]*"`` whatever it holds, one regex match that keeps no
+  backtracking state), strings cut out, then ``str.translate``. Only lines with
+  more than MAX_DEPTH brackets, or long enough to hold more than MAX_VALUES
+  values, pay for it.
+- Columns are found after a failure, by ``jsonpos``, linear too.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
-from collections.abc import Iterator
 from typing import Any
+
+from batchgen.jobs import jsonpos
 
 MAX_DEPTH = 32  # objects/arrays nested inside each other
 MAX_INT_DIGITS = 20  # enough for any 64-bit value
+# Values (scalars, arrays, objects) and object keys in one line. Each costs at most
+# ~200 bytes parsed, so this bounds a line's tree to ~25 MB whatever its shape; a
+# 10,000-message chat with its metadata needs well under half of it.
+MAX_VALUES = 200_000
 
 
 class JSONLineError(ValueError):
@@ -28,7 +41,7 @@ class JSONLineError(ValueError):
 
 
 class _Reject(Exception):
-    """Raised inside a json hook; ``locate`` finds its column afterwards."""
+    """Raised inside a json hook; ``_located`` finds its column afterwards."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(detail)
@@ -67,158 +80,113 @@ def _float(text: str) -> float:
 _DECODER = json.JSONDecoder(
     object_pairs_hook=_pairs, parse_constant=_constant, parse_int=_int, parse_float=_float
 )
+_SCAN = _DECODER.scan_once  # type: ignore[attr-defined]
 
 
 def loads(text: str) -> Any:
     """Parse ``text`` strictly; raise JSONLineError(column, message)."""
-    if text.count("[") + text.count("{") > MAX_DEPTH:
-        _check_depth(text)
+    opens = text.count("[") + text.count("{")
+    if opens > MAX_DEPTH or (len(text) > MAX_VALUES and _may_have_too_many_values(text, opens)):
+        _check_shape(text)
     try:
-        return _DECODER.decode(text)
+        return _paused(text) if opens > MAX_DEPTH and gc.isenabled() else _value(text)
     except _Reject as reject:
         raise _located(text, reject) from None
     except json.JSONDecodeError as exc:
         raise JSONLineError(exc.colno, f"malformed JSON: {exc.msg}") from None
-    except RecursionError:  # pragma: no cover - _check_depth catches this first
-        raise JSONLineError(1, f"nested deeper than {MAX_DEPTH} levels") from None
+    except RecursionError:  # unbalanced brackets nested past the decoder's recursion limit
+        raise JSONLineError(max(jsonpos.too_deep_at(text, MAX_DEPTH), 0) + 1, _TOO_DEEP) from None
+
+
+def _value(text: str) -> Any:
+    """``_DECODER.decode(text)`` without its two Python calls and two regex matches,
+    a twentieth of a line's validation: the C scanner straight away."""
+    start = _SPACE.match(text).end() if text[:1] in " \t\r\n" else 0  # type: ignore[union-attr]
+    try:
+        value, end = _SCAN(text, start)
+    except StopIteration as stop:
+        raise json.JSONDecodeError("Expecting value", text, stop.value) from None
+    if end != len(text):
+        end = _SPACE.match(text, end).end()  # type: ignore[union-attr]
+        if end != len(text):
+            raise json.JSONDecodeError("Extra data", text, end)
+    return value
+
+
+def _paused(text: str) -> Any:
+    """``_value`` with the cyclic collector paused. Parsed values hold no cycles, but
+    each few hundred containers the decoder allocates start a collection that walks
+    young objects, and now and then the whole heap: in a big process, a line of
+    many containers would cost far more than its length."""
+    gc.disable()
+    try:
+        return _value(text)
+    finally:
+        gc.enable()
+
+
+def clip(text: str, limit: int = 60) -> str:
+    """``repr`` of user text for a message, cut to about ``limit`` characters."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
 
 
 def _located(text: str, reject: _Reject) -> JSONLineError:
     if reject.kind == "duplicate":
-        pos = _duplicate_key_pos(text, reject.detail)
-        return JSONLineError(pos + 1, f"duplicate key {reject.detail!r}")
+        pos = jsonpos.duplicate_key(text, reject.detail)
+        return JSONLineError(pos + 1, f"duplicate key {clip(reject.detail)}")
+    pos = jsonpos.first_scalar(text, reject.detail)
     if reject.kind == "constant":
-        pos = _first_token(text, lambda kind, tok: kind == "literal" and tok == reject.detail)
         return JSONLineError(pos + 1, f"{reject.detail} is not a valid JSON number")
     if reject.kind == "bigint":
-        pos = _first_token(text, lambda kind, tok: kind == "number" and tok == reject.detail)
         digits = len(reject.detail) - reject.detail.startswith("-")
         return JSONLineError(
             pos + 1, f"integer with {digits} digits (at most {MAX_INT_DIGITS} allowed)"
         )
-    pos = _first_token(text, lambda kind, tok: kind == "number" and tok == reject.detail)
     return JSONLineError(pos + 1, f"number {reject.detail[:40]} is out of range")
 
 
-# -- the slow lexer: positions only -------------------------------------------
+# -- shape checks: linear, at C speed ---------------------------------------------
 
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
-_LITERAL = re.compile(r"-?Infinity|NaN|true|false|null")
+_TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels"
+_TOO_MANY = f"more than {MAX_VALUES:,} JSON values and keys in one line"
+# On blanked text a string holds no backslash: one match, no backtracking state.
+# (An unterminated one runs to the end and stops the lexer.)
+_STRING = re.compile(r'"[^"]*"')
+_NO_SPACE = str.maketrans("", "", " \t\r\n")
+# every other ASCII character dropped, and one kind of bracket (depth is all that counts)
+_BRACKETS = str.maketrans("{}", "[]", "".join(chr(c) for c in range(128) if chr(c) not in "[]{}"))
 _SPACE = re.compile(r"[ \t\r\n]*")
 
 
-def tokens(text: str) -> Iterator[tuple[str, str, int]]:
-    """(kind, token, position) for each token; stops at anything unlexable."""
-    pos, end = 0, len(text)
-    while True:
-        pos = _SPACE.match(text, pos).end()  # type: ignore[union-attr]
-        if pos >= end:
+def _may_have_too_many_values(text: str, opens: int) -> bool:
+    """Cheap bound: values and keys <= 1 + commas + colons + opens, strings <= quotes / 2."""
+    marks = opens + text.count(",") + text.count(":")
+    return marks >= MAX_VALUES or text.count('"') > 2 * MAX_VALUES
+
+
+def _check_shape(text: str) -> None:
+    """Nesting depth and the count of values and keys, at C speed on the line's
+    skeleton: strings and spaces cut out, only structure and scalars left."""
+    blanked = jsonpos.blank_escapes(text)
+    if blanked.count('"') > 2 * MAX_VALUES + 2:
+        raise JSONLineError(1, _TOO_MANY)  # more strings than values and keys allowed
+    skeleton = _STRING.sub("", blanked).translate(_NO_SPACE)  # at most MAX_VALUES cuts
+    del blanked
+    if '"' in skeleton:
+        return  # an unterminated string: malformed, which the decoder reports
+    # each non-empty container holds one value more than it has commas
+    opens = skeleton.count("[") + skeleton.count("{")
+    empty = skeleton.count("[]") + skeleton.count("{}")
+    if 1 + skeleton.count(",") + skeleton.count(":") + opens - empty > MAX_VALUES:
+        raise JSONLineError(1, _TOO_MANY)
+    brackets = skeleton.translate(_BRACKETS)
+    for _ in range(MAX_DEPTH):  # each pass peels the innermost level
+        if not brackets:
             return
-        char = text[pos]
-        if char == '"':
-            match = _STRING.match(text, pos)
-            if match is None:
-                return
-            yield "string", match.group(), pos
-            pos = match.end()
-        elif char in "{}[],:":
-            yield "punct", char, pos
-            pos += 1
-        else:
-            match = _LITERAL.match(text, pos) or _NUMBER.match(text, pos)
-            if match is None:
-                return
-            kind = "number" if match.re is _NUMBER else "literal"
-            yield kind, match.group(), pos
-            pos = match.end()
-
-
-def _first_token(text: str, want) -> int:
-    for kind, tok, pos in tokens(text):
-        if want(kind, tok):
-            return pos
-    return 0
-
-
-def _check_depth(text: str) -> None:
-    depth = 0
-    for kind, tok, pos in tokens(text):
-        if kind != "punct":
-            continue
-        if tok in "[{":
-            depth += 1
-            if depth > MAX_DEPTH:
-                raise JSONLineError(pos + 1, f"nested deeper than {MAX_DEPTH} levels")
-        elif tok in "]}":
-            depth -= 1
-
-
-def _duplicate_key_pos(text: str, key: str) -> int:
-    stack: list[set[str] | None] = []  # a key set per open object, None per array
-    previous: tuple[str, str, int] | None = None
-    for kind, tok, pos in tokens(text):
-        if kind == "punct" and tok == "{":
-            stack.append(set())
-        elif kind == "punct" and tok == "[":
-            stack.append(None)
-        elif kind == "punct" and tok in "]}":
-            if stack:
-                stack.pop()
-        elif kind == "punct" and tok == ":" and previous and previous[0] == "string":
-            keys = stack[-1] if stack else None
-            name = json.loads(previous[1])
-            if keys is not None:
-                if name in keys and name == key:
-                    return previous[2]
-                keys.add(name)
-        previous = (kind, tok, pos)
-    return 0
-
-
-def value_position(text: str, path: tuple[str | int, ...], key: bool = False) -> int:
-    """Column (1-based) of the value at ``path`` (keys and list indices), or of its
-    key when ``key``; else of its deepest present ancestor. Only for text that
-    ``loads`` accepted."""
-    best = 0
-    for pos, key_pos, at in _values(text):
-        if at == path:
-            return (key_pos if key else pos) + 1
-        if path[: len(at)] == at:
-            best = max(best, pos)
-    return best + 1
-
-
-def _values(text: str) -> list[tuple[int, int, tuple[str | int, ...]]]:
-    """(position, key position, path) of the start of every value, in document order."""
-    toks = list(tokens(text))
-    out: list[tuple[int, int, tuple[str | int, ...]]] = []
-    i = 0
-
-    def value(path: tuple[str | int, ...], key_pos: int) -> None:
-        nonlocal i
-        kind, tok, pos = toks[i]
-        out.append((pos, key_pos, path))
-        i += 1
-        if kind != "punct":
-            return
-        close = "}" if tok == "{" else "]"
-        if toks[i][1] == close:
-            i += 1
-            return
-        index = 0
-        while True:
-            if tok == "{":
-                key, at = json.loads(toks[i][1]), toks[i][2]
-                i += 2  # the key and the colon
-                value((*path, key), at)
-            else:
-                value((*path, index), toks[i][2])
-                index += 1
-            sep = toks[i][1]
-            i += 1
-            if sep == close:
-                return
-
-    value((), 0)
-    return out
+        brackets = brackets.replace("[]", "")
+    # Too deep, or out of order. Unbalanced is malformed, which the decoder reports;
+    # balanced, the scan below costs at most the value count above.
+    if brackets and brackets.count("[") == brackets.count("]"):
+        at = jsonpos.too_deep_at(text, MAX_DEPTH)
+        if at >= 0:
+            raise JSONLineError(at + 1, _TOO_DEEP)

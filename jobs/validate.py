@@ -5,10 +5,22 @@ processes (``BATCHGEN_SUBMIT_PROCS``, default: the CPU count, at most 8): at
 80k lines/s a core, a 300M-line file would otherwise take an hour. The result
 does not depend on how the file was cut: line numbers are absolute, and the
 fingerprint is the sha256 of the entries in input order.
+
+Memory is bounded whatever the file holds. A line is read up to the line limit
+(the rest of a longer one is skipped in chunks, never held); parsing it costs at
+most ~12 times its size (UTF-8 text that Python must hold 4 bytes a character,
+the parsed prompt, the entry's encoding) plus ~20 MB for its values, which
+``strictjson.MAX_VALUES`` caps. Lines over BIG_LINE_BYTES are parsed one at a
+time across all processes; the others wait holding only their line's bytes. So
+at 8 processes and 8 MiB lines: one ~120 MB parse, seven of at most ~12 MB or a
+waiting 8 MiB line, and each process's interpreter.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import hashlib
 import itertools
 import multiprocessing
@@ -21,11 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchgen.jobs.inputs import MAX_LINE_BYTES, LineError, parse_line, read_lines
+from batchgen.jobs.inputs import parse_line
+from batchgen.jobs.lines import MAX_LINE_BYTES, LineError, read_lines
 
 SHOWN_ERRORS = 20
 PARALLEL_MIN_BYTES = 32 << 20  # below this, one process is quicker than starting more
 _COUNT_CHUNK = 8 << 20
+_SKIP_CHUNK = 1 << 20
+BIG_LINE_BYTES = 256 << 10  # parsed under _big_line_gate when processes share the work
+# Set in each validator process of a pool (a multiprocessing lock); None alone.
+_big_line_gate: Any = None
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 @dataclass(slots=True)
@@ -55,16 +73,31 @@ def _validate_range(
         src.seek(start)
         write = out.write
         for number, line in read_lines(src, max_line_bytes, first_number, end - start):
-            entry = line if isinstance(line, LineError) else parse_line(number, line, defaults)
+            if isinstance(line, LineError):
+                entry: bytes | LineError = line
+            elif _big_line_gate is None or len(line) <= BIG_LINE_BYTES:
+                entry = parse_line(number, line, defaults)
+            else:
+                with _big_line_gate:
+                    entry = parse_line(number, line, defaults)
             if isinstance(entry, LineError):
                 error_count += 1
                 if len(errors) < SHOWN_ERRORS:
                     errors.append(entry)
                 continue
-            write(entry)
-            write(b"\n")
+            write(entry + b"\n")
             total += 1
     return total, error_count, errors
+
+
+def _start_validator(gate: Any) -> None:
+    """Pool initializer: the shared big-line gate, and big blocks handed back to the
+    system when freed (glibc otherwise raises its mmap threshold to the largest block
+    freed and keeps up to twice that in each process after a big line)."""
+    global _big_line_gate
+    _big_line_gate = gate
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # not glibc: looser
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, 1 << 20)
 
 
 def _ranges(path: str, parts: int) -> list[tuple[int, int, int]]:
@@ -74,7 +107,8 @@ def _ranges(path: str, parts: int) -> list[tuple[int, int, int]]:
     with open(path, "rb") as f:
         for k in range(1, parts):
             f.seek(max(size * k // parts, cuts[-1]))
-            f.readline()  # on to the next line boundary (a long line: bounded reads)
+            while (skipped := f.readline(_SKIP_CHUNK)) and not skipped.endswith(b"\n"):
+                pass  # on to the next line boundary, a bounded read at a time
             cuts.append(f.tell())
         cuts.append(size)
         ranges, number = [], 1
@@ -85,9 +119,8 @@ def _ranges(path: str, parts: int) -> list[tuple[int, int, int]]:
             f.seek(start)
             remaining = end - start
             while remaining > 0:  # newlines in the range give the next range's first line
-                chunk = f.read(min(_COUNT_CHUNK, remaining))
-                remaining -= len(chunk)
-                number += chunk.count(b"\n")
+                number += f.read(min(_COUNT_CHUNK, remaining)).count(b"\n")  # one chunk held
+                remaining -= _COUNT_CHUNK
     return ranges
 
 
@@ -112,8 +145,15 @@ def validate_file(
         results = [_validate_range(*job) for job in jobs]
     else:
         context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-        with ProcessPoolExecutor(len(jobs), mp_context=context) as pool:
-            results = list(pool.map(_validate_range, *zip(*jobs)))
+        gate = context.Lock()
+        gc.freeze()  # forked validators' collections then leave the parent's pages shared
+        try:
+            with ProcessPoolExecutor(
+                len(jobs), mp_context=context, initializer=_start_validator, initargs=(gate,)
+            ) as pool:
+                results = list(pool.map(_validate_range, *zip(*jobs)))
+        finally:
+            gc.unfreeze()
     result = Validation(spools=spools)
     digest = hashlib.sha256()
     for (total, error_count, errors), spool in zip(results, spools):

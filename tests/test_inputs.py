@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import io
 import json
-import tracemalloc
 
 import pytest
 
-from batchgen.jobs.inputs import LineError, parse_line, read_lines
+from batchgen.jobs.inputs import LineError, parse_line
 from batchgen.jobs.params import DEFAULTS, ParamError, job_defaults
+from batchgen.jobs.strictjson import MAX_VALUES
 
 DEEP = "[" * 10_000 + "]" * 10_000
 HOSTILE = [
@@ -58,21 +57,66 @@ HOSTILE = [
      88, "unknown field 'body.logprobs'"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": ["x", "y"]}}',
      83, "prompt must be one string (one prompt per line)"),
+    # one level past the limit (the limit itself: NESTED_32 below)
+    ('{"prompt": "x", "metadata": {"a": ' + "[" * 31 + "]" * 31 + "}}", 65,
+     "nested deeper than 32 levels"),
+    # an escaped backslash, then text: the lone surrogate is the second one
+    ('{"prompt": "\\\\ud800 \\ud800"}', 21, "unpaired surrogate escape (not valid Unicode)"),
+    ('{"prompt": "x", "\\u0070rompt": "y"}', 17, "duplicate key 'prompt'"),
+    # siblings before the field hold brackets, quotes and backslashes in strings
+    ('{"prompt": "x", "metadata": {"a": "]}\\"{", "b": [{"c": "\\\\"}]}, "extra": 1}', 65,
+     "unknown field 'extra'"),
+    # user text in a message is cut (a key can be megabytes long)
+    ('{"prompt": "x", "' + "k" * 100 + '": 1}', 17, f"unknown field '{'k' * 60}'..."),
+    ('{"prompt": "x", "metadata": {"' + "k" * 100 + '": 1, "' + "k" * 100 + '": 2}}', 137,
+     f"duplicate key '{'k' * 60}'..."),
+    ('{"custom_id": "a", "method": "' + "P" * 100 + '", "url": "/v1/completions", "body": {}}', 30,
+     f'method must be "POST", got "{"P" * 59}'),
+    ('{"messages": [{"role": "user", "content": "x", "' + "n" * 100 + '": 1}]}', 48,
+     f"unknown message field '{'n' * 60}'..."),
 ]  # fmt: skip
+NESTED_32 = '{"prompt": "x", "metadata": {"a": ' + "[" * 30 + "]" * 30 + "}}"
+BRACKETS_IN_STRING = '{"prompt": "' + "[{" * 100 + '"}'
 
 
 @pytest.mark.parametrize(("line", "column", "message"), HOSTILE)
 def test_hostile_line_names_line_column_and_reason(line: str, column: int, message: str):
-    error = parse_line(7, line, DEFAULTS)
+    error = parse_line(7, line.encode(), DEFAULTS)
     assert isinstance(error, LineError)
     assert (error.line, error.column, error.message) == (7, column, message)
     assert str(error) == f"line 7, column {column}: {message}"
 
 
+@pytest.mark.parametrize("line", [NESTED_32, BRACKETS_IN_STRING])
+def test_nesting_at_the_limit_and_brackets_in_strings_are_accepted(line: str):
+    entry = parse_line(1, line.encode(), DEFAULTS)
+    assert isinstance(entry, bytes)
+    assert json.loads(entry)["p"] == json.loads(line)["prompt"]
+
+
+def test_values_and_keys_in_a_line_are_capped():
+    # 10 values and keys around the parts, 5 per part: exactly MAX_VALUES
+    parts = [{"type": "text", "text": "a"}] * ((MAX_VALUES - 10) // 5)
+    message = {"role": "user", "name": "n", "content": parts}
+    at_cap = json.dumps({"messages": [message]})
+    entry = parse_line(1, at_cap.encode(), DEFAULTS)
+    assert isinstance(entry, bytes)
+    assert json.loads(entry)["m"] == [{"role": "user", "content": "a" * len(parts), "name": "n"}]
+    over = json.dumps({"messages": [message], "stop": "x"})  # a key and a value more
+    error = parse_line(1, over.encode(), DEFAULTS)
+    assert str(error) == "line 1, column 1: more than 200,000 JSON values and keys in one line"
+
+
 def test_native_line_becomes_a_self_contained_entry():
     defaults = job_defaults({"max_tokens": 32, "temperature": 0.7, "stop": ("END",)})
     line = '{"id": 5, "prompt": "hi", "temperature": 0, "seed": 3, "metadata": {"k": [1]}}'
-    entry = json.loads(parse_line(1, line, defaults))  # type: ignore[arg-type]
+    raw = parse_line(1, line.encode(), defaults)
+    # the exact bytes: a job's fingerprint is their sha256, so they must never change
+    assert raw == (
+        b'{"id":"5","p":"hi","s":{"max_tokens":32,"temperature":0.0,"top_p":1.0,"top_k":0,'
+        b'"stop":["END"],"seed":3},"md":{"k":[1]}}'
+    )
+    entry = json.loads(raw)
     assert entry == {
         "id": "5",
         "p": "hi",
@@ -90,7 +134,7 @@ def test_openai_chat_line_maps_to_messages_and_custom_id():
             {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
         ], "max_completion_tokens": 9, "top_p": 0.5, "stop": "\n", "user": "u1"},
     })  # fmt: skip
-    entry = json.loads(parse_line(1, line, DEFAULTS))  # type: ignore[arg-type]
+    entry = json.loads(parse_line(1, line.encode(), DEFAULTS))  # type: ignore[arg-type]
     assert entry == {
         "id": "req-1",
         "m": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}],
@@ -100,45 +144,14 @@ def test_openai_chat_line_maps_to_messages_and_custom_id():
 
 def test_openai_completions_line_maps_to_prompt():
     line = '{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": 4}}'
-    entry = json.loads(parse_line(1, line, DEFAULTS))  # type: ignore[arg-type]
+    entry = json.loads(parse_line(1, line.encode(), DEFAULTS))  # type: ignore[arg-type]
     assert entry == {"id": "c", "p": "x", "s": {**DEFAULTS, "max_tokens": 4}}
 
 
-def test_bom_crlf_and_blank_lines_are_accepted_and_counted():
-    data = b'\xef\xbb\xbf{"prompt": "a"}\r\n\r\n   \n{"prompt": "b"}\r\n{"prompt": "c"}'
-    lines = list(read_lines(io.BytesIO(data)))
-    assert lines == [(1, '{"prompt": "a"}'), (4, '{"prompt": "b"}'), (5, '{"prompt": "c"}')]
-
-
 def test_invalid_utf8_names_its_column():
-    lines = list(read_lines(io.BytesIO(b'{"prompt": "ok"}\n{"prompt": "\xc3\xa9\xff"}\n')))
-    assert lines[0] == (1, '{"prompt": "ok"}')
-    number, error = lines[1]
+    error = parse_line(2, b'{"prompt": "\xc3\xa9\xff"}', DEFAULTS)
     assert isinstance(error, LineError)
-    assert (number, error.column, error.message) == (2, 14, "invalid UTF-8 (byte 0xff)")
-
-
-def test_a_50_mb_line_is_rejected_with_memory_bounded(tmp_path):
-    path = tmp_path / "big.jsonl"
-    with open(path, "wb") as f:
-        f.write(b'{"prompt": "first"}\n{"prompt": "')
-        for _ in range(50):
-            f.write(b"x" * (1 << 20))
-        f.write(b'"}\n{"prompt": "last"}\n')
-    tracemalloc.start()
-    with open(path, "rb") as f:
-        lines = list(read_lines(f, max_line_bytes=1 << 20))
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    assert peak < 8 << 20, peak  # never the whole 50 MB line
-    assert lines[0] == (1, '{"prompt": "first"}')
-    assert lines[2] == (3, '{"prompt": "last"}')
-    error = lines[1][1]
-    assert isinstance(error, LineError)
-    assert (
-        str(error)
-        == "line 2, column 1: line is 52,428,814 bytes, over the limit of 1,048,576 bytes"
-    )
+    assert (error.line, error.column, error.message) == (2, 14, "invalid UTF-8 (byte 0xff)")
 
 
 def test_job_defaults_from_flags_are_checked_with_the_flag_name():

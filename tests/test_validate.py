@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import pytest
 
 from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.validate import SpoolDir, _ranges, validate_file
+from batchgen.jobs.validate import BIG_LINE_BYTES, SpoolDir, _ranges, validate_file
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def test_parallel_validation_equals_sequential(messy):
     assert [e.line for e in one.errors] == [6, 43, 80, 117, 121, 154, 191, 228, 265]
     assert (
         str(one.errors[4])
-        == "line 121, column 1: line is 5,015 bytes, over the limit of 4,096 bytes"
+        == "line 121, column 1: line is 5,014 bytes, over the limit of 4,096 bytes"
     )
     assert one.total == 300 - 9 - 6  # minus errors and blank lines
 
@@ -56,3 +57,37 @@ def test_ranges_cut_at_line_boundaries_and_number_lines(tmp_path):
     # the third range would be empty
     assert _ranges(str(path), 3) == [(0, 9, 1), (9, 15, 4)]
     assert _ranges(str(path), 1) == [(0, len(data), 1)]
+
+
+def test_ranges_skip_a_long_line_in_bounded_reads(tmp_path):
+    path = tmp_path / "long.jsonl"
+    with open(path, "wb") as f:
+        f.write(b"a\n")
+        for _ in range(24):
+            f.write(b"x" * (1 << 20))
+        f.write(b"\nb\n")
+    tracemalloc.start()
+    ranges = _ranges(str(path), 4)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    # every cut falls in the long line and moves on past it: one range, then "b"
+    assert ranges == [(0, 2 + (24 << 20) + 1, 1), (2 + (24 << 20) + 1, path.stat().st_size, 3)]
+    assert peak < 10 << 20, peak  # never the rest of the line at once
+
+
+def test_big_lines_validated_in_parallel_equal_sequential(tmp_path):
+    # lines over BIG_LINE_BYTES are parsed one at a time across the processes
+    path = tmp_path / "big.jsonl"
+    prompt = "\U0001f600" + "x" * BIG_LINE_BYTES
+    with open(path, "w") as f:
+        for i in range(12):
+            line = {"id": i, "prompt": prompt} if i % 4 else {"id": i, "prompt": prompt, "x": 1}
+            f.write(json.dumps(line) + "\n")
+    with SpoolDir() as one_dir, SpoolDir() as many_dir:
+        one = validate_file(str(path), dict(DEFAULTS), one_dir, procs=1)
+        many = validate_file(str(path), dict(DEFAULTS), many_dir, procs=4)
+        assert len(many.spools) == 4
+        assert (many.total, many.error_count, many.sha256) == (one.total, 3, one.sha256)
+        assert [str(e) for e in many.errors] == [str(e) for e in one.errors]
+        assert [json.loads(e)["id"] for e in many.entries()] == [str(i) for i in range(12) if i % 4]
+    assert [e.line for e in one.errors] == [1, 5, 9]
