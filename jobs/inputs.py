@@ -1,6 +1,6 @@
 """Input lines -> self-contained queue entries, or an error naming line and column.
 
-Two line formats (DESIGN.md "Formats"):
+Two line formats (docs/pipeline.md, "Input lines"):
 
 - native: ``{"id"?, "prompt" | "messages", <sampling params>?, "metadata"?}``
 - OpenAI batch: ``{"custom_id", "method": "POST", "url", "body"}`` where ``url`` is

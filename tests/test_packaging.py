@@ -64,7 +64,7 @@ def test_generic_top_level_names_are_not_importable(tmp_path: Path):
 
 
 def test_control_plane_imports_without_torch(tmp_path: Path):
-    # jobs/ must never import torch or the worker (DESIGN.md)
+    # jobs/ must never import torch or the worker (docs/architecture.md)
     code = (
         "import sys, pkgutil, importlib, batchgen.jobs\n"
         "for m in pkgutil.walk_packages(batchgen.jobs.__path__, 'batchgen.jobs.'):\n"
