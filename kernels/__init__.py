@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.kernels import reference
+from batchgen.kernels.batch import AttentionBatch, StepAttention
+from batchgen.kernels.cpu_attention import CpuAttention
 from batchgen.kernels.reference import PAD_SLOT_ID
 
 
@@ -26,6 +28,8 @@ class KernelOps:
     store_kv: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
+    # (batch, k_cache, v_cache, num_heads, scale) -> what every layer of the step calls
+    attention: Callable[..., StepAttention]
 
 
 REFERENCE_OPS = KernelOps(
@@ -37,6 +41,7 @@ REFERENCE_OPS = KernelOps(
     store_kv=reference.store_kv,
     paged_decode_attention=reference.paged_decode_attention,
     paged_prefill_attention=reference.paged_prefill_attention,
+    attention=CpuAttention,
 )
 
 
@@ -56,4 +61,11 @@ def select_ops(device: torch.device, use_triton: bool | None = None) -> KernelOp
     return TRITON_OPS
 
 
-__all__ = ["PAD_SLOT_ID", "REFERENCE_OPS", "KernelOps", "select_ops"]
+__all__ = [
+    "PAD_SLOT_ID",
+    "REFERENCE_OPS",
+    "AttentionBatch",
+    "KernelOps",
+    "StepAttention",
+    "select_ops",
+]

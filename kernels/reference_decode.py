@@ -6,10 +6,9 @@ those of ``reference.py``.
 
 Gathering each row's blocks and SDPA over them are memory-bound; what is
 left is deciding how to cut the batch, and that is the same for every layer
-of a step. So the first layer builds a ``_DecodePlan`` (row groups, flat block
-ids to gather, additive masks) and the other layers of the step reuse it: the
-plan is kept for the last (block_tables, context_lens) pair seen, while
-neither tensor is modified in place.
+of a step. So ``plan_decode`` builds a ``DecodePlan`` (row groups, flat block
+ids to gather, additive masks) once per step and every layer runs it with
+``run_decode``.
 
 How the batch is cut:
 - rows that all start with the same blocks (a shared prompt prefix) run as a
@@ -22,7 +21,6 @@ How the batch is cut:
 from __future__ import annotations
 
 import itertools
-import threading
 from collections import Counter
 from dataclasses import dataclass
 
@@ -51,18 +49,9 @@ class _Cascade:
 
 
 @dataclass(slots=True)
-class _DecodePlan:
+class DecodePlan:
     parts: list[_Group | _Cascade]
     empty_rows: torch.Tensor | None  # (num_seqs,) bool: context 0, output zeros
-
-
-class _PlanCache(threading.local):
-    tensors: tuple[torch.Tensor, ...] = ()
-    key: tuple | None = None
-    plan: _DecodePlan | None = None
-
-
-_last_plan = _PlanCache()
 
 
 def paged_decode_attention(
@@ -79,7 +68,14 @@ def paged_decode_attention(
     output is zeros). Returns (num_seqs, num_heads, head_dim)."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    plan = _plan_for(block_tables, context_lens, k_cache.shape[1], q.dtype)
+    plan = plan_decode(block_tables, context_lens, k_cache.shape[1], q.dtype)
+    return run_decode(plan, q, k_cache, v_cache, scale)
+
+
+def run_decode(
+    plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One layer's decode attention, cut as ``plan`` says; q (num_seqs, num_heads, head_dim)."""
     if len(plan.parts) == 1 and isinstance(plan.parts[0].rows, slice):
         out = _run_part(plan.parts[0], q, k_cache, v_cache, scale)
     else:
@@ -92,37 +88,21 @@ def paged_decode_attention(
     return out
 
 
-def _plan_for(
+def plan_decode(
     block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype
-) -> _DecodePlan:
-    # the cache holds the tensors themselves, so their identity cannot be reused;
-    # their version counters say whether they were written in place since
-    tensors = (block_tables, context_lens)
-    key = (block_tables._version, context_lens._version, block_size, dtype)
-    if (
-        _last_plan.plan is not None
-        and all(a is b for a, b in zip(_last_plan.tensors, tensors))
-        and _last_plan.key == key
-    ):
-        return _last_plan.plan
-    plan = _make_plan(block_tables, context_lens.tolist(), block_size, dtype)
-    _last_plan.tensors, _last_plan.key, _last_plan.plan = tensors, key, plan
-    return plan
-
-
-def _make_plan(
-    block_tables: torch.Tensor, lengths: list[int], block_size: int, dtype: torch.dtype
-) -> _DecodePlan:
+) -> DecodePlan:
+    """How to cut a step's decode rows (the same for every layer of the step)."""
+    lengths = context_lens.tolist()
     device = block_tables.device
     empty = torch.tensor([n == 0 for n in lengths], device=device) if 0 in lengths else None
     num_seqs = len(lengths)
     rows, shared = _rows_sharing_a_prefix(block_tables, lengths, block_size)
     if not shared:
-        return _DecodePlan(list(_groups(block_tables, lengths, block_size, dtype)), empty)
+        return DecodePlan(list(_groups(block_tables, lengths, block_size, dtype)), empty)
     cascade = _cascade(block_tables, lengths, block_size, dtype, rows, shared)
     if len(rows) == num_seqs:
         cascade.rows = slice(0, num_seqs)
-        return _DecodePlan([cascade], empty)
+        return DecodePlan([cascade], empty)
     taken = set(rows)
     rest = [i for i in range(num_seqs) if i not in taken]
     idx = torch.tensor(rest, device=device)
@@ -130,7 +110,7 @@ def _make_plan(
         block_tables[idx], [lengths[i] for i in rest], block_size, dtype, idx,
         max(lengths[i] for i in rest),
     )  # fmt: skip
-    return _DecodePlan([cascade, group], empty)
+    return DecodePlan([cascade, group], empty)
 
 
 def _groups(

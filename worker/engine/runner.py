@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchgen.kernels import AttentionBatch
 from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
 from batchgen.worker.engine.request import Request
 from batchgen.worker.engine.sampler import Sampler, SampleResult
 from batchgen.worker.engine.scheduler import SchedulerPlan
-from batchgen.worker.models.attention import AttentionBatch
 from batchgen.worker.models.llama import LlamaModel
 
 

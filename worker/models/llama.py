@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import KernelOps
-from batchgen.worker.models.attention import AttentionBatch, paged_attention
+from batchgen.kernels import AttentionBatch, KernelOps
 from batchgen.worker.models.config import ModelConfig
 from batchgen.worker.models.rope import rope_tables
 from batchgen.worker.models.weights import ModelWeights
@@ -47,6 +46,8 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, w.embed)  # (T, hidden)
+        # planned once: every layer attends over the same sequences
+        attention = ops.attention(batch, *kv_caches[0], cfg.num_heads, self.scale)
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(w.layers, kv_caches):
             if residual is None:
@@ -63,7 +64,7 @@ class LlamaModel:
                 q = ops.rms_norm(q.reshape(-1, cfg.head_dim), layer.q_norm, eps).view_as(q)
                 k = ops.rms_norm(k.reshape(-1, cfg.head_dim), layer.k_norm, eps).view_as(k)
             q, k = ops.apply_rotary(q, k, positions, self.cos, self.sin)
-            attn = paged_attention(ops, q, k, v, k_cache, v_cache, batch, self.scale)
+            attn = attention(q, k, v, k_cache, v_cache)
             hidden = F.linear(attn.reshape(num_tokens, self.q_size), layer.o_proj)
             x, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
             hidden = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
