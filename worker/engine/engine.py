@@ -40,6 +40,7 @@ class EngineStats:
     kv_usage: float  # used blocks / all blocks
     num_running: int
     num_waiting: int
+    cuda_graph_replays: int  # decode steps replayed from a captured CUDA graph
 
 
 @dataclass(slots=True)
@@ -302,6 +303,7 @@ class Engine:
             kv_usage=bm.num_used_blocks / bm.num_blocks,
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting + len(self._parked),
+            cuda_graph_replays=self.runner.num_graph_replays,
         )
 
     # -- batch API --------------------------------------------------------------
