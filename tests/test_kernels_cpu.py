@@ -1,4 +1,5 @@
-"""The pure-torch ops (the CPU path and the kernels' oracle) against naive dense math."""
+"""The CPU path against the plain versions: attention against ``dense.py`` (itself
+checked against a loop over heads and positions), the other ops against naive math."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import math
 import pytest
 import torch
 
+from batchgen.kernels import cpu_attention, cpu_decode, dense
 from batchgen.kernels import reference as ref
-from batchgen.kernels import reference_decode as ref_decode
 
 
-def _dense_attention(q, k, v, scale):
+def _attention_by_loops(q, k, v, scale):
     """q (q_len, H, D) at the last q_len positions of k/v (ctx, Hk, D), causal."""
     q_len, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
@@ -26,6 +27,14 @@ def _dense_attention(q, k, v, scale):
     return out
 
 
+@pytest.mark.parametrize("q_len,ctx", [(1, 1), (1, 40), (5, 5), (7, 30)])
+def test_the_oracle_is_attention_by_loops(q_len, ctx):
+    gen = torch.Generator().manual_seed(q_len * 100 + ctx)
+    q = torch.randn(q_len, 6, 16, generator=gen)
+    k, v = torch.randn(ctx, 2, 16, generator=gen), torch.randn(ctx, 2, 16, generator=gen)
+    torch.testing.assert_close(dense.attend(q, k, v, 0.3), _attention_by_loops(q, k, v, 0.3))
+
+
 def _paged(contexts, num_kv_heads, head_dim, block_size, seed=0):
     """Random K/V for each sequence, scattered into shuffled blocks of a pool."""
     gen = torch.Generator().manual_seed(seed)
@@ -36,15 +45,15 @@ def _paged(contexts, num_kv_heads, head_dim, block_size, seed=0):
     v_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen)
     width = max(blocks_needed)
     tables = torch.zeros(len(contexts), width, dtype=torch.int32)
-    dense = []
+    rows_kv = []
     for i, (ctx, nb) in enumerate(zip(contexts, blocks_needed)):
         ids = [perm.pop() for _ in range(nb)]
         tables[i, :nb] = torch.tensor(ids)
         tables[i, nb:] = ids[-1]  # tail padded with the sequence's own last block
         k = k_cache[ids].flatten(0, 1)[:ctx]
         v = v_cache[ids].flatten(0, 1)[:ctx]
-        dense.append((k, v))
-    return k_cache, v_cache, tables, dense
+        rows_kv.append((k, v))
+    return k_cache, v_cache, tables, rows_kv
 
 
 def _dense_of(k_cache, v_cache, tables, contexts):
@@ -56,10 +65,10 @@ def _dense_of(k_cache, v_cache, tables, contexts):
     return out
 
 
-def _assert_decode_rows_match_dense(out, q, dense, scale):
+def _assert_decode_rows_match_dense(out, q, rows_kv, scale):
     """Row i of a decode equals dense attention of q[i] over its own K/V."""
-    for i, (k, v) in enumerate(dense):
-        expected = _dense_attention(q[i : i + 1], k, v, scale)
+    for i, (k, v) in enumerate(rows_kv):
+        expected = dense.attend(q[i : i + 1], k, v, scale)
         torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
 
 
@@ -68,13 +77,13 @@ def _assert_decode_rows_match_dense(out, q, dense, scale):
 def test_decode_matches_dense(num_heads, num_kv_heads, block_size):
     contexts = [1, 15, 16, 17, 33, 70]
     head_dim = 32
-    k_cache, v_cache, tables, dense = _paged(contexts, num_kv_heads, head_dim, block_size)
+    k_cache, v_cache, tables, rows_kv = _paged(contexts, num_kv_heads, head_dim, block_size)
     q = torch.randn(len(contexts), num_heads, head_dim)
     scale = 1 / math.sqrt(head_dim)
-    out = ref.paged_decode_attention(
+    out = cpu_decode.paged_decode_attention(
         q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), scale, max(contexts)
     )
-    _assert_decode_rows_match_dense(out, q, dense, scale)
+    _assert_decode_rows_match_dense(out, q, rows_kv, scale)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 3)])
@@ -82,18 +91,18 @@ def test_prefill_matches_dense_with_cached_prefix(num_heads, num_kv_heads):
     contexts = [5, 16, 40, 33]
     q_lens = [5, 3, 17, 1]  # full prompt, chunk after a prefix hit, long chunk, decode
     head_dim, block_size = 16, 16
-    k_cache, v_cache, tables, dense = _paged(contexts, num_kv_heads, head_dim, block_size)
+    k_cache, v_cache, tables, rows_kv = _paged(contexts, num_kv_heads, head_dim, block_size)
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], num_heads, head_dim)
-    out = ref.paged_prefill_attention(
+    out = cpu_attention.paged_prefill_attention(
         q, k_cache, v_cache, tables,
         torch.tensor(contexts, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
         0.25, max(q_lens), max(contexts),
     )  # fmt: skip
-    for i, (k, v) in enumerate(dense):
-        expected = _dense_attention(q[starts[i] : starts[i + 1]], k, v, 0.25)
+    for i, (k, v) in enumerate(rows_kv):
+        expected = dense.attend(q[starts[i] : starts[i + 1]], k, v, 0.25)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, atol=1e-5, rtol=1e-5)
 
 
@@ -143,35 +152,35 @@ def test_norms_and_activation():
 
 def test_decode_in_length_groups_matches_dense():
     contexts = sorted([3, 200, 17, 150, 40, 90, 5, 260, 64, 33, 120, 8], reverse=True)
-    assert len(ref_decode._length_groups(contexts)) > 1  # the grouped path is the one under test
+    assert len(cpu_decode._length_groups(contexts)) > 1  # the grouped path is the one under test
     head_dim, block_size = 16, 16
-    k_cache, v_cache, tables, dense = _paged(contexts, 2, head_dim, block_size, seed=3)
+    k_cache, v_cache, tables, rows_kv = _paged(contexts, 2, head_dim, block_size, seed=3)
     q = torch.randn(len(contexts), 4, head_dim)
-    out = ref.paged_decode_attention(
+    out = cpu_decode.paged_decode_attention(
         q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.25, max(contexts)
     )
-    _assert_decode_rows_match_dense(out, q, dense, 0.25)
+    _assert_decode_rows_match_dense(out, q, rows_kv, 0.25)
 
 
 def test_length_groups_are_contiguous_ranges_of_sorted_rows():
     lengths = [800, 700, 650, 400, 390, 30, 25, 20, 10, 5]
-    groups = ref_decode._length_groups(lengths)
+    groups = cpu_decode._length_groups(lengths)
     assert groups == [(0, 4), (4, 5), (5, 10)]
-    assert ref_decode._length_groups([5, 800, 10]) == [(0, 3)]  # unsorted: one padded group
-    assert ref_decode._length_groups([100] * 8) == [(0, 8)]
+    assert cpu_decode._length_groups([5, 800, 10]) == [(0, 3)]  # unsorted: one padded group
+    assert cpu_decode._length_groups([100] * 8) == [(0, 8)]
 
 
 def test_decode_padding_row_with_no_context_yields_zeros():
     # CUDA-graph batches are padded with rows of context 0; their softmax over
-    # nothing used to be NaN. The Triton kernel writes zeros; so does the reference.
-    k_cache, v_cache, tables, dense = _paged([17, 3], 2, 16, 16)
+    # nothing used to be NaN. The Triton kernel writes zeros; so does the CPU path.
+    k_cache, v_cache, tables, rows_kv = _paged([17, 3], 2, 16, 16)
     q = torch.randn(2, 4, 16)
-    out = ref.paged_decode_attention(
+    out = cpu_decode.paged_decode_attention(
         q, k_cache, v_cache, tables, torch.tensor([17, 0], dtype=torch.int32), 0.25, 17
     )
     assert torch.equal(out[1], torch.zeros(4, 16))
-    k, v = dense[0]
-    torch.testing.assert_close(out[:1], _dense_attention(q[:1], k, v, 0.25))
+    k, v = rows_kv[0]
+    torch.testing.assert_close(out[:1], dense.attend(q[:1], k, v, 0.25))
 
 
 def test_decode_with_a_prefix_shared_by_every_row_matches_dense():
@@ -184,20 +193,20 @@ def test_decode_with_a_prefix_shared_by_every_row_matches_dense():
     shared = [7, 30, 2]
     own = [[11, 12], [13], [14], [15, 16]]
     tables = torch.tensor([shared + o + [o[-1]] * (2 - len(o)) for o in own], dtype=torch.int32)
-    assert ref_decode._shared_prefix_blocks(tables, (min(contexts) - 1) // block_size) == 3
+    assert cpu_decode._shared_prefix_blocks(tables, (min(contexts) - 1) // block_size) == 3
     q = torch.randn(4, 4, head_dim, generator=gen)
-    out = ref.paged_decode_attention(
+    out = cpu_decode.paged_decode_attention(
         q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.3, max(contexts)
     )
-    dense = _dense_of(k_cache, v_cache, tables, contexts)
-    _assert_decode_rows_match_dense(out, q, dense, 0.3)
+    rows_kv = _dense_of(k_cache, v_cache, tables, contexts)
+    _assert_decode_rows_match_dense(out, q, rows_kv, 0.3)
 
 
 def test_shared_prefix_needs_every_row_and_a_token_of_suffix():
     tables = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 5, 6]], dtype=torch.int32)
-    assert ref_decode._shared_prefix_blocks(tables, 2) == 1
-    assert ref_decode._shared_prefix_blocks(tables, 0) == 0
-    assert ref_decode._shared_prefix_blocks(tables[:1], 2) == 0  # one row: nothing to share
+    assert cpu_decode._shared_prefix_blocks(tables, 2) == 1
+    assert cpu_decode._shared_prefix_blocks(tables, 0) == 0
+    assert cpu_decode._shared_prefix_blocks(tables[:1], 2) == 0  # one row: nothing to share
 
 
 def test_decode_with_a_prefix_shared_by_some_rows_matches_dense():
@@ -209,10 +218,10 @@ def test_decode_with_a_prefix_shared_by_some_rows_matches_dense():
         [[7, 30, 11], [9, 10, 20], [7, 30, 13], [21, 22, 23], [7, 30, 15]], dtype=torch.int32
     )
     contexts = [45, 44, 40, 39, 33]
-    assert ref_decode._rows_sharing_a_prefix(tables, contexts, block_size) == ([0, 2, 4], 2)
+    assert cpu_decode._rows_sharing_a_prefix(tables, contexts, block_size) == ([0, 2, 4], 2)
     q = torch.randn(5, 4, head_dim, generator=gen)
-    out = ref.paged_decode_attention(
+    out = cpu_decode.paged_decode_attention(
         q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.3, 45
     )
-    dense = _dense_of(k_cache, v_cache, tables, contexts)
-    _assert_decode_rows_match_dense(out, q, dense, 0.3)
+    rows_kv = _dense_of(k_cache, v_cache, tables, contexts)
+    _assert_decode_rows_match_dense(out, q, rows_kv, 0.3)

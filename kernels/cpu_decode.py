@@ -1,8 +1,7 @@
-"""Pure-torch paged decode attention: one query token per sequence.
+"""The CPU path's paged decode attention: one query token per sequence.
 
-The CPU path of the engine and the oracle of the Triton decode kernel (same
-signature as ``batchgen.kernels.triton.paged_decode_attention``). Layouts are
-those of ``reference.py``.
+Same signature as the Triton kernel and the oracle (``dense.py``), which its
+tests compare it with. Layouts are those of ``reference.py``.
 
 Gathering each row's blocks and SDPA over them are memory-bound; what is
 left is deciding how to cut the batch, and that is the same for every layer
