@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels.batch import AttentionBatch
-from batchgen.kernels.cpu_decode import plan_decode, run_decode
+from batchgen.kernels.cpu_decode import plan_decode
 from batchgen.kernels.reference import store_kv
 
 
@@ -28,10 +28,7 @@ class CpuAttention:
         self.decode_plan = None
         if batch.num_decode_tokens:
             self.decode_plan = plan_decode(
-                batch.decode_block_tables,
-                batch.decode_context_lens,
-                k_cache.shape[1],
-                k_cache.dtype,
+                batch.decode_block_tables, batch.decode_context_lens, k_cache, v_cache
             )
 
     def __call__(
@@ -47,7 +44,7 @@ class CpuAttention:
         nd = b.num_decode_tokens
         parts = []
         if self.decode_plan is not None:
-            parts.append(run_decode(self.decode_plan, q[:nd], k_cache, v_cache, self.scale))
+            parts.append(self.decode_plan(q[:nd], k_cache, v_cache, self.scale))
         if q.shape[0] > nd:
             out = paged_prefill_attention(
                 q[nd:], k_cache, v_cache, b.prefill_block_tables, b.prefill_context_lens,

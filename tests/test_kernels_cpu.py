@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from batchgen.kernels import cpu_attention, cpu_decode, dense
+from batchgen.kernels import cpu_attention, cpu_decode, cpu_decode_kernel, dense
 from batchgen.kernels import reference as ref
+from batchgen.kernels.cpu_decode_kernel import KernelDecode
 
 
 def _attention_by_loops(q, k, v, scale):
@@ -72,18 +73,65 @@ def _assert_decode_rows_match_dense(out, q, rows_kv, scale):
         torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
 
 
+def _decode(path, q, k_cache, v_cache, tables, contexts, scale):
+    """The CPU decode of one layer along ``path`` ("kernel" or "torch"), proven to be taken."""
+    if path == "kernel" and cpu_decode_kernel._compiler() is None:
+        pytest.skip("no C compiler on this machine: the torch path is the CPU path")
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    plan = cpu_decode.plan_decode(tables, lens, k_cache, v_cache, use_kernel=path == "kernel")
+    assert isinstance(plan, KernelDecode if path == "kernel" else cpu_decode.TorchDecode)
+    return plan(q, k_cache, v_cache, scale)
+
+
+PATHS = ["kernel", "torch"]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 3), (8, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_decode_matches_dense(num_heads, num_kv_heads, block_size):
-    contexts = [1, 15, 16, 17, 33, 70]
+def test_decode_matches_dense(path, num_heads, num_kv_heads, block_size):
+    contexts = [70, 33, 17, 16, 15, 1]  # longest first, as the scheduler orders decodes
     head_dim = 32
     k_cache, v_cache, tables, rows_kv = _paged(contexts, num_kv_heads, head_dim, block_size)
-    q = torch.randn(len(contexts), num_heads, head_dim)
+    # q as the engine passes it: a view of the fused q/k/v projection
+    qkv = torch.randn(len(contexts), (num_heads + 2 * num_kv_heads) * head_dim)
+    q = qkv[:, : num_heads * head_dim].view(len(contexts), num_heads, head_dim)
     scale = 1 / math.sqrt(head_dim)
-    out = cpu_decode.paged_decode_attention(
-        q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), scale, max(contexts)
-    )
+    out = _decode(path, q, k_cache, v_cache, tables, contexts, scale)
     _assert_decode_rows_match_dense(out, q, rows_kv, scale)
+
+
+def test_paged_decode_attention_takes_the_kernel_for_fp32_and_torch_for_bf16():
+    contexts = [40, 17, 3]
+    k_cache, v_cache, tables, rows_kv = _paged(contexts, 2, 16, 16, seed=4)
+    q = torch.randn(3, 4, 16)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    out = cpu_decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 40)
+    _assert_decode_rows_match_dense(out, q, rows_kv, 0.25)
+    half = cpu_decode.paged_decode_attention(
+        q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.25, 40
+    )
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), out, atol=3e-2, rtol=2e-2)
+
+
+def test_the_kernel_compiles_where_there_is_a_compiler():
+    if cpu_decode_kernel._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    assert cpu_decode_kernel.load() is not None
+
+
+def test_the_kernel_refuses_block_ids_and_lengths_it_cannot_read():
+    if cpu_decode_kernel.load() is None:
+        pytest.skip("no C kernel on this machine")
+    k_cache, v_cache, tables, _ = _paged([40, 17], 2, 16, 16)
+    lens = torch.tensor([40, 17], dtype=torch.int32)
+    outside = tables.clone()
+    outside[1, 0] = k_cache.shape[0]  # one past the pool
+    with pytest.raises(ValueError, match="block ids must be in"):
+        cpu_decode.plan_decode(outside, lens, k_cache, v_cache)
+    with pytest.raises(ValueError, match="context lengths must be in"):
+        cpu_decode.plan_decode(tables, torch.tensor([40, 200], dtype=torch.int32), k_cache, v_cache)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 3)])
@@ -156,9 +204,7 @@ def test_decode_in_length_groups_matches_dense():
     head_dim, block_size = 16, 16
     k_cache, v_cache, tables, rows_kv = _paged(contexts, 2, head_dim, block_size, seed=3)
     q = torch.randn(len(contexts), 4, head_dim)
-    out = cpu_decode.paged_decode_attention(
-        q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.25, max(contexts)
-    )
+    out = _decode("torch", q, k_cache, v_cache, tables, contexts, 0.25)
     _assert_decode_rows_match_dense(out, q, rows_kv, 0.25)
 
 
@@ -170,46 +216,21 @@ def test_length_groups_are_contiguous_ranges_of_sorted_rows():
     assert cpu_decode._length_groups([100] * 8) == [(0, 8)]
 
 
-def test_decode_padding_row_with_no_context_yields_zeros():
+@pytest.mark.parametrize("path", PATHS)
+def test_decode_padding_row_with_no_context_yields_zeros(path):
     # CUDA-graph batches are padded with rows of context 0; their softmax over
     # nothing used to be NaN. The Triton kernel writes zeros; so does the CPU path.
     k_cache, v_cache, tables, rows_kv = _paged([17, 3], 2, 16, 16)
     q = torch.randn(2, 4, 16)
-    out = cpu_decode.paged_decode_attention(
-        q, k_cache, v_cache, tables, torch.tensor([17, 0], dtype=torch.int32), 0.25, 17
-    )
+    out = _decode(path, q, k_cache, v_cache, tables, [17, 0], 0.25)
     assert torch.equal(out[1], torch.zeros(4, 16))
     k, v = rows_kv[0]
     torch.testing.assert_close(out[:1], dense.attend(q[:1], k, v, 0.25))
 
 
-def test_decode_with_a_prefix_shared_by_every_row_matches_dense():
-    # rows 0..3 share their first 3 blocks (a common 48-token prompt prefix)
-    block_size, head_dim, num_kv_heads = 16, 16, 2
-    contexts = [70, 64, 49, 55]
-    gen = torch.Generator().manual_seed(5)
-    k_cache = torch.randn(40, block_size, num_kv_heads, head_dim, generator=gen)
-    v_cache = torch.randn(40, block_size, num_kv_heads, head_dim, generator=gen)
-    shared = [7, 30, 2]
-    own = [[11, 12], [13], [14], [15, 16]]
-    tables = torch.tensor([shared + o + [o[-1]] * (2 - len(o)) for o in own], dtype=torch.int32)
-    assert cpu_decode._shared_prefix_blocks(tables, (min(contexts) - 1) // block_size) == 3
-    q = torch.randn(4, 4, head_dim, generator=gen)
-    out = cpu_decode.paged_decode_attention(
-        q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.3, max(contexts)
-    )
-    rows_kv = _dense_of(k_cache, v_cache, tables, contexts)
-    _assert_decode_rows_match_dense(out, q, rows_kv, 0.3)
-
-
-def test_shared_prefix_needs_every_row_and_a_token_of_suffix():
-    tables = torch.tensor([[1, 2, 3], [1, 2, 4], [1, 5, 6]], dtype=torch.int32)
-    assert cpu_decode._shared_prefix_blocks(tables, 2) == 1
-    assert cpu_decode._shared_prefix_blocks(tables, 0) == 0
-    assert cpu_decode._shared_prefix_blocks(tables[:1], 2) == 0  # one row: nothing to share
-
-
-def test_decode_with_a_prefix_shared_by_some_rows_matches_dense():
+@pytest.mark.parametrize("path", PATHS)
+def test_decode_of_rows_sharing_prefix_blocks_matches_dense(path):
+    # rows 0, 2 and 4 share their first 2 blocks (a prefix-cache hit), the others not
     block_size, head_dim = 16, 16
     gen = torch.Generator().manual_seed(6)
     k_cache = torch.randn(40, block_size, 2, head_dim, generator=gen)
@@ -218,10 +239,7 @@ def test_decode_with_a_prefix_shared_by_some_rows_matches_dense():
         [[7, 30, 11], [9, 10, 20], [7, 30, 13], [21, 22, 23], [7, 30, 15]], dtype=torch.int32
     )
     contexts = [45, 44, 40, 39, 33]
-    assert cpu_decode._rows_sharing_a_prefix(tables, contexts, block_size) == ([0, 2, 4], 2)
     q = torch.randn(5, 4, head_dim, generator=gen)
-    out = cpu_decode.paged_decode_attention(
-        q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), 0.3, 45
-    )
+    out = _decode(path, q, k_cache, v_cache, tables, contexts, 0.3)
     rows_kv = _dense_of(k_cache, v_cache, tables, contexts)
     _assert_decode_rows_match_dense(out, q, rows_kv, 0.3)
