@@ -60,9 +60,6 @@ class JobKeys:
     parts: str
     errors: str
 
-    def all(self) -> tuple[str, str, str, str]:
-        return (self.job, self.done, self.parts, self.errors)
-
 
 @dataclass(slots=True, frozen=True)
 class QueueKeys:

@@ -81,7 +81,8 @@ def test_siblings_reuse_the_first_samples_prompt_blocks(toy_model):
     engine.add_request("x", prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=1, n=3))
     engine.step()  # prefill of the first sample
     engine.step()  # siblings admitted with its 4 full blocks
-    first, second, third = engine._requests["x"]
+    samples = {r.request_id: r for r in engine.scheduler.running}
+    first, second, third = (samples[f"x#{i}"] for i in range(3))
     assert second.num_cached_tokens == third.num_cached_tokens == 64
     assert second.block_table[:4] == first.block_table[:4] == third.block_table[:4]
     assert [engine.block_manager.blocks[b].ref_count for b in first.block_table[:4]] == [3] * 4

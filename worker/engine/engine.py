@@ -282,10 +282,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._requests)
-
     def free_capacity(self) -> int:
         """How many more requests to add now to keep the in-flight set full: a
         running batch of max_num_seqs plus a short queue behind it."""
