@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels import cpu_attention, cpu_decode, reference
+from batchgen.kernels import cpu_attention, cpu_decode, cpu_elementwise, reference
 from batchgen.kernels.batch import AttentionBatch, StepAttention
 from batchgen.kernels.reference import PAD_SLOT_ID
 
@@ -35,10 +35,10 @@ class KernelOps:
 
 CPU_OPS = KernelOps(
     name="cpu",
-    rms_norm=reference.rms_norm,
-    fused_add_rms_norm=reference.fused_add_rms_norm,
+    rms_norm=cpu_elementwise.rms_norm,
+    fused_add_rms_norm=cpu_elementwise.fused_add_rms_norm,
     silu_and_mul=reference.silu_and_mul,
-    apply_rotary=reference.apply_rotary,
+    apply_rotary=cpu_elementwise.apply_rotary,
     store_kv=reference.store_kv,
     paged_decode_attention=cpu_decode.paged_decode_attention,
     paged_prefill_attention=cpu_attention.paged_prefill_attention,

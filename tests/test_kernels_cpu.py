@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from batchgen.kernels import cpu_attention, cpu_decode, cpu_decode_kernel, dense
+from batchgen.kernels import cpu_attention, cpu_decode, cpu_elementwise, cpu_native, dense
 from batchgen.kernels import reference as ref
 from batchgen.kernels.cpu_decode_kernel import KernelDecode
 
@@ -75,7 +75,7 @@ def _assert_decode_rows_match_dense(out, q, rows_kv, scale):
 
 def _decode(path, q, k_cache, v_cache, tables, contexts, scale):
     """The CPU decode of one layer along ``path`` ("kernel" or "torch"), proven to be taken."""
-    if path == "kernel" and cpu_decode_kernel._compiler() is None:
+    if path == "kernel" and cpu_native._compiler() is None:
         pytest.skip("no C compiler on this machine: the torch path is the CPU path")
     lens = torch.tensor(contexts, dtype=torch.int32)
     plan = cpu_decode.plan_decode(tables, lens, k_cache, v_cache, use_kernel=path == "kernel")
@@ -116,13 +116,13 @@ def test_paged_decode_attention_takes_the_kernel_for_fp32_and_torch_for_bf16():
 
 
 def test_the_kernel_compiles_where_there_is_a_compiler():
-    if cpu_decode_kernel._compiler() is None:
+    if cpu_native._compiler() is None:
         pytest.skip("no C compiler on this machine")
-    assert cpu_decode_kernel.load() is not None
+    assert cpu_native.load() is not None
 
 
 def test_the_kernel_refuses_block_ids_and_lengths_it_cannot_read():
-    if cpu_decode_kernel.load() is None:
+    if cpu_native.load() is None:
         pytest.skip("no C kernel on this machine")
     k_cache, v_cache, tables, _ = _paged([40, 17], 2, 16, 16)
     lens = torch.tensor([40, 17], dtype=torch.int32)
@@ -243,3 +243,56 @@ def test_decode_of_rows_sharing_prefix_blocks_matches_dense(path):
     out = _decode(path, q, k_cache, v_cache, tables, contexts, 0.3)
     rows_kv = _dense_of(k_cache, v_cache, tables, contexts)
     _assert_decode_rows_match_dense(out, q, rows_kv, 0.3)
+
+
+def _reference_forbidden(monkeypatch, *names):
+    """The C path must not fall back to reference.py for these ops."""
+    for name in names:
+        monkeypatch.setattr(
+            cpu_elementwise.reference, name, lambda *a, **k: pytest.fail("fell back to torch")
+        )
+
+
+def test_norms_in_c_equal_the_reference(monkeypatch):
+    if cpu_native.load() is None:
+        pytest.skip("no C kernel on this machine")
+    gen = torch.Generator().manual_seed(11)
+    fused = torch.randn(5, 3 * 96, generator=gen)
+    x = fused[:, :96]  # rows at a stride, as a view of a wider tensor
+    residual, weight = torch.randn(5, 96, generator=gen), torch.rand(96, generator=gen) + 0.5
+    expected = ref.rms_norm(x, weight, 1e-6), ref.fused_add_rms_norm(x, residual, weight, 1e-5)
+    _reference_forbidden(monkeypatch, "rms_norm", "fused_add_rms_norm")
+    torch.testing.assert_close(cpu_elementwise.rms_norm(x, weight, 1e-6), expected[0])
+    normed, summed = cpu_elementwise.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, expected[1][1])  # one rounding, like torch's add
+    torch.testing.assert_close(normed, expected[1][0])
+
+
+def test_rotary_in_c_equals_the_reference(monkeypatch):
+    if cpu_native.load() is None:
+        pytest.skip("no C kernel on this machine")
+    gen = torch.Generator().manual_seed(12)
+    heads, kv_heads, head_dim, tokens = 6, 2, 16, 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.arange(64).float()[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.tensor([0, 1, 7, 63, 30])
+    expected = ref.apply_rotary(q, k, positions, cos, sin)
+    _reference_forbidden(monkeypatch, "apply_rotary")
+    got = cpu_elementwise.apply_rotary(q, k, positions, cos, sin)
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])
+    with pytest.raises(IndexError, match="outside the table's 64 rows"):
+        cpu_elementwise.apply_rotary(q, k, torch.tensor([0, 1, 2, 64, 3]), cos, sin)
+
+
+def test_other_dtypes_and_layouts_take_the_reference():
+    x = torch.randn(2, 3, 8)  # three dimensions: no single row stride
+    w = torch.rand(8) + 0.5
+    torch.testing.assert_close(cpu_elementwise.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    half = cpu_elementwise.rms_norm(x[0].bfloat16(), w.bfloat16(), 1e-6)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half, ref.rms_norm(x[0].bfloat16(), w.bfloat16(), 1e-6))
