@@ -2,10 +2,11 @@
 
 A step multiplies its tokens by each layer's four weight matrices (fused
 q/k/v, o_proj, fused gate/up, down) and its sampled rows by the LM head.
-Timed alone, with torch's own matmuls, at every (tokens, sampled rows) shape
-the run used, as often as it used it, they add up to the least time the run
-could take; output tokens over that time is its floor in tok/s, and the
-floor's time over the run's wall time is the share of it the engine reached.
+Timed alone (the engine's own ``linear`` on its own weights), at every
+(tokens, sampled rows) shape the run used, as often as it used it, they add
+up to the least time the run could take; output tokens over that time is its
+floor in tok/s, and the floor's time over the run's wall time is the share
+of it the engine reached.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections import Counter
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from batchgen.worker.models.weights import linear
 
 
 def record_step_shapes(engine: Any) -> Counter[tuple[int, int]]:
@@ -35,18 +37,18 @@ def record_step_shapes(engine: Any) -> Counter[tuple[int, int]]:
 def _step_matmuls(weights: Any, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor,
                   rows: torch.Tensor) -> None:  # fmt: skip
     for layer in weights.layers:
-        F.linear(x, layer.qkv, layer.qkv_bias)
-        F.linear(attn, layer.o_proj)
-        F.linear(x, layer.gate_up)
-        F.linear(act, layer.down)
-    F.linear(rows, weights.lm_head)
+        linear(x, layer.qkv, layer.qkv_bias)
+        linear(attn, layer.o_proj)
+        linear(x, layer.gate_up)
+        linear(act, layer.down)
+    linear(rows, weights.lm_head)
 
 
 def matmul_floor_s(weights: Any, shapes: Counter[tuple[int, int]], repeats: int = 3) -> float:
     """Sum over the recorded shapes of (best of ``repeats`` timings) x (times used)."""
     hidden = weights.embed.shape[1]
-    q_size = weights.layers[0].o_proj.shape[1]
-    inter = weights.layers[0].down.shape[1]
+    q_size = weights.layers[0].o_proj.shape[0]
+    inter = weights.layers[0].down.shape[0]
     total = 0.0
     for (tokens, rows), count in sorted(shapes.items()):
         x, attn, act = (
