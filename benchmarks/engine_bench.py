@@ -10,6 +10,11 @@ length per request, batchgen. Also: a shared-prefix workload (512-token common
 prefix) with prefix caching on and off, and batchgen's per-step CPU overhead
 with the model taken out. Every system runs in its own process (peak RSS is
 its own) under torch.inference_mode; the machine should be otherwise idle.
+Every process gets OMP_WAIT_POLICY=PASSIVE unless the environment sets it
+(--omp-wait-policy unset leaves libgomp's default): on a machine shared with
+other work, the default wait made each of torch's 2-thread matmuls of 4-64
+rows take ~270 ms instead of 6-17 ms here, which measures the neighbours,
+not the engines.
 
 batchgen's row also gives its matmul floor: the output tokens over the time
 of the run's matrix multiplies alone, timed at every step shape the run used
@@ -72,6 +77,14 @@ def hash_ids(ids: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
+def set_omp_wait_policy(policy: str) -> None:
+    """For this process (torch is not imported yet) and the children it starts."""
+    if policy == "unset":
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ.setdefault("OMP_WAIT_POLICY", policy.upper())
+
+
 def run_child(model: Path, peer: str, workload: str, n: int, vocab: int, **engine: Any) -> dict:
     cmd = [
         sys.executable, __file__, "--child", "--model", str(model), "--peer", peer,
@@ -127,6 +140,7 @@ def main() -> None:
     p.add_argument(
         "--rounds", type=int, default=1, help="run the peers side by side this many times"
     )
+    p.add_argument("--omp-wait-policy", choices=("passive", "active", "unset"), default="passive")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--peer", help=argparse.SUPPRESS)
@@ -139,11 +153,13 @@ def main() -> None:
         child(args)
         return
 
+    set_omp_wait_policy(args.omp_wait_policy)
     from batchgen.toy import write_toy_checkpoint
 
     models = Path(args.models_dir or tempfile.mkdtemp(prefix="batchgen-bench-"))
     report: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count()}, "mixed": {}, "rounds": {}, "shared_prefix": {},
+        "machine": {"cpus": os.cpu_count(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
+        "mixed": {}, "rounds": {}, "shared_prefix": {},
     }  # fmt: skip
     for size in args.sizes.split(","):
         model = models / f"{args.arch}-{size}"
