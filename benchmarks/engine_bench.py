@@ -9,7 +9,17 @@ generate on static batches of 16 (left padding), HF continuous batching with a
 length per request, batchgen. Also: a shared-prefix workload (512-token common
 prefix) with prefix caching on and off, and batchgen's per-step CPU overhead
 with the model taken out. Every system runs in its own process (peak RSS is
-its own); the machine should be otherwise idle. Prints JSON, then a table.
+its own) under torch.inference_mode; the machine should be otherwise idle.
+Every process gets OMP_WAIT_POLICY=PASSIVE unless the environment sets it
+(--omp-wait-policy unset leaves libgomp's default): on a machine shared with
+other work, the default wait made each of torch's 2-thread matmuls of 4-64
+rows take ~270 ms instead of 6-17 ms here, which measures the neighbours,
+not the engines.
+
+batchgen's row also gives its matmul floor: the output tokens over the time
+of the run's matrix multiplies alone, timed at every step shape the run used
+(benchmarks/matmul_floor.py), and the share of that floor the run reached.
+Prints JSON, then a table.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SIZES = {"tiny": 64, "small": 32}  # requests per size
+ROUND_KEYS = ("output_tok_s", "batchgen_speedup", "floor_share", "matmul_floor_tok_s")
 VOCAB = {"tiny": 8192, "small": 32000}
 
 
@@ -42,8 +53,12 @@ def child(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     wl = WORKLOADS[args.workload](args.num_requests, args.vocab)
     kwargs = json.loads(args.engine_kwargs) if args.peer == "batchgen" else {}
-    result = PEERS[args.peer](Path(args.model), wl, **kwargs)
+    with torch.inference_mode():
+        result = PEERS[args.peer](Path(args.model), wl, **kwargs)
     ids = result.pop("token_ids")
+    if "matmul_floor_s" in result:
+        result["matmul_floor_tok_s"] = result["output_tokens"] / result["matmul_floor_s"]
+        result["floor_share"] = result["matmul_floor_s"] / result["wall_s"]
     result.update(
         peer=args.peer,
         prompt_tokens=wl.prompt_tokens,
@@ -60,6 +75,14 @@ def hash_ids(ids: list[list[int]]) -> str:
     import hashlib
 
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def set_omp_wait_policy(policy: str) -> None:
+    """For this process (torch is not imported yet) and the children it starts."""
+    if policy == "unset":
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ.setdefault("OMP_WAIT_POLICY", policy.upper())
 
 
 def run_child(model: Path, peer: str, workload: str, n: int, vocab: int, **engine: Any) -> dict:
@@ -114,6 +137,10 @@ def main() -> None:
     p.add_argument("--arch", default="llama")
     p.add_argument("--models-dir", default=None, help="where toy checkpoints are written/reused")
     p.add_argument("--skip-prefix", action="store_true")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run the peers side by side this many times"
+    )
+    p.add_argument("--omp-wait-policy", choices=("passive", "active", "unset"), default="passive")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--peer", help=argparse.SUPPRESS)
@@ -126,28 +153,39 @@ def main() -> None:
         child(args)
         return
 
+    set_omp_wait_policy(args.omp_wait_policy)
     from batchgen.toy import write_toy_checkpoint
 
     models = Path(args.models_dir or tempfile.mkdtemp(prefix="batchgen-bench-"))
-    report: dict[str, Any] = {"machine": {"cpus": os.cpu_count()}, "mixed": {}, "shared_prefix": {}}
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
+        "mixed": {}, "rounds": {}, "shared_prefix": {},
+    }  # fmt: skip
     for size in args.sizes.split(","):
         model = models / f"{args.arch}-{size}"
         if not (model / "config.json").exists():
             write_toy_checkpoint(model, arch=args.arch, size=size)
         n = SIZES[size]
-        rows = {}
-        for peer in args.peers.split(","):
-            rows[peer] = run_child(model, peer, "mixed", n, VOCAB[size])
-            print(
-                f"# {size} {peer}: {rows[peer]['output_tok_s']:.0f} output tok/s", file=sys.stderr
-            )
-        if "batchgen" in rows:
-            base = rows["batchgen"]["output_tok_s"]
-            for row in rows.values():
-                row["batchgen_speedup"] = base / row["output_tok_s"]
-            same = {r["outputs_digest"] for r in rows.values()}
-            report["mixed"][f"{size}_outputs_identical"] = len(same) == 1
-        report["mixed"][size] = rows
+        rounds = []
+        for _ in range(args.rounds):
+            rows = {}
+            for peer in args.peers.split(","):
+                rows[peer] = run_child(model, peer, "mixed", n, VOCAB[size])
+                print(
+                    f"# {size} {peer}: {rows[peer]['output_tok_s']:.0f} output tok/s",
+                    file=sys.stderr,
+                )
+            if "batchgen" in rows:
+                base = rows["batchgen"]["output_tok_s"]
+                for row in rows.values():
+                    row["batchgen_speedup"] = base / row["output_tok_s"]
+                same = {r["outputs_digest"] for r in rows.values()}
+                report["mixed"][f"{size}_outputs_identical"] = len(same) == 1
+            rounds.append(rows)
+        report["mixed"][size] = rows  # the last round's
+        report["rounds"][size] = [
+            {peer: {k: r.get(k) for k in ROUND_KEYS} for peer, r in rows.items()} for rows in rounds
+        ]
         if not args.skip_prefix and "batchgen" in rows:
             on = run_child(
                 model, "batchgen", "shared-prefix", n, VOCAB[size], enable_prefix_caching=True
@@ -168,21 +206,38 @@ def main() -> None:
 
 
 def print_table(report: dict) -> None:
-    print("\n| model | system | output tok/s | prompt tok/s | peak RSS MB | batchgen speedup |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| model | system | output tok/s | prompt tok/s | peak RSS MB | batchgen speedup "
+        "| matmul floor tok/s | share of floor |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size, rows in report["mixed"].items():
         if not isinstance(rows, dict):
             continue
         for peer, r in rows.items():
+            floor = "| - | - |"
+            if "floor_share" in r:
+                floor = f"| {r['matmul_floor_tok_s']:.0f} | {r['floor_share']:.0%} |"
             print(
                 f"| {size} | {peer} | {r['output_tok_s']:.0f} | {r['prompt_tok_s']:.0f} | "
-                f"{r['peak_rss_mb']:.0f} | {r.get('batchgen_speedup', float('nan')):.2f}x |"
+                f"{r['peak_rss_mb']:.0f} | {r.get('batchgen_speedup', float('nan')):.2f}x {floor}"
             )
     for size, sp in report["shared_prefix"].items():
         print(
             f"\nshared prefix ({size}): caching on {sp['on']['wall_s']:.2f}s, off {sp['off']['wall_s']:.2f}s,"
             f" speedup {sp['speedup']:.2f}x, hit rate {sp['on']['prefix_cache_hit_rate']}"
         )
+    for size, rounds in report["rounds"].items():
+        if len(rounds) < 2:
+            continue
+        for peer in rounds[0]:
+            for key in ROUND_KEYS:
+                values = [r[peer][key] for r in rounds if r[peer].get(key) is not None]
+                if values and not (key == "batchgen_speedup" and peer == "batchgen"):
+                    print(
+                        f"{size} {peer} {key} over {len(values)} rounds: "
+                        f"{min(values):.2f}..{max(values):.2f}"
+                    )
     if "step_overhead" in report:
         o = report["step_overhead"]
         print(f"\nper-step CPU overhead at batch {o['batch']}: {o['ms_per_step']:.3f} ms")

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 PARTS = {
     "prepare": ("batchgen.worker.engine.runner", "ModelRunner", "prepare"),
     "forward": ("batchgen.worker.models.llama", "LlamaModel", "forward"),
-    "attention": ("batchgen.worker.models.llama", None, "paged_attention"),
+    "attention": ("batchgen.kernels.cpu_attention", "CpuAttention", "__call__"),
     "logits": ("batchgen.worker.models.llama", "LlamaModel", "compute_logits"),
     "sampling": ("batchgen.worker.engine.sampler", "Sampler", "__call__"),
 }

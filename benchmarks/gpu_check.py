@@ -74,8 +74,14 @@ def table(result: dict[str, Any]) -> str:
     for name, section in result["sections"].items():
         if "error" in section:
             lines.append(f"  {name}: ERROR {section['error']}")
-    if "engine" in result["sections"]:
-        lines.append(f"  engine: {json.dumps(result['sections']['engine'])[:200]}")
+    engine = result["sections"].get("engine", {})
+    if isinstance(engine.get("engine"), dict):
+        ours, hf = engine["engine"], engine["hf_continuous_batching"]
+        lines.append(
+            f"  engine {ours['output_tok_s']:.0f} output tok/s ({ours['ops']} ops), "
+            f"HF continuous batching {hf['output_tok_s']:.0f}: {engine['speedup']:.2f}x; "
+            f"CUDA-graph replays {ours['cuda_graph_replays']} of {ours['steps']} steps"
+        )
     return "\n".join(lines)
 
 

@@ -101,4 +101,5 @@ def engine_throughput(
         "output_tok_s": tokens / wall, "load_seconds": load_s, "ops": engine.runner.model.ops.name,
         "cuda_graphs": engine.runner.graphs is not None, "num_kv_blocks": engine.limits.num_kv_blocks,
         "steps": stats.num_steps, "preemptions": stats.num_preemptions,
+        "cuda_graph_replays": stats.cuda_graph_replays,
     }  # fmt: skip

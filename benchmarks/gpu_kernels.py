@@ -1,4 +1,4 @@
-"""gpu_check sections 1 and 2: Triton kernels against their references, and
+"""gpu_check sections 1 and 2: Triton kernels against their oracles, and
 paged decode attention's bandwidth against the device's copy bandwidth."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from benchmarks.gpu_bench import TARGET_FRACTION, Bench, compare
 
 
 def correctness(b: Bench) -> dict[str, Any]:
+    from batchgen.kernels import dense
     from batchgen.kernels import reference as ref
     from batchgen.kernels.triton import TRITON_OPS as ops
     from batchgen.kernels.triton.decode_attention import decode_attention
@@ -35,7 +36,7 @@ def correctness(b: Bench) -> dict[str, Any]:
         q = b.randn(len(contexts), hq, head_dim)
         args = (q, k_cache, v_cache, tables, lens, head_dim**-0.5, max(contexts))
         out = decode_attention(*args, num_splits=num_splits)
-        return compare(out, ref.paged_decode_attention(*args))
+        return compare(out, dense.paged_decode_attention(*args))
 
     def prefill(head_dim: int):
         contexts = [c for c, _ in s.prefill_chunks]
@@ -54,7 +55,7 @@ def correctness(b: Bench) -> dict[str, Any]:
             max(q_lens),
             max(contexts),
         )
-        return compare(ops.paged_prefill_attention(*args), ref.paged_prefill_attention(*args))
+        return compare(ops.paged_prefill_attention(*args), dense.paged_prefill_attention(*args))
 
     def norms():
         x, res = b.randn(s.tokens, s.hidden), b.randn(s.tokens, s.hidden)
@@ -98,7 +99,7 @@ def correctness(b: Bench) -> dict[str, Any]:
         tables.copy_(tables.flip(0))
         graph.replay()
         torch.cuda.synchronize()
-        return compare(out, ref.paged_decode_attention(*args))
+        return compare(out, dense.paged_decode_attention(*args))
 
     cases: dict[str, Callable[[], dict[str, Any]]] = {
         "decode_cuda_graph": decode_cuda_graph,

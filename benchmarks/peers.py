@@ -17,7 +17,9 @@ from benchmarks.workloads import Workload
 
 
 def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, Any]:
+    """Also times the run's matmuls alone (benchmarks/matmul_floor.py), after the run."""
     from batchgen.worker import Engine, SamplingParams
+    from benchmarks.matmul_floor import matmul_floor_s, record_step_shapes
 
     engine = Engine.from_pretrained(path, **engine_kwargs)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.max_tokens]
@@ -25,12 +27,14 @@ def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, An
     if engine.block_manager.enable_prefix_caching:
         engine.block_manager.cached.clear()  # no hits from the warm-up
     steps_before = engine.stats().num_steps
+    shapes = record_step_shapes(engine)
     start = time.perf_counter()
     outputs = engine.generate(wl.prompts, params)
     wall = time.perf_counter() - start
     stats = engine.stats()
     return {
         "wall_s": wall,
+        "matmul_floor_s": matmul_floor_s(engine.runner.model.weights, shapes),
         "output_tokens": sum(len(o.token_ids) for o in outputs),
         "steps": stats.num_steps - steps_before,
         "preemptions": stats.num_preemptions,

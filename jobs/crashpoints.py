@@ -10,8 +10,8 @@ spot); a SIGCONT lets it go on from there. Only the fault tests set it. Points:
 - ``mid_part_write``: half of a part's bytes are in its temp file
 - ``after_publish``: the part file is renamed into place, Redis not told
 - ``after_commit``: the atomic commit step (done-marks, counters, XACK, XDEL)
-  succeeded, the worker has not moved on. ``after_commit_before_ack`` is the
-  same point: the commit and the ack are one step, so there is no gap between
+  succeeded, the worker has not moved on (the commit and the ack are one
+  step, so there is no point between them)
 - ``before_hand_back``: SIGTERM drain has the in-flight outputs, Redis not told
 - ``before_finalize_commit``: the final file is written, the job not marked
 
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 CRASH_EXIT_CODE = 77
 ENV = "BATCHGEN_TEST_CRASH_AT"
 ONCE_ENV = "BATCHGEN_TEST_CRASH_ONCE"
-_ALIASES = {"after_commit_before_ack": "after_commit"}
 
 
 @dataclass(slots=True)
@@ -50,7 +49,7 @@ class CrashPlan:
         count, _, action = rest.partition(":")
         if action not in ("", "stop", "exit"):
             raise ValueError(f"{ENV}={raw!r}: the action after NAME:N must be 'stop' or 'exit'")
-        return cls(_ALIASES.get(name, name), int(count or 1), stop=action == "stop",
+        return cls(name, int(count or 1), stop=action == "stop",
                    once=os.environ.get(ONCE_ENV, ""))  # fmt: skip
 
     def reached(self, point: str) -> None:

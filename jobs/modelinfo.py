@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from pathlib import Path
 
@@ -27,12 +26,3 @@ def fingerprint(model: str) -> str:
             if size < 100 << 20:
                 digest.update(f.read(size))  # tensor names, dtypes, shapes, offsets
     return "sha256:" + digest.hexdigest()
-
-
-def describe(model: str) -> dict[str, object]:
-    root = Path(model).expanduser()
-    config = root / "config.json"
-    arch = None
-    if config.is_file():
-        arch = (json.loads(config.read_text()).get("architectures") or [None])[0]
-    return {"path": model, "architecture": arch, "fingerprint": fingerprint(model) or None}

@@ -1,8 +1,10 @@
-"""Sampling parameters: names, defaults and the checks every value must pass.
+"""Sampling parameters: every field's name, default and bounds, defined once.
 
-The same checks serve a line's fields and the CLI's job defaults, so
-``--temperature -1`` and ``"temperature": -1`` fail with the same words. Names
-match the engine's ``SamplingParams``.
+``FIELDS`` is the one definition: a request line's fields, the CLI's job
+defaults and the engine's ``SamplingParams`` (which takes its defaults from
+here and checks itself with ``check``) all use it, so ``--temperature -1``,
+``"temperature": -1`` and ``SamplingParams(temperature=-1)`` fail alike.
+Torch-free, like everything in ``jobs/``.
 """
 
 from __future__ import annotations
@@ -10,15 +12,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 MAX_TOKENS_LIMIT = 1 << 20  # far above any context window; 10**9 is a typo
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 64
-
-# Job defaults when neither the CLI nor the line says (the engine's defaults).
-DEFAULTS: dict[str, Any] = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+MAX_SAMPLES = 128  # n
+MAX_LOGPROBS = 20  # top logprobs per token
 
 
 class ParamError(ValueError):
@@ -85,25 +87,46 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class Field:
+    default: Any  # None: unset (no seed, no logprobs), and then not checked
+    check: Callable[[str, Any], Any]  # (name, value) -> the normalized value, or ParamError
+    in_lines: bool = True  # a request line and the CLI may set it; else the Python API only
+
+
+FIELDS: dict[str, Field] = {
+    "max_tokens": Field(16, _int_in(1, MAX_TOKENS_LIMIT)),
+    # greedy unless asked: a batch rerun gives the same rows
+    "temperature": Field(0.0, _number_in(0.0, 100.0)),
+    "top_p": Field(1.0, _number_in(0.0, 1.0, low_open=True, what="in (0, 1]")),
+    "top_k": Field(0, _int_in(0, 1 << 20, " (0 turns it off)")),
+    "min_p": Field(0.0, _number_in(0.0, 1.0)),
+    "seed": Field(None, _int_in(0, (1 << 63) - 1)),
+    "stop": Field((), _stop),
+    "stop_token_ids": Field((), _stop_token_ids),
+    "ignore_eos": Field(False, _bool),
+    "repetition_penalty": Field(1.0, _number_in(0.0, 100.0, low_open=True)),
+    "presence_penalty": Field(0.0, _number_in(-2.0, 2.0)),
+    "frequency_penalty": Field(0.0, _number_in(-2.0, 2.0)),
+    "n": Field(1, _int_in(1, MAX_SAMPLES), in_lines=False),
+    "logprobs": Field(None, _int_in(0, MAX_LOGPROBS), in_lines=False),
+    "min_tokens": Field(0, _int_in(0, MAX_TOKENS_LIMIT), in_lines=False),
+    "skip_special_tokens": Field(True, _bool, in_lines=False),
+}
+
+# What a request line may set, and the check of each.
 CHECKS: dict[str, Callable[[str, Any], Any]] = {
-    "max_tokens": _int_in(1, MAX_TOKENS_LIMIT),
-    "temperature": _number_in(0.0, 100.0),
-    "top_p": _number_in(0.0, 1.0, low_open=True, what="in (0, 1]"),
-    "top_k": _int_in(0, 1 << 20, " (0 turns it off)"),
-    "min_p": _number_in(0.0, 1.0),
-    "seed": _int_in(0, (1 << 63) - 1),
-    "stop": _stop,
-    "stop_token_ids": _stop_token_ids,
-    "ignore_eos": _bool,
-    "repetition_penalty": _number_in(0.0, 100.0, low_open=True),
-    "presence_penalty": _number_in(-2.0, 2.0),
-    "frequency_penalty": _number_in(-2.0, 2.0),
+    name: f.check for name, f in FIELDS.items() if f.in_lines
+}
+# Written into every job when neither the CLI nor the line says otherwise.
+DEFAULTS: dict[str, Any] = {
+    name: FIELDS[name].default for name in ("max_tokens", "temperature", "top_p", "top_k")
 }
 
 
 def check(name: str, value: Any) -> Any:
     """The normalized value, or ParamError."""
-    return CHECKS[name](name, value)
+    return FIELDS[name].check(name, value)
 
 
 def job_defaults(overrides: dict[str, Any]) -> dict[str, Any]:

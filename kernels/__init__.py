@@ -1,8 +1,10 @@
-"""Kernels: every op the model calls, as a Triton kernel and a pure-torch reference.
+"""Kernels: every op the model calls, as a Triton kernel and as the CPU path in torch.
 
 The engine asks ``select_ops(device)`` once and calls the ops through the
-returned ``KernelOps``: Triton on CUDA, the references elsewhere. Both sets
-share signatures (see ``reference.py`` for layouts and shapes).
+returned ``KernelOps``: Triton on CUDA, the CPU path elsewhere. Both sets
+share signatures (see ``reference.py`` for layouts and shapes); both are
+tested against the plain versions: ``reference.py`` for the elementwise ops,
+``dense.py`` for attention.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels import reference
+from batchgen.kernels import cpu_attention, cpu_decode, cpu_elementwise, reference
+from batchgen.kernels.batch import AttentionBatch, StepAttention
 from batchgen.kernels.reference import PAD_SLOT_ID
 
 
@@ -26,17 +29,20 @@ class KernelOps:
     store_kv: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
+    # (batch, k_cache, v_cache, num_heads, scale) -> what every layer of the step calls
+    attention: Callable[..., StepAttention]
 
 
-REFERENCE_OPS = KernelOps(
-    name="reference",
-    rms_norm=reference.rms_norm,
-    fused_add_rms_norm=reference.fused_add_rms_norm,
+CPU_OPS = KernelOps(
+    name="cpu",
+    rms_norm=cpu_elementwise.rms_norm,
+    fused_add_rms_norm=cpu_elementwise.fused_add_rms_norm,
     silu_and_mul=reference.silu_and_mul,
-    apply_rotary=reference.apply_rotary,
+    apply_rotary=cpu_elementwise.apply_rotary,
     store_kv=reference.store_kv,
-    paged_decode_attention=reference.paged_decode_attention,
-    paged_prefill_attention=reference.paged_prefill_attention,
+    paged_decode_attention=cpu_decode.paged_decode_attention,
+    paged_prefill_attention=cpu_attention.paged_prefill_attention,
+    attention=cpu_attention.CpuAttention,
 )
 
 
@@ -50,10 +56,17 @@ def select_ops(device: torch.device, use_triton: bool | None = None) -> KernelOp
     if use_triton is None:
         use_triton = device.type == "cuda"
     if not use_triton:
-        return REFERENCE_OPS
+        return CPU_OPS
     from batchgen.kernels.triton import TRITON_OPS
 
     return TRITON_OPS
 
 
-__all__ = ["PAD_SLOT_ID", "REFERENCE_OPS", "KernelOps", "select_ops"]
+__all__ = [
+    "CPU_OPS",
+    "PAD_SLOT_ID",
+    "AttentionBatch",
+    "KernelOps",
+    "StepAttention",
+    "select_ops",
+]

@@ -1,10 +1,9 @@
-"""Pure-torch versions of every op the model calls.
+"""Pure-torch versions of the model's elementwise ops and of the KV-cache store.
 
-They are the CPU path of the engine (so they are vectorised, not merely
-readable) and the oracle the Triton kernels are tested against. Each Triton
-wrapper in this package has the same signature as its function here;
-paged decode attention, the one op with a plan of its own, lives in
-``reference_decode.py``.
+They are the CPU path of the engine and, being a line or two of torch each,
+the oracle the Triton kernels are tested against; each Triton wrapper has the
+same signature as its function here. Attention is elsewhere: the oracle in
+``dense.py``, the CPU path in ``cpu_attention.py`` and ``cpu_decode.py``.
 
 Layouts (shared with the Triton kernels):
 - hidden states are flat over the batch: (num_tokens, ...);
@@ -20,14 +19,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels.reference_decode import paged_decode_attention
-
 __all__ = [
     "PAD_SLOT_ID",
     "apply_rotary",
     "fused_add_rms_norm",
-    "paged_decode_attention",
-    "paged_prefill_attention",
     "rms_norm",
     "silu_and_mul",
     "store_kv",
@@ -99,53 +94,3 @@ def store_kv(
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
-
-
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    max_context_len: int,
-) -> torch.Tensor:
-    """Variable-length query chunks attending causally to their whole paged context.
-
-    q (num_tokens, num_heads, head_dim) holds each sequence's new tokens back to
-    back; query_start_loc (num_seqs + 1,) int32 their offsets; context_lens
-    (num_seqs,) int32 the total length (cached + new), the new tokens being the
-    last ones, their K/V already stored. Returns (num_tokens, num_heads, head_dim).
-    """
-    out = torch.empty_like(q)
-    block_size = k_cache.shape[1]
-    starts = query_start_loc.tolist()
-    for i, ctx in enumerate(context_lens.tolist()):
-        start, end = starts[i], starts[i + 1]
-        q_len = end - start
-        if q_len == 0:
-            continue
-        num_blocks = -(-ctx // block_size)
-        table = block_tables[i, :num_blocks].long()
-        keys = k_cache.index_select(0, table).flatten(0, 1)[:ctx]  # (ctx, Hk, D)
-        values = v_cache.index_select(0, table).flatten(0, 1)[:ctx]
-        if ctx == q_len:
-            mask, causal = None, True  # no cached context: plain causal attention
-        else:
-            # query t sits at position ctx - q_len + t and sees keys 0..that position
-            qpos = torch.arange(ctx - q_len, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # (q_len, ctx)
-            causal = False
-        attn = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),  # (H, q_len, D)
-            keys.transpose(0, 1),  # (Hk, ctx, D)
-            values.transpose(0, 1),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[start:end] = attn.transpose(0, 1)
-    return out

@@ -7,6 +7,7 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from batchgen.worker import Engine, RequestRejected, SamplingParams
 from batchgen.worker.models import UnsupportedModelError
@@ -80,7 +81,8 @@ def test_siblings_reuse_the_first_samples_prompt_blocks(toy_model):
     engine.add_request("x", prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=1, n=3))
     engine.step()  # prefill of the first sample
     engine.step()  # siblings admitted with its 4 full blocks
-    first, second, third = engine._requests["x"]
+    samples = {r.request_id: r for r in engine.scheduler.running}
+    first, second, third = (samples[f"x#{i}"] for i in range(3))
     assert second.num_cached_tokens == third.num_cached_tokens == 64
     assert second.block_table[:4] == first.block_table[:4] == third.block_table[:4]
     assert [engine.block_manager.blocks[b].ref_count for b in first.block_table[:4]] == [3] * 4
@@ -226,3 +228,26 @@ def test_rope_scaling_spelled_the_old_way_loads_the_same(tmp_path, toy_model):
     a = Engine.from_pretrained(src, num_kv_blocks=32).generate([_prompt(40, 8)], params)
     b = Engine.from_pretrained(old, num_kv_blocks=32).generate([_prompt(40, 8)], params)
     assert a[0].token_ids == b[0].token_ids
+
+
+def test_generate_is_the_same_plain_under_no_grad_and_under_inference_mode(engine):
+    # benchmark harnesses and most users wrap inference in inference_mode; the
+    # step's tensors are then inference tensors, which have no version counter
+    prompts = [_prompt(n, 20 + n) for n in (5, 17, 40, 70)]
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.9, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, seed=5, n=2, ignore_eos=True),
+    ]
+
+    def tokens() -> list[list[list[int]]]:
+        return [[s.token_ids for s in o.samples] for o in engine.generate(prompts, params)]
+
+    plain = tokens()
+    with torch.no_grad():
+        no_grad = tokens()
+    with torch.inference_mode():
+        inference = tokens()
+    assert no_grad == plain and inference == plain
+    assert [len(s) for o in plain for s in o] == [12, 9, 12, 7, 7]

@@ -26,13 +26,14 @@ def engine_prompt_logits(engine: Engine, token_ids: list[int]) -> tuple[torch.Te
     Drives one request step by step (so chunking and prefix hits apply) and
     reads the logits of every row the step computed for it.
     """
-    rid = f"tf-{len(engine._requests)}-{random.random()}"
+    rid = f"tf-{random.random()}"
     engine.add_request(rid, token_ids, SamplingParams(max_tokens=1, ignore_eos=True))
-    (req,) = engine._requests[rid]
     rows: list[torch.Tensor] = []
     first = None
-    while req.num_computed_tokens < len(token_ids):
+    done = False
+    while not done:
         plan = engine.scheduler.schedule()
+        (req,) = plan.prefills + plan.decodes  # the one request in the engine
         if first is None:
             first = req.num_computed_tokens  # prefix-cache hits are not recomputed
         inputs = engine.runner.prepare(plan)
@@ -43,6 +44,7 @@ def engine_prompt_logits(engine: Engine, token_ids: list[int]) -> tuple[torch.Te
         rows.append(model.compute_logits(hidden))
         sampled = [0] * len(inputs.sampling)
         engine.scheduler.update(plan, sampled)
+        done = req.num_computed_tokens == len(token_ids)
     engine.abort(rid)
     assert first is not None
     return torch.cat(rows)[: len(token_ids) - first], first

@@ -1,4 +1,4 @@
-"""The engine's model forward on the Triton ops (interpreter on CPU) equals the reference path."""
+"""The engine's model forward on the Triton ops (interpreter on CPU) equals the CPU path."""
 
 from __future__ import annotations
 
@@ -12,24 +12,46 @@ from tests.test_engine_parity import engine_prompt_logits
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_triton_ops_forward_equals_reference(toy_model, arch):
+def test_triton_ops_forward_equals_the_cpu_path(toy_model, arch):
     path = toy_model(arch)
     triton = Engine.from_pretrained(
         path, num_kv_blocks=32, use_triton=True, max_num_batched_tokens=24
     )
-    reference = Engine.from_pretrained(
+    cpu = Engine.from_pretrained(
         path, num_kv_blocks=32, use_triton=False, max_num_batched_tokens=24
     )
     assert triton.runner.model.ops.name == "triton"
-    assert reference.runner.model.ops.name == "reference"
+    assert cpu.runner.model.ops.name == "cpu"
     rng = random.Random(0)
     tokens = [rng.randrange(16, 8192) for _ in range(40)]  # two chunks: prefill with cached context
     got, _ = engine_prompt_logits(triton, tokens)
-    expected, _ = engine_prompt_logits(reference, tokens)
+    expected, _ = engine_prompt_logits(cpu, tokens)
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=0)
 
     prompts = [[rng.randrange(16, 8192) for _ in range(n)] for n in (5, 19)]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     assert [o.token_ids for o in triton.generate(prompts, params)] == [
-        o.token_ids for o in reference.generate(prompts, params)
+        o.token_ids for o in cpu.generate(prompts, params)
     ]
+
+
+def test_attention_arguments_are_checked_once_per_step_not_per_layer(toy_model, monkeypatch):
+    from batchgen.kernels.triton import checks
+
+    engine = Engine.from_pretrained(toy_model("llama"), num_kv_blocks=32, use_triton=True)
+    assert len(engine.runner.kv_caches) == 4  # layers
+    checked: list[int] = []  # the q rows of each check
+    check = checks.check_paged_attention
+
+    def counting(q, *args, **kwargs):
+        checked.append(q.shape[0])
+        return check(q, *args, **kwargs)
+
+    monkeypatch.setattr(checks, "check_paged_attention", counting)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("a", list(range(100, 105)), params)
+    engine.step()  # a's prompt
+    engine.add_request("b", list(range(200, 219)), params)
+    engine.step()  # a decodes, b's prompt
+    engine.step()  # both decode
+    assert checked == [5, 1, 19, 2]

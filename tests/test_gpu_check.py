@@ -59,8 +59,10 @@ def test_dry_run_engine_section_runs_batchgen_and_hf_on_the_same_prompts(tmp_pat
     # 4 prompts x 4 new tokens each, EOS ignored, on both sides
     assert ours["output_tokens"] == hf["output_tokens"] == 16
     assert ours["requests"] == hf["requests"] == 4 and hf["errors"] == []
-    assert ours["ops"] == "reference" and ours["cuda_graphs"] is False  # CPU dry run
+    assert ours["ops"] == "cpu" and ours["cuda_graphs"] is False  # CPU dry run
+    assert ours["cuda_graph_replays"] == 0 and ours["steps"] > 0
     assert section["speedup"] == ours["output_tok_s"] / hf["output_tok_s"]
+    assert f"CUDA-graph replays 0 of {ours['steps']} steps" in proc.stderr
 
 
 def test_a_failing_section_is_reported_and_the_rest_still_run(monkeypatch, capsys):

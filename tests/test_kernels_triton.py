@@ -1,4 +1,5 @@
-"""The Triton ops against the reference ops.
+"""The Triton ops against the plain versions: attention against ``dense.py``,
+the other ops against ``reference.py``.
 
 Without CUDA they run on the CPU through the Triton interpreter (conftest sets
 TRITON_INTERPRET=1 before anything imports the kernels); with CUDA the same
@@ -22,7 +23,7 @@ import math
 import pytest
 import torch
 
-from batchgen.kernels import PAD_SLOT_ID, REFERENCE_OPS, select_ops
+from batchgen.kernels import CPU_OPS, PAD_SLOT_ID, dense, select_ops
 from batchgen.kernels import reference as ref
 
 pytest.importorskip("triton")
@@ -89,18 +90,16 @@ def _randn(*shape, dtype=torch.float32, seed=1):
 
 
 def test_select_ops_picks_triton_on_cuda_and_when_forced():
-    assert select_ops(torch.device("cpu")) is REFERENCE_OPS
+    assert select_ops(torch.device("cpu")) is CPU_OPS
     assert select_ops(torch.device("cpu"), use_triton=True) is TRITON_OPS
     assert select_ops(torch.device("cuda")) is TRITON_OPS
-    assert select_ops(torch.device("cuda"), use_triton=False) is REFERENCE_OPS
+    assert select_ops(torch.device("cuda"), use_triton=False) is CPU_OPS
     assert TRITON_OPS.name == "triton"
 
 
-@pytest.mark.parametrize("op", [f for f in REFERENCE_OPS.__slots__ if f != "name"])
-def test_triton_ops_have_the_reference_signatures(op):
-    assert inspect.signature(getattr(TRITON_OPS, op)) == inspect.signature(
-        getattr(REFERENCE_OPS, op)
-    )
+@pytest.mark.parametrize("op", [f for f in CPU_OPS.__slots__ if f != "name"])
+def test_triton_ops_have_the_cpu_signatures(op):
+    assert inspect.signature(getattr(TRITON_OPS, op)) == inspect.signature(getattr(CPU_OPS, op))
 
 
 # --------------------------------------------------------------------------- store_kv
@@ -168,12 +167,12 @@ CONTEXTS = [1, 15, 16, 17, 33, 70]
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 3), (8, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_decode_matches_reference_gqa_and_block_sizes(num_heads, num_kv_heads, block_size):
+def test_decode_matches_dense_gqa_and_block_sizes(num_heads, num_kv_heads, block_size):
     q, k_cache, v_cache, tables, ctx = _decode_case(
         CONTEXTS, num_heads, num_kv_heads, 64, block_size, torch.float32
     )
     scale = 1 / math.sqrt(64)
-    expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, 70)
+    expected = dense.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, 70)
     out = TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, 70)
     _close(out, expected, torch.float32)
     # tiles of 16 tokens: contexts cross several tiles and pages within a program
@@ -184,7 +183,7 @@ def test_decode_matches_reference_gqa_and_block_sizes(num_heads, num_kv_heads, b
 @pytest.mark.parametrize("head_dim", [48, 80])
 def test_decode_pads_head_dims_that_are_not_powers_of_two(head_dim):
     q, k_cache, v_cache, tables, ctx = _decode_case(CONTEXTS, 6, 3, head_dim, 16, torch.float32)
-    expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, 70)
+    expected = dense.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, 70)
     out = decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, 70, num_splits=2)
     _close(out, expected, torch.float32)
 
@@ -195,7 +194,7 @@ def test_decode_split_k_merges_partials_including_empty_splits(num_splits):
     # split unevenly; 0 is a padding row.
     contexts = [1, 17, 70, 130, 0]
     q, k_cache, v_cache, tables, ctx = _decode_case(contexts, 8, 2, 64, 16, torch.float32)
-    expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, 130)
+    expected = dense.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, 130)
     out = decode_attention(
         q, k_cache, v_cache, tables, ctx, 0.125, 130, num_splits=num_splits, tile_size=16
     )
@@ -207,7 +206,7 @@ def test_decode_split_k_merges_partials_including_empty_splits(num_splits):
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_half_precision(dtype, num_splits):
     q, k_cache, v_cache, tables, ctx = _decode_case(CONTEXTS, 8, 2, 80, 16, dtype)
-    expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, 70)
+    expected = dense.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, 70)
     out = decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, 70, num_splits=num_splits)
     assert out.dtype == dtype
     _close(out, expected, dtype)
@@ -218,7 +217,7 @@ def test_decode_reads_a_strided_q_and_handles_single_and_empty_batches():
     # q as a view of a fused qkv row: stride(0) > num_heads * head_dim
     qkv = _randn(1, 8 * 64)
     q = qkv[:, : 4 * 64].view(1, 4, 64)
-    expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, 17)
+    expected = dense.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, 17)
     out = TRITON_OPS.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, 17)
     _close(out, expected, torch.float32)
 
@@ -231,10 +230,12 @@ def test_decode_reads_a_strided_q_and_handles_single_and_empty_batches():
 def test_attention_accepts_int64_index_tensors():
     q, k_cache, v_cache, tables, ctx = _decode_case(CONTEXTS, 8, 2, 64, 16, torch.float32)
     args = (q, k_cache, v_cache, tables.long(), ctx.long(), 0.125, 70)
-    _close(decode_attention(*args, num_splits=2), ref.paged_decode_attention(*args), torch.float32)
+    _close(
+        decode_attention(*args, num_splits=2), dense.paged_decode_attention(*args), torch.float32
+    )
     q, k_cache, v_cache, tables, ctx, starts = _prefill_case(8, 2, 64, 16, torch.float32)
     chunks = (q, k_cache, v_cache, tables.long(), ctx.long(), starts.long(), 0.125, 17, 40)
-    expected = ref.paged_prefill_attention(*chunks)
+    expected = dense.paged_prefill_attention(*chunks)
     _close(TRITON_OPS.paged_prefill_attention(*chunks), expected, torch.float32)
 
 
@@ -283,12 +284,12 @@ def _prefill_case(num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 3), (8, 1), (6, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_prefill_matches_reference_gqa_and_block_sizes(num_heads, num_kv_heads, block_size):
+def test_prefill_matches_dense_gqa_and_block_sizes(num_heads, num_kv_heads, block_size):
     q, k_cache, v_cache, tables, ctx, starts = _prefill_case(
         num_heads, num_kv_heads, 64, block_size, torch.float32
     )
     args = (q, k_cache, v_cache, tables, ctx, starts, 0.125, 17, 40)
-    expected = ref.paged_prefill_attention(*args)
+    expected = dense.paged_prefill_attention(*args)
     _close(TRITON_OPS.paged_prefill_attention(*args), expected, torch.float32)
 
 
@@ -298,7 +299,7 @@ def test_prefill_query_blocks_and_key_tiles(block_m, tile_size):
     # three query blocks whose causal limits differ; head_dim 80 is padded.
     q, k_cache, v_cache, tables, ctx, starts = _prefill_case(6, 3, 80, 16, torch.float32)
     args = (q, k_cache, v_cache, tables, ctx, starts, 0.1, 17, 40)
-    expected = ref.paged_prefill_attention(*args)
+    expected = dense.paged_prefill_attention(*args)
     out = prefill_attention(*args, block_m=block_m, tile_size=tile_size)
     _close(out, expected, torch.float32)
 
@@ -309,7 +310,7 @@ def test_prefill_half_precision(dtype):
     args = (q, k_cache, v_cache, tables, ctx, starts, 0.15, 17, 40)
     out = TRITON_OPS.paged_prefill_attention(*args)
     assert out.dtype == dtype
-    _close(out, ref.paged_prefill_attention(*args), dtype)
+    _close(out, dense.paged_prefill_attention(*args), dtype)
 
 
 def test_prefill_empty_batch_and_bad_input():
@@ -337,7 +338,7 @@ def test_ops_compose_into_prefill_then_decode():
     # step 1: prompts of 20 and 5 tokens; step 2: one decode token each
     steps = [([20, 5], [0, 20, 25]), ([21, 6], [0, 1, 2])]
     results = {}
-    for ops in (REFERENCE_OPS, TRITON_OPS):
+    for ops in (CPU_OPS, TRITON_OPS):
         k_cache = torch.zeros(5, block_size, num_kv_heads, head_dim, device=DEVICE)
         v_cache = torch.zeros_like(k_cache)
         outs = []
@@ -365,12 +366,12 @@ def test_ops_compose_into_prefill_then_decode():
                 out = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, 21)
             outs.append(out)
         results[ops.name] = (outs, k_cache, v_cache)
-    for got, expected in zip(results["triton"][0], results["reference"][0]):
+    for got, expected in zip(results["triton"][0], results["cpu"][0]):
         _close(got, expected, torch.float32)
-    # rotary may round differently (the reference fuses multiply-adds): close, not equal;
+    # rotary may round differently (the CPU path fuses multiply-adds): close, not equal;
     # store_kv's exact slots are checked on their own above
-    _close(results["triton"][1], results["reference"][1], torch.float32)
-    assert torch.equal(results["triton"][2], results["reference"][2])  # v is not rotated
+    _close(results["triton"][1], results["cpu"][1], torch.float32)
+    assert torch.equal(results["triton"][2], results["cpu"][2])  # v is not rotated
 
 
 # --------------------------------------------------------------------------- norms, rotary, act
@@ -466,7 +467,7 @@ def test_silu_and_mul_empty_and_odd():
 def test_gpu_attention_compiles_at_realistic_shapes(head_dim):
     contexts = [1, 17, 511, 2048, 4097]
     q, k_cache, v_cache, tables, ctx = _decode_case(contexts, 32, 8, head_dim, 16, torch.bfloat16)
-    expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, 4097)
+    expected = dense.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, 4097)
     for num_splits in (None, 1, 8):
         out = decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, 4097, num_splits=num_splits)
         _close(out, expected, torch.bfloat16)
@@ -489,5 +490,5 @@ def test_gpu_decode_replays_in_a_cuda_graph():
     tables.copy_(tables.flip(0))
     graph.replay()
     torch.cuda.synchronize()
-    expected = ref.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, 1000)
+    expected = dense.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.1, 1000)
     _close(out, expected, torch.bfloat16)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
 
+from batchgen.jobs.params import FIELDS, ParamError, check
 from batchgen.worker import SamplingParams
 from batchgen.worker.engine.request import Request
 from batchgen.worker.engine.sampler import Sampler, seeded_uniform
@@ -92,18 +96,43 @@ def test_logprobs_top_k_and_sampled():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"max_tokens": 0}, "max_tokens must be >= 1"),
-        ({"max_tokens": "x"}, "max_tokens must be an integer"),
-        ({"temperature": -1}, "temperature must be >= 0"),
-        ({"temperature": float("nan")}, "temperature must be finite"),
-        ({"top_p": 0}, "top_p must be in (0, 1]"),
-        ({"top_p": 1.5}, "top_p must be in (0, 1]"),
-        ({"top_k": -1}, "top_k must be >= 0"),
-        ({"stop": [""]}, "stop must be a list of non-empty strings"),
-        ({"n": 0}, "n must be >= 1"),
+        ({"max_tokens": 0}, "max_tokens must be an integer from 1 to 1048576, got 0"),
+        ({"max_tokens": "x"}, 'max_tokens must be an integer from 1 to 1048576, got "x"'),
+        ({"temperature": -1}, "temperature must be a number >= 0 and <= 100, got -1"),
+        ({"temperature": float("nan")}, "temperature must be a number >= 0 and <= 100, got NaN"),
+        ({"top_p": 0}, "top_p must be a number in (0, 1], got 0"),
+        ({"top_p": 1.5}, "top_p must be a number in (0, 1], got 1.5"),
+        ({"top_k": -1}, "top_k must be an integer from 0 to 1048576 (0 turns it off), got -1"),
+        ({"stop": [""]}, "each stop string must have 1 to 1000 characters"),
+        ({"n": 0}, "n must be an integer from 1 to 128, got 0"),
+        ({"seed": -1}, "seed must be an integer from 0 to 9223372036854775807, got -1"),
     ],
 )
 def test_bad_params_are_rejected_with_a_message(kwargs, message):
     with pytest.raises(ValueError) as err:
         SamplingParams(**kwargs)
-    assert message in str(err.value)
+    assert str(err.value) == message
+
+
+def test_the_engine_and_the_queue_share_one_sampling_spec():
+    # before: the engine took temperature 150 and penalties of 5 that submit refused,
+    # and wrote its defaults apart from the queue's
+    assert [f.name for f in dataclasses.fields(SamplingParams)] == list(FIELDS)
+    defaults = SamplingParams()
+    assert {name: getattr(defaults, name) for name in FIELDS} == {
+        name: field.default for name, field in FIELDS.items()
+    }
+    bad: list[tuple[str, Any]] = [
+        ("temperature", 150.0), ("presence_penalty", 5.0), ("frequency_penalty", -2.5),
+        ("repetition_penalty", 101.0), ("max_tokens", 1 << 21), ("stop", ["x"] * 17),
+    ]  # fmt: skip
+    for name, value in bad:
+        with pytest.raises(ParamError) as line_error:
+            check(name, value)
+        with pytest.raises(ParamError) as engine_error:
+            SamplingParams(**{name: value})
+        assert str(engine_error.value) == str(line_error.value)
+    # what a line may set is checked the same way in both
+    params = SamplingParams(temperature=1, stop="###", stop_token_ids=[7], seed=3)
+    assert (params.temperature, params.stop, params.stop_token_ids) == (1.0, ("###",), (7,))
+    assert params == SamplingParams(temperature=1.0, stop=("###",), stop_token_ids=(7,), seed=3)

@@ -1,8 +1,9 @@
 """Data plane: the generation engine and the queue loop that feeds it.
 
-``from batchgen.worker import Engine, SamplingParams`` is the Python API. The
-names load on first use, so the worker supervisor (``batchgen.worker.loop``)
-starts without importing torch.
+``from batchgen.worker import Engine, EngineConfig, SamplingParams`` is the
+Python API. The names load on first use, so the worker supervisor
+(``batchgen.worker.loop``) starts without importing torch; ``EngineConfig``
+itself lives in the torch-free ``batchgen.worker.config``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from batchgen.worker.engine import (
         Engine,
+        EngineConfig,
         EngineStats,
         FinishReason,
+        InvalidEngineConfig,
         RequestOutput,
         RequestRejected,
         Sample,
@@ -23,8 +26,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Engine",
+    "EngineConfig",
     "EngineStats",
     "FinishReason",
+    "InvalidEngineConfig",
     "RequestOutput",
     "RequestRejected",
     "Sample",

@@ -56,6 +56,7 @@ def run(
     from batchgen.jobs.records import load_job
     from batchgen.jobs.submit import new_job_id, submit
     from batchgen.jobs.tasks import run_pending
+    from batchgen.worker.config import EngineConfig
     from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig
     from batchgen.worker.loop.engine_api import load_engine
     from batchgen.worker.loop.runner import QueueLoop
@@ -64,6 +65,9 @@ def run(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         stop=stop,
     )  # fmt: skip
+    engine_config = EngineConfig(
+        device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks
+    )
     job_id = check_job_id(job_id) if job_id else new_job_id()
     conn, keys, target = connect(redis_url)
     result = submit(
@@ -76,8 +80,7 @@ def run(
     tag = keys.queue_for_model(model).tag
 
     def engine():
-        return load_engine(model, device=device, max_num_seqs=max_num_seqs,
-                           num_kv_blocks=num_kv_blocks)  # fmt: skip
+        return load_engine(model, engine_config)
 
     api = engine()
     config = LoopConfig(model=model, redis_url=target.url, prefix=prefix_from_env(),

@@ -56,18 +56,22 @@ def worker(
     queue with their tokens so far, then it exits.
     """
     from batchgen.jobs.keys import prefix_from_env
+    from batchgen.worker.config import EngineConfig
     from batchgen.worker.loop.config import LoopConfig
     from batchgen.worker.loop.supervisor import Supervisor, plan_children
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")  # fmt: skip
     plan = plan_children(gpus, device, workers)
+    engine = EngineConfig(
+        device=plan[0]["device"], max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
+        max_model_len=max_model_len,
+    )  # fmt: skip
     conn, _, target = connect(redis_url)
     base = LoopConfig(
         model=model, redis_url=target.url, prefix=prefix_from_env(), burst=burst,
         max_attempts=max_attempts, claim_timeout_s=claim_timeout, drain_timeout_s=drain_timeout,
-        max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
-        device=plan[0]["device"],
+        engine=engine,
     )  # fmt: skip
     sup = Supervisor(conn, base, [p["env"] for p in plan], metrics_port)
     raise SystemExit(sup.run())

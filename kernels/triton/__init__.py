@@ -15,6 +15,7 @@ from batchgen.kernels.triton import (
     norm,
     prefill_attention,
     rotary,
+    step,
     store_kv,
 )
 
@@ -27,6 +28,7 @@ TRITON_OPS = KernelOps(
     store_kv=store_kv.store_kv,
     paged_decode_attention=decode_attention.paged_decode_attention,
     paged_prefill_attention=prefill_attention.paged_prefill_attention,
+    attention=step.TritonAttention,
 )
 
 __all__ = ["TRITON_OPS"]

@@ -8,6 +8,7 @@ themselves only ``assert`` internal invariants.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -80,3 +81,68 @@ def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} must be contiguous in its last dimension (stride {t.stride()})"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class PagedAttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    group: int  # query heads per KV head
+    device: torch.device
+
+
+def check_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+    *,
+    max_head_dim: int,
+    max_group: int,
+    **index_tensors: torch.Tensor,
+) -> PagedAttentionShape:
+    """What the decode and prefill wrappers both require of their arguments.
+
+    q (num_tokens, num_heads, head_dim); caches (num_blocks, block_size,
+    num_kv_heads, head_dim) sharing q's float dtype and strides; block_tables
+    (num_seqs, max_blocks_per_seq), context_lens (num_seqs,) and any other
+    ``index_tensors`` int32/int64; max_context_len within the tables' capacity.
+    """
+    check_dim("q", q, 3, "(num_tokens, num_heads, head_dim)")
+    check_dim("k_cache", k_cache, 4, "(num_blocks, block_size, num_kv_heads, head_dim)")
+    check_dim("block_tables", block_tables, 2, "(num_seqs, max_blocks_per_seq)")
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    check_shape("context_lens", context_lens, (block_tables.shape[0],))
+    if cache_head_dim != head_dim:
+        raise ValueError(f"cache head_dim {cache_head_dim} != q head_dim {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    if head_dim > max_head_dim or group > max_group:
+        raise ValueError(
+            f"head_dim {head_dim} (max {max_head_dim}) or heads per KV head {group} "
+            f"(max {max_group}) beyond the kernel's limits"
+        )
+    if max_context_len > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"max_context_len {max_context_len} exceeds the block table's capacity "
+            f"{block_tables.shape[1]} blocks x {block_size}"
+        )
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
+    index = {"block_tables": block_tables, "context_lens": context_lens, **index_tensors}
+    for name, t in index.items():
+        check_dtype(name, t, INDEX_DTYPES)
+    device = check_device(q=q, k_cache=k_cache, v_cache=v_cache, **index)
+    check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache, **index)
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}"
+        )
+    return PagedAttentionShape(num_heads, num_kv_heads, head_dim, block_size, group, device)

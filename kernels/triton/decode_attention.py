@@ -166,45 +166,51 @@ def decode_attention(
     32 for head_dim > 128). num_warps: per program (4 keeps head_dim 128 at
     ~96 registers without spills on sm_90).
     """
-    checks.check_dim("q", q, 3, "(num_seqs, num_heads, head_dim)")
-    checks.check_dim("k_cache", k_cache, 4, "(num_blocks, block_size, num_kv_heads, head_dim)")
-    num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    checks.check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    checks.check_dim("block_tables", block_tables, 2, "(num_seqs, max_blocks_per_seq)")
-    checks.check_shape("context_lens", context_lens, (num_seqs,))
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
-    if cache_head_dim != head_dim:
-        raise ValueError(f"cache head_dim {cache_head_dim} != q head_dim {head_dim}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    group = num_heads // num_kv_heads
-    if head_dim > MAX_HEAD_DIM or group > MAX_GROUP:
-        raise ValueError(
-            f"head_dim {head_dim} (max {MAX_HEAD_DIM}) or heads per KV head {group} "
-            f"(max {MAX_GROUP}) beyond the kernel's limits"
-        )
-    if max_context_len > block_tables.shape[1] * block_size:
-        raise ValueError(
-            f"max_context_len {max_context_len} exceeds the block table's capacity "
-            f"{block_tables.shape[1]} blocks x {block_size}"
-        )
-    checks.check_dtype("q", q, checks.FLOAT_DTYPES)
-    checks.check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
-    checks.check_dtype("block_tables", block_tables, checks.INDEX_DTYPES)
-    checks.check_dtype("context_lens", context_lens, checks.INDEX_DTYPES)
-    device = checks.check_device(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens
-    )
-    checks.check_last_dim_contiguous(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, context_lens=context_lens
-    )
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError(
-            f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}"
-        )
+    shape = check_decode_args(q, k_cache, v_cache, block_tables, context_lens, max_context_len)
+    return launch_decode(
+        shape, q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
+        num_splits=num_splits, tile_size=tile_size, num_warps=num_warps,
+    )  # fmt: skip
 
+
+def check_decode_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+) -> checks.PagedAttentionShape:
+    shape = checks.check_paged_attention(
+        q, k_cache, v_cache, block_tables, context_lens, max_context_len,
+        max_head_dim=MAX_HEAD_DIM, max_group=MAX_GROUP,
+    )  # fmt: skip
+    if block_tables.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"block_tables has {block_tables.shape[0]} rows for {q.shape[0]} sequences"
+        )
+    return shape
+
+
+def launch_decode(
+    shape: checks.PagedAttentionShape,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+    *,
+    num_splits: int | None = None,
+    tile_size: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """The kernel launch alone, for arguments ``check_decode_args`` accepted
+    (once per step: every layer's arguments have the same shapes and dtypes)."""
+    num_seqs = q.shape[0]
+    num_heads, num_kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    device, group, block_size = shape.device, shape.group, shape.block_size
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=device)
     if num_seqs == 0 or num_heads == 0:
         return out

@@ -165,53 +165,55 @@ def prefill_attention(
     block_m: query rows (tokens x group heads) per program, a power of two >= 16
     and >= the group; tile_size: keys per loop step, a power of two >= 16.
     """
-    checks.check_dim("q", q, 3, "(num_tokens, num_heads, head_dim)")
-    checks.check_dim("k_cache", k_cache, 4, "(num_blocks, block_size, num_kv_heads, head_dim)")
-    checks.check_dim("block_tables", block_tables, 2, "(num_seqs, max_blocks_per_seq)")
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    num_seqs = block_tables.shape[0]
-    checks.check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    checks.check_shape("context_lens", context_lens, (num_seqs,))
-    checks.check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
-    if cache_head_dim != head_dim:
-        raise ValueError(f"cache head_dim {cache_head_dim} != q head_dim {head_dim}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    group = num_heads // num_kv_heads
-    if head_dim > MAX_HEAD_DIM or group > MAX_GROUP:
-        raise ValueError(
-            f"head_dim {head_dim} (max {MAX_HEAD_DIM}) or heads per KV head {group} "
-            f"(max {MAX_GROUP}) beyond the kernel's limits"
-        )
-    if max_context_len > block_tables.shape[1] * block_size:
-        raise ValueError(
-            f"max_context_len {max_context_len} exceeds the block table's capacity "
-            f"{block_tables.shape[1]} blocks x {block_size}"
-        )
+    shape = check_prefill_args(
+        q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+        max_query_len, max_context_len,
+    )  # fmt: skip
+    return launch_prefill(
+        shape, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+        scale, max_query_len, block_m=block_m, tile_size=tile_size,
+    )  # fmt: skip
+
+
+def check_prefill_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_context_len: int,
+) -> checks.PagedAttentionShape:
+    shape = checks.check_paged_attention(
+        q, k_cache, v_cache, block_tables, context_lens, max_context_len,
+        max_head_dim=MAX_HEAD_DIM, max_group=MAX_GROUP, query_start_loc=query_start_loc,
+    )  # fmt: skip
+    checks.check_shape("query_start_loc", query_start_loc, (block_tables.shape[0] + 1,))
     if max_query_len > max(max_context_len, 0):
         raise ValueError(f"max_query_len {max_query_len} > max_context_len {max_context_len}")
-    checks.check_dtype("q", q, checks.FLOAT_DTYPES)
-    checks.check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache)
-    for name, t in (
-        ("block_tables", block_tables),
-        ("context_lens", context_lens),
-        ("query_start_loc", query_start_loc),
-    ):
-        checks.check_dtype(name, t, checks.INDEX_DTYPES)
-    device = checks.check_device(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-        context_lens=context_lens, query_start_loc=query_start_loc,
-    )  # fmt: skip
-    checks.check_last_dim_contiguous(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-        context_lens=context_lens, query_start_loc=query_start_loc,
-    )  # fmt: skip
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError(
-            f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}"
-        )
+    return shape
 
+
+def launch_prefill(
+    shape: checks.PagedAttentionShape,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    *,
+    block_m: int | None = None,
+    tile_size: int | None = None,
+) -> torch.Tensor:
+    """The kernel launch alone, for arguments ``check_prefill_args`` accepted
+    (once per step: every layer's arguments have the same shapes and dtypes)."""
+    num_tokens, num_seqs = q.shape[0], block_tables.shape[0]
+    num_heads, head_dim, group = shape.num_heads, shape.head_dim, shape.group
+    device, block_size, num_kv_heads = shape.device, shape.block_size, shape.num_kv_heads
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
     if num_tokens == 0 or num_seqs == 0 or num_heads == 0 or max_query_len <= 0:
         return out

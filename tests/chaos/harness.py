@@ -10,6 +10,7 @@ things happen".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from batchgen.jobs import tasks
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys
 from batchgen.jobs.records import JobRecord, load_job
 from batchgen.jobs.redis_server import RedisServer
+from batchgen.worker.config import EngineConfig
 from batchgen.worker.loop.config import LoopConfig
 
 KEYS = Keys("bg")
@@ -189,7 +191,12 @@ class Chaos:
     ) -> Proc:  # fmt: skip
         """One engine process, ``python -m batchgen.worker.loop`` (what a supervisor starts)."""
         settings = {**FAST, "device": "cpu", **config}
-        cfg = LoopConfig(model=str(self.model), name=name, redis_url=self.redis_url, **settings)
+        engine_names = {f.name for f in dataclasses.fields(EngineConfig)}
+        engine = EngineConfig(**{k: v for k, v in settings.items() if k in engine_names})
+        loop = {k: v for k, v in settings.items() if k not in engine_names}
+        cfg = LoopConfig(
+            model=str(self.model), name=name, redis_url=self.redis_url, engine=engine, **loop
+        )
         extra = {"BATCHGEN_TEST_CRASH_AT": crash_at} if crash_at else {}
         if poison:
             extra |= self.poison_env(poison)

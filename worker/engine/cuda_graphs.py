@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels import PAD_SLOT_ID
-from batchgen.worker.models.attention import AttentionBatch
+from batchgen.kernels import PAD_SLOT_ID, AttentionBatch
 from batchgen.worker.models.llama import LlamaModel
 
 

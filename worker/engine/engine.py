@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from batchgen.worker.config import EngineConfig
 from batchgen.worker.engine.block_manager import BlockManager
 from batchgen.worker.engine.detokenizer import StopStringMatcher
+from batchgen.worker.engine.loading import EngineLimits, build_engine
 from batchgen.worker.engine.outputs import build_output
 from batchgen.worker.engine.params import SamplingParams
 from batchgen.worker.engine.request import (
@@ -40,19 +42,11 @@ class EngineStats:
     kv_usage: float  # used blocks / all blocks
     num_running: int
     num_waiting: int
-
-
-@dataclass(slots=True)
-class EngineLimits:
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    block_size: int
-    num_kv_blocks: int
+    cuda_graph_replays: int  # decode steps replayed from a captured CUDA graph
 
 
 class Engine:
-    """Build with ``Engine.from_pretrained``; see that for the knobs."""
+    """Build with ``Engine.from_pretrained(path, **settings)`` (settings: ``EngineConfig``)."""
 
     def __init__(
         self,
@@ -86,44 +80,24 @@ class Engine:
         self._generated = 0
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str | os.PathLike[str],
-        device: str | None = None,
-        dtype: str | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        kv_cache_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        use_triton: bool | None = None,
-        use_cuda_graphs: bool = True,
-        seed: int | None = None,
-    ) -> Engine:
+    def from_pretrained(cls, path: str | os.PathLike[str], **kwargs: Any) -> Engine:
         """Loads an HF checkpoint directory (config.json, safetensors, tokenizer).
 
-        device: "cuda", "cpu" or None (CUDA when there is one). dtype: None
-        picks float32 on CPU and the checkpoint's half type (else bfloat16) on
-        CUDA. The KV pool is ``num_kv_blocks`` blocks of ``block_size`` tokens,
-        or as many as fit ``kv_cache_bytes`` (CPU default 1 GiB), or on CUDA
-        ``gpu_memory_utilization`` of the device. ``max_num_batched_tokens``
-        bounds the tokens of one step (long prompts are prefilled in chunks).
-        On CUDA the Triton kernels run (``use_triton=False``: the torch
-        references) and decode steps replay CUDA graphs (``use_cuda_graphs=False``
-        turns that off). ``seed`` seeds the draws of requests without their own.
+        The keyword arguments are ``EngineConfig``'s fields (device, dtype,
+        block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
+        enable_prefix_caching, max_model_len, kv_cache_bytes,
+        gpu_memory_utilization, use_triton, use_cuda_graphs, seed); see it for
+        what each does. An unknown name is a TypeError, a bad value an
+        ``InvalidEngineConfig`` (a ValueError).
         """
-        from batchgen.worker.engine.loading import build_engine
+        return cls.from_config(path, EngineConfig.from_kwargs(kwargs))
 
-        return build_engine(
-            cls, path, device=device, dtype=dtype, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-            kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
-            use_triton=use_triton, use_cuda_graphs=use_cuda_graphs, seed=seed,
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str], config: EngineConfig) -> Engine:
+        loaded = build_engine(path, config)
+        return cls(
+            loaded.runner, loaded.tokenizer, loaded.limits, loaded.eos_token_ids,
+            config.enable_prefix_caching,
         )  # fmt: skip
 
     # -- requests in ----------------------------------------------------------
@@ -281,10 +255,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._requests)
-
     def free_capacity(self) -> int:
         """How many more requests to add now to keep the in-flight set full: a
         running batch of max_num_seqs plus a short queue behind it."""
@@ -302,6 +272,7 @@ class Engine:
             kv_usage=bm.num_used_blocks / bm.num_blocks,
             num_running=len(self.scheduler.running),
             num_waiting=self.scheduler.num_waiting + len(self._parked),
+            cuda_graph_replays=self.runner.num_graph_replays,
         )
 
     # -- batch API --------------------------------------------------------------

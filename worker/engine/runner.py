@@ -8,15 +8,15 @@ varlen prefill kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
+from batchgen.kernels import AttentionBatch
 from batchgen.worker.engine.request import Request
 from batchgen.worker.engine.sampler import Sampler, SampleResult
 from batchgen.worker.engine.scheduler import SchedulerPlan
-from batchgen.worker.models.attention import AttentionBatch
 from batchgen.worker.models.llama import LlamaModel
 
 
@@ -27,6 +27,16 @@ class StepInputs:
     batch: AttentionBatch
     logits_indices: torch.Tensor  # (num_sampling,) rows whose logits we need
     sampling: list[Request]  # the requests those rows belong to
+
+
+class DecodeGraphs(Protocol):
+    """Decode-only steps replayed from captured graphs (``CudaGraphDecoder``)."""
+
+    def can_run(self, num_decodes: int) -> bool: ...
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor: ...
 
 
 def _block_table_array(requests: list[Request], num_blocks: int) -> np.ndarray:
@@ -48,7 +58,7 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler,
         device: torch.device,
-        graphs: CudaGraphDecoder | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -56,6 +66,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.graphs = graphs  # decode-only steps replay these when set
+        self.num_graph_replays = 0
 
     def prepare(self, plan: SchedulerPlan) -> StepInputs:
         bs = self.block_size
@@ -134,9 +145,13 @@ class ModelRunner:
     def run(self, plan: SchedulerPlan) -> tuple[list[Request], SampleResult]:
         """Runs one step; returns the requests that get a token and what they got."""
         inputs = self.prepare(plan)
-        hidden = self.model.forward(
-            inputs.input_ids, inputs.positions, inputs.batch, self.kv_caches
-        )
+        if self.graphs is not None and not plan.prefills and self.graphs.can_run(len(plan.decodes)):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.batch)
+            self.num_graph_replays += 1
+        else:
+            hidden = self.model.forward(
+                inputs.input_ids, inputs.positions, inputs.batch, self.kv_caches
+            )
         if not inputs.sampling:
             return [], SampleResult([], [])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -31,13 +31,7 @@ def main() -> int:
     except BatchgenError as exc:
         logging.error("%s", exc)
         return 3
-    api = load_engine(
-        config.model,
-        device=config.device,
-        max_num_seqs=config.max_num_seqs,
-        num_kv_blocks=config.num_kv_blocks,
-        max_model_len=config.max_model_len,
-    )
+    api = load_engine(config.model, config.engine)
     logging.info("serving %s (max_model_len %d)", config.model, api.engine.max_model_len)
     return QueueLoop(conn, api, config).run()
 

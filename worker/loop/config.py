@@ -8,6 +8,8 @@ import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from batchgen.worker.config import EngineConfig
+
 # The exit status of an engine process whose engine raised in a step (sysexits
 # EX_SOFTWARE): it served, handed its requests back, and wants a fresh engine.
 ENGINE_FAILED_EXIT = 70
@@ -37,11 +39,7 @@ class LoopConfig:
     cancel_poll_s: float = 1.0
     supervisor: str = ""  # the supervisor's id, for metrics
     supervised: bool = False  # SIGINT goes to the supervisor, which forwards SIGTERM
-    # engine settings, passed to Engine.from_pretrained
-    device: str | None = None
-    max_num_seqs: int = 256
-    num_kv_blocks: int | None = None
-    max_model_len: int | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property
     def refresh_s(self) -> float:
@@ -56,4 +54,4 @@ class LoopConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LoopConfig:
-        return cls(**data)
+        return cls(**{**data, "engine": EngineConfig(**data.get("engine", {}))})

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from batchgen.worker.config import EngineConfig
+
 
 class EngineLike(Protocol):
     max_model_len: int
@@ -48,20 +50,7 @@ class EngineAPI:
     rejected: tuple[type[BaseException], ...]  # add_request's "can never run" errors
 
 
-def load_engine(
-    model: str,
-    *,
-    device: str | None = None,
-    max_num_seqs: int = 256,
-    num_kv_blocks: int | None = None,
-    max_model_len: int | None = None,
-) -> EngineAPI:
+def load_engine(model: str, config: EngineConfig) -> EngineAPI:
     worker: Any = importlib.import_module("batchgen.worker")
-    engine = worker.Engine.from_pretrained(
-        model,
-        device=device,
-        max_num_seqs=max_num_seqs,
-        num_kv_blocks=num_kv_blocks,
-        max_model_len=max_model_len,
-    )
+    engine = worker.Engine.from_config(model, config)
     return EngineAPI(engine, worker.SamplingParams, (worker.RequestRejected,))

@@ -10,11 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import KernelOps
-from batchgen.worker.models.attention import AttentionBatch, paged_attention
+from batchgen.kernels import AttentionBatch, KernelOps
 from batchgen.worker.models.config import ModelConfig
 from batchgen.worker.models.rope import rope_tables
-from batchgen.worker.models.weights import ModelWeights
+from batchgen.worker.models.weights import ModelWeights, linear
 
 
 class LlamaModel:
@@ -47,6 +46,8 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, w.embed)  # (T, hidden)
+        # planned once: every layer attends over the same sequences
+        attention = ops.attention(batch, *kv_caches[0], cfg.num_heads, self.scale)
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(w.layers, kv_caches):
             if residual is None:
@@ -54,7 +55,7 @@ class LlamaModel:
                 x = ops.rms_norm(hidden, layer.input_norm, eps)
             else:
                 x, residual = ops.fused_add_rms_norm(hidden, residual, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
             k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -63,10 +64,10 @@ class LlamaModel:
                 q = ops.rms_norm(q.reshape(-1, cfg.head_dim), layer.q_norm, eps).view_as(q)
                 k = ops.rms_norm(k.reshape(-1, cfg.head_dim), layer.k_norm, eps).view_as(k)
             q, k = ops.apply_rotary(q, k, positions, self.cos, self.sin)
-            attn = paged_attention(ops, q, k, v, k_cache, v_cache, batch, self.scale)
-            hidden = F.linear(attn.reshape(num_tokens, self.q_size), layer.o_proj)
+            attn = attention(q, k, v, k_cache, v_cache)
+            hidden = linear(attn.reshape(num_tokens, self.q_size), layer.o_proj)
             x, residual = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, eps)
-            hidden = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            hidden = linear(ops.silu_and_mul(linear(x, layer.gate_up)), layer.down)
         assert residual is not None
         out, _ = ops.fused_add_rms_norm(hidden, residual, w.final_norm, eps)
         return out
@@ -74,4 +75,4 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(num_rows, hidden) -> (num_rows, vocab) fp32."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        return linear(hidden, self.weights.lm_head).float()

@@ -48,7 +48,8 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
 def load_weights(
     path: str | Path, config: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> ModelWeights:
-    """Loads every tensor the model needs, fusing q/k/v and gate/up into one matrix each."""
+    """Loads every tensor the model needs, fusing q/k/v and gate/up into one matrix each
+    and storing projections input-major (see ``weights.py``)."""
     raw = _read_tensors(checkpoint_files(Path(path)))
 
     def take(name: str) -> torch.Tensor:
@@ -68,23 +69,26 @@ def load_weights(
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=qkv.contiguous(),
+                qkv=qkv.t().contiguous(),
                 qkv_bias=bias,
                 q_norm=take(attn + "q_norm.weight") if config.qk_norm else None,
                 k_norm=take(attn + "k_norm.weight") if config.qk_norm else None,
-                o_proj=take(attn + "o_proj.weight"),
+                o_proj=take(attn + "o_proj.weight").t().contiguous(),
                 post_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=torch.cat(
                     [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-                ).contiguous(),
-                down=take(p + "mlp.down_proj.weight"),
+                )
+                .t()
+                .contiguous(),
+                down=take(p + "mlp.down_proj.weight").t().contiguous(),
             )
         )
     embed = take("model.embed_tokens.weight")
     if config.tie_word_embeddings or "lm_head.weight" not in raw:
-        lm_head = embed
+        # a copy is worth its memory on the CPU; CUDA's matmuls take the transposed view as fast
+        lm_head = embed.t().contiguous() if device.type == "cpu" else embed.t()
     else:
-        lm_head = take("lm_head.weight")
+        lm_head = take("lm_head.weight").t().contiguous()
     return ModelWeights(
         embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head
     )

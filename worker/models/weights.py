@@ -1,4 +1,10 @@
-"""The tensors of a Llama-family model, in the fused layout the forward uses."""
+"""The tensors of a Llama-family model, in the layout the forward uses, and its one matmul.
+
+Projections are fused (q/k/v into one matrix, gate/up into another) and
+stored input-major, (in, out), the transpose of HF's (out, in): on the CPU,
+MKL's products with few rows, which is what a decode step is, run 10-30%
+faster with the weight in that layout than as a transposed operand.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +16,14 @@ import torch
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # (hidden,)
-    qkv: torch.Tensor  # ((num_heads + 2 * num_kv_heads) * head_dim, hidden)
+    qkv: torch.Tensor  # (hidden, (num_heads + 2 * num_kv_heads) * head_dim)
     qkv_bias: torch.Tensor | None  # ((num_heads + 2 * num_kv_heads) * head_dim,)
     q_norm: torch.Tensor | None  # (head_dim,), Qwen3
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor  # (hidden, num_heads * head_dim)
+    o_proj: torch.Tensor  # (num_heads * head_dim, hidden)
     post_norm: torch.Tensor  # (hidden,)
-    gate_up: torch.Tensor  # (2 * intermediate, hidden)
-    down: torch.Tensor  # (hidden, intermediate)
+    gate_up: torch.Tensor  # (hidden, 2 * intermediate)
+    down: torch.Tensor  # (intermediate, hidden)
 
 
 @dataclass(slots=True)
@@ -25,4 +31,9 @@ class ModelWeights:
     embed: torch.Tensor  # (vocab, hidden)
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # (hidden,)
-    lm_head: torch.Tensor  # (vocab, hidden); the embedding itself when tied
+    lm_head: torch.Tensor  # (hidden, vocab); tied: the embedding's transpose (a view on CUDA)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (rows, in) @ weight (in, out) (+ bias (out,)) -> (rows, out)."""
+    return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)

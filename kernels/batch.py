@@ -1,0 +1,47 @@
+"""What paged attention reads for one step, and the per-step attention it is planned into.
+
+Every layer of a step attends over the same sequences, so whatever can be
+worked out from the batch alone (argument checks, how to cut the decode rows,
+masks) is worked out once, when the step begins: ``KernelOps.attention(batch,
+...)`` returns a ``StepAttention`` that each layer then calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Where each token's K/V goes and what each sequence attends to.
+
+    The first ``num_decode_tokens`` rows are single-token decodes (one per
+    sequence); the rest are prefill chunks laid back to back.
+    """
+
+    slot_mapping: torch.Tensor  # (num_tokens,) int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) int32
+    decode_context_lens: torch.Tensor  # (num_decodes,) int32
+    decode_max_context_len: int
+    prefill_block_tables: torch.Tensor  # (num_prefills, max_blocks) int32
+    prefill_context_lens: torch.Tensor  # (num_prefills,) int32
+    prefill_query_start_loc: torch.Tensor  # (num_prefills + 1,) int32, from 0
+    prefill_max_query_len: int
+    prefill_max_context_len: int
+
+
+class StepAttention(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """One layer: q (T, H, D), k/v (T, Hk, D) -> (T, H, D); stores k/v into the cache first."""
+        ...

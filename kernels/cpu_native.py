@@ -1,0 +1,218 @@
+"""The CPU path's C functions, compiled at first use.
+
+- paged decode attention: torch can only attend over paged K/V by first
+  gathering each sequence's blocks into a dense copy (every layer, every
+  step) and reading the copy again; this reads K and V once, straight from
+  the blocks the table names: the scores of all query heads of a position
+  (GQA: head h reads KV head h // group), a softmax per head, the weighted
+  sum of V;
+- RMSNorm with an optional residual add, and neox rotary: one pass each
+  where torch takes five to twelve small ops, whose dispatch, not their
+  arithmetic, is what they cost at decode batch sizes.
+
+fp32 throughout; the callers (``cpu_decode.py``, ``cpu_elementwise.py``)
+check what the C code trusts. The library is compiled once per process with
+the machine's C compiler (``$CC``, else cc, gcc or clang; well under a
+second) and called through ctypes, which releases the GIL. Where there is no
+compiler, or the build fails, ``load()`` returns None and the callers keep
+to torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* q (S, H, D) with row/head strides, unit stride in D; k/v caches contiguous
+   (num_blocks, BS, HK, D); tables (S, >= ceil(ctx / BS)) int32 rows; lens (S,)
+   int32; out (S, H, D) contiguous. Returns 0, or 1 when out of memory. */
+int paged_decode_attention_f32(
+    const float *q, int64_t q_stride_s, int64_t q_stride_h,
+    const float *k_cache, const float *v_cache,
+    const int32_t *tables, int64_t table_stride, const int32_t *lens,
+    float *out, int64_t S, int64_t H, int64_t HK, int64_t D, int64_t BS,
+    float scale, int64_t max_len)
+{
+    const int64_t group = H / HK, row = HK * D; /* floats from one position to the next */
+    float *scores = malloc(sizeof(float) * (size_t)(H * (max_len > 0 ? max_len : 1) + H));
+    if (!scores) return 1;
+    float *top = scores + H * max_len;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t n = lens[s];
+        const int32_t *table = tables + s * table_stride;
+        const float *qs = q + s * q_stride_s;
+        float *o = out + s * H * D;
+        for (int64_t i = 0; i < H * D; i++) o[i] = 0.f;
+        if (n == 0) continue; /* a padding row attends to nothing: zeros */
+        for (int64_t h = 0; h < H; h++) top[h] = -INFINITY;
+        for (int64_t p = 0; p < n; p++) { /* scores: K read once, every head of a position together */
+            const float *k = k_cache + ((int64_t)table[p / BS] * BS + p % BS) * row;
+            for (int64_t h = 0; h < H; h++) {
+                const float *qh = qs + h * q_stride_h, *kh = k + (h / group) * D;
+                float dot = 0.f;
+                #pragma omp simd reduction(+:dot)
+                for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
+                dot *= scale;
+                scores[h * n + p] = dot;
+                if (dot > top[h]) top[h] = dot;
+            }
+        }
+        for (int64_t h = 0; h < H; h++) { /* softmax per head */
+            float sum = 0.f, *sh = scores + h * n;
+            for (int64_t p = 0; p < n; p++) { sh[p] = expf(sh[p] - top[h]); sum += sh[p]; }
+            const float inv = 1.f / sum;
+            for (int64_t p = 0; p < n; p++) sh[p] *= inv;
+        }
+        for (int64_t p = 0; p < n; p++) { /* weighted sum: V read once */
+            const float *v = v_cache + ((int64_t)table[p / BS] * BS + p % BS) * row;
+            for (int64_t h = 0; h < H; h++) {
+                const float w = scores[h * n + p], *vh = v + (h / group) * D;
+                float *oh = o + h * D;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) oh[d] += w * vh[d];
+            }
+        }
+    }
+    free(scores);
+    return 0;
+}
+
+/* out[t] = s * w / sqrt(mean(s^2) + eps) with s = x[t] (+ res[t], also written to
+   res_out[t]); x and res rows at their strides, out and res_out (T, N) contiguous. */
+void add_rms_norm_f32(
+    const float *x, int64_t x_stride, const float *res, int64_t res_stride,
+    const float *w, float *out, float *res_out, int64_t T, int64_t N, float eps)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *s = x + t * x_stride;
+        if (res) {
+            const float *r = res + t * res_stride;
+            float *sum = res_out + t * N;
+            #pragma omp simd
+            for (int64_t i = 0; i < N; i++) sum[i] = s[i] + r[i];
+            s = sum;
+        }
+        float squares = 0.f;
+        #pragma omp simd reduction(+:squares)
+        for (int64_t i = 0; i < N; i++) squares += s[i] * s[i];
+        const float inv = 1.f / sqrtf(squares / (float)N + eps);
+        float *o = out + t * N;
+        #pragma omp simd
+        for (int64_t i = 0; i < N; i++) o[i] = s[i] * inv * w[i];
+    }
+}
+
+/* Neox rotary: each head's halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) at its
+   token's position. q (T, H, D) and k (T, HK, D) at their row/head strides; cos, sin
+   (P, D / 2); out (T, H + HK, D) contiguous, q's heads then k's. Returns 1 when a
+   position is outside [0, P). */
+int rotary_f32(
+    const float *q, int64_t q_stride_t, int64_t q_stride_h,
+    const float *k, int64_t k_stride_t, int64_t k_stride_h,
+    const int64_t *positions, const float *cos, const float *sin, int64_t P,
+    float *out, int64_t T, int64_t H, int64_t HK, int64_t D)
+{
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        if (positions[t] < 0 || positions[t] >= P) return 1;
+        const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;
+        for (int64_t h = 0; h < H + HK; h++) {
+            const float *x = h < H ? q + t * q_stride_t + h * q_stride_h
+                                   : k + t * k_stride_t + (h - H) * k_stride_h;
+            float *o = out + (t * (H + HK) + h) * D;
+            #pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                o[i] = x1 * c[i] - x2 * s[i];
+                o[i + half] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+    return 0;
+}
+"""
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+# name -> (argument types, return type)
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "paged_decode_attention_f32": (
+        [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
+         _F32, _I64], ctypes.c_int,
+    ),
+    "add_rms_norm_f32": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
+    "rotary_f32": (
+        [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64],
+        ctypes.c_int,
+    ),
+}  # fmt: skip
+# -march=native where the compiler knows it; -fopenmp-simd vectorises the
+# reductions without OpenMP's runtime (torch has its own thread pool).
+_FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp-simd"],
+    ["-O3", "-fopenmp-simd"],
+    ["-O2"],
+)
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Native:
+    """The compiled functions, called as ``native.paged_decode_attention_f32(...)``."""
+
+    paged_decode_attention_f32: Any
+    add_rms_norm_f32: Any
+    rotary_f32: Any
+
+
+@functools.cache
+def load() -> Native | None:
+    """The compiled library, or None (no compiler, or it failed: said once in the log)."""
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler found ($CC, cc, gcc, clang): the CPU path uses torch only")
+        return None
+    with tempfile.TemporaryDirectory(prefix="batchgen-kernel-") as tmp:
+        source, library = Path(tmp, "cpu_native.c"), Path(tmp, "cpu_native.so")
+        source.write_text(SOURCE)
+        errors = ""
+        for flags in _FLAG_SETS:
+            cmd = [cc, *flags, "-shared", "-fPIC", str(source), "-o", str(library), "-lm"]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                errors = repr(exc)
+                continue
+            if proc.returncode == 0:
+                break
+            errors = proc.stderr.strip()[-500:]
+        else:
+            log.warning("compiling the CPU path's C functions failed (%s); using torch", errors)
+            return None
+        handle = ctypes.CDLL(str(library))  # stays loaded after the file is gone
+    functions = {}
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        function = getattr(handle, name)
+        function.argtypes, function.restype = argtypes, restype
+        functions[name] = function
+    return Native(**functions)

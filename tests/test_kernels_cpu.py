@@ -1,0 +1,298 @@
+"""The CPU path against the plain versions: attention against ``dense.py`` (itself
+checked against a loop over heads and positions), the other ops against naive math."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from batchgen.kernels import cpu_attention, cpu_decode, cpu_elementwise, cpu_native, dense
+from batchgen.kernels import reference as ref
+from batchgen.kernels.cpu_decode_kernel import KernelDecode
+
+
+def _attention_by_loops(q, k, v, scale):
+    """q (q_len, H, D) at the last q_len positions of k/v (ctx, Hk, D), causal."""
+    q_len, num_heads, _ = q.shape
+    ctx, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for t in range(q_len):
+        pos = ctx - q_len + t
+        for h in range(num_heads):
+            kh = k[: pos + 1, h // group]
+            w = torch.softmax((kh @ q[t, h]) * scale, dim=0)
+            out[t, h] = w @ v[: pos + 1, h // group]
+    return out
+
+
+@pytest.mark.parametrize("q_len,ctx", [(1, 1), (1, 40), (5, 5), (7, 30)])
+def test_the_oracle_is_attention_by_loops(q_len, ctx):
+    gen = torch.Generator().manual_seed(q_len * 100 + ctx)
+    q = torch.randn(q_len, 6, 16, generator=gen)
+    k, v = torch.randn(ctx, 2, 16, generator=gen), torch.randn(ctx, 2, 16, generator=gen)
+    torch.testing.assert_close(dense.attend(q, k, v, 0.3), _attention_by_loops(q, k, v, 0.3))
+
+
+def _paged(contexts, num_kv_heads, head_dim, block_size, seed=0):
+    """Random K/V for each sequence, scattered into shuffled blocks of a pool."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-c // block_size) for c in contexts]
+    total = sum(blocks_needed) + 3
+    perm = torch.randperm(total, generator=gen).tolist()
+    k_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen)
+    width = max(blocks_needed)
+    tables = torch.zeros(len(contexts), width, dtype=torch.int32)
+    rows_kv = []
+    for i, (ctx, nb) in enumerate(zip(contexts, blocks_needed)):
+        ids = [perm.pop() for _ in range(nb)]
+        tables[i, :nb] = torch.tensor(ids)
+        tables[i, nb:] = ids[-1]  # tail padded with the sequence's own last block
+        k = k_cache[ids].flatten(0, 1)[:ctx]
+        v = v_cache[ids].flatten(0, 1)[:ctx]
+        rows_kv.append((k, v))
+    return k_cache, v_cache, tables, rows_kv
+
+
+def _dense_of(k_cache, v_cache, tables, contexts):
+    """Each row's own K/V, read through its block table: [(k, v)] of (ctx, Hk, D)."""
+    out = []
+    for i, ctx in enumerate(contexts):
+        ids = tables[i].long()
+        out.append((k_cache[ids].flatten(0, 1)[:ctx], v_cache[ids].flatten(0, 1)[:ctx]))
+    return out
+
+
+def _assert_decode_rows_match_dense(out, q, rows_kv, scale):
+    """Row i of a decode equals dense attention of q[i] over its own K/V."""
+    for i, (k, v) in enumerate(rows_kv):
+        expected = dense.attend(q[i : i + 1], k, v, scale)
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def _decode(path, q, k_cache, v_cache, tables, contexts, scale):
+    """The CPU decode of one layer along ``path`` ("kernel" or "torch"), proven to be taken."""
+    if path == "kernel" and cpu_native._compiler() is None:
+        pytest.skip("no C compiler on this machine: the torch path is the CPU path")
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    plan = cpu_decode.plan_decode(tables, lens, k_cache, v_cache, use_kernel=path == "kernel")
+    assert isinstance(plan, KernelDecode if path == "kernel" else cpu_decode.TorchDecode)
+    return plan(q, k_cache, v_cache, scale)
+
+
+PATHS = ["kernel", "torch"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 3), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_matches_dense(path, num_heads, num_kv_heads, block_size):
+    contexts = [70, 33, 17, 16, 15, 1]  # longest first, as the scheduler orders decodes
+    head_dim = 32
+    k_cache, v_cache, tables, rows_kv = _paged(contexts, num_kv_heads, head_dim, block_size)
+    # q as the engine passes it: a view of the fused q/k/v projection
+    qkv = torch.randn(len(contexts), (num_heads + 2 * num_kv_heads) * head_dim)
+    q = qkv[:, : num_heads * head_dim].view(len(contexts), num_heads, head_dim)
+    scale = 1 / math.sqrt(head_dim)
+    out = _decode(path, q, k_cache, v_cache, tables, contexts, scale)
+    _assert_decode_rows_match_dense(out, q, rows_kv, scale)
+
+
+def test_paged_decode_attention_takes_the_kernel_for_fp32_and_torch_for_bf16():
+    contexts = [40, 17, 3]
+    k_cache, v_cache, tables, rows_kv = _paged(contexts, 2, 16, 16, seed=4)
+    q = torch.randn(3, 4, 16)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    out = cpu_decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 40)
+    _assert_decode_rows_match_dense(out, q, rows_kv, 0.25)
+    half = cpu_decode.paged_decode_attention(
+        q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.25, 40
+    )
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), out, atol=3e-2, rtol=2e-2)
+
+
+def test_the_kernel_compiles_where_there_is_a_compiler():
+    if cpu_native._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    assert cpu_native.load() is not None
+
+
+def test_the_kernel_refuses_block_ids_and_lengths_it_cannot_read():
+    if cpu_native.load() is None:
+        pytest.skip("no C kernel on this machine")
+    k_cache, v_cache, tables, _ = _paged([40, 17], 2, 16, 16)
+    lens = torch.tensor([40, 17], dtype=torch.int32)
+    outside = tables.clone()
+    outside[1, 0] = k_cache.shape[0]  # one past the pool
+    with pytest.raises(ValueError, match="block ids must be in"):
+        cpu_decode.plan_decode(outside, lens, k_cache, v_cache)
+    with pytest.raises(ValueError, match="context lengths must be in"):
+        cpu_decode.plan_decode(tables, torch.tensor([40, 200], dtype=torch.int32), k_cache, v_cache)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 3)])
+def test_prefill_matches_dense_with_cached_prefix(num_heads, num_kv_heads):
+    contexts = [5, 16, 40, 33]
+    q_lens = [5, 3, 17, 1]  # full prompt, chunk after a prefix hit, long chunk, decode
+    head_dim, block_size = 16, 16
+    k_cache, v_cache, tables, rows_kv = _paged(contexts, num_kv_heads, head_dim, block_size)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], num_heads, head_dim)
+    out = cpu_attention.paged_prefill_attention(
+        q, k_cache, v_cache, tables,
+        torch.tensor(contexts, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+        0.25, max(q_lens), max(contexts),
+    )  # fmt: skip
+    for i, (k, v) in enumerate(rows_kv):
+        expected = dense.attend(q[starts[i] : starts[i + 1]], k, v, 0.25)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_store_kv_writes_slots_and_skips_padding():
+    k_cache = torch.zeros(3, 4, 2, 8)
+    v_cache = torch.zeros(3, 4, 2, 8)
+    key = torch.randn(3, 2, 8)
+    value = torch.randn(3, 2, 8)
+    slots = torch.tensor([9, ref.PAD_SLOT_ID, 2])
+    ref.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[2, 1], key[0]) and torch.equal(v_cache[2, 1], value[0])
+    assert torch.equal(k_cache[0, 2], key[2]) and torch.equal(v_cache[0, 2], value[2])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 2  # nothing else written
+
+
+def test_rotary_matches_hf_rotate_half():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    head_dim, base = 16, 10000.0
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    positions = torch.tensor([0, 1, 7, 100])
+    freqs = torch.arange(128).float()[:, None] * inv_freq[None, :]
+    q = torch.randn(4, 3, head_dim)
+    k = torch.randn(4, 1, head_dim)
+    q2, k2 = ref.apply_rotary(q, k, positions, freqs.cos(), freqs.sin())
+    emb = torch.cat((freqs[positions], freqs[positions]), dim=-1)
+    # HF layout: (batch, heads, seq, dim)
+    hq, hk = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos()[None], emb.sin()[None]
+    )
+    torch.testing.assert_close(q2, hq[0].transpose(0, 1))
+    torch.testing.assert_close(k2, hk[0].transpose(0, 1))
+
+
+def test_norms_and_activation():
+    x = torch.randn(5, 12)
+    res = torch.randn(5, 12)
+    w = torch.rand(12) + 0.5
+    expected = w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(ref.rms_norm(x, w, 1e-6), expected)
+    normed, new_res = ref.fused_add_rms_norm(x, res, w, 1e-6)
+    torch.testing.assert_close(new_res, x + res)
+    torch.testing.assert_close(normed, ref.rms_norm(x + res, w, 1e-6))
+    y = torch.randn(5, 8)
+    torch.testing.assert_close(ref.silu_and_mul(y), torch.nn.functional.silu(y[:, :4]) * y[:, 4:])
+
+
+def test_decode_in_length_groups_matches_dense():
+    contexts = sorted([3, 200, 17, 150, 40, 90, 5, 260, 64, 33, 120, 8], reverse=True)
+    assert len(cpu_decode._length_groups(contexts)) > 1  # the grouped path is the one under test
+    head_dim, block_size = 16, 16
+    k_cache, v_cache, tables, rows_kv = _paged(contexts, 2, head_dim, block_size, seed=3)
+    q = torch.randn(len(contexts), 4, head_dim)
+    out = _decode("torch", q, k_cache, v_cache, tables, contexts, 0.25)
+    _assert_decode_rows_match_dense(out, q, rows_kv, 0.25)
+
+
+def test_length_groups_are_contiguous_ranges_of_sorted_rows():
+    lengths = [800, 700, 650, 400, 390, 30, 25, 20, 10, 5]
+    groups = cpu_decode._length_groups(lengths)
+    assert groups == [(0, 4), (4, 5), (5, 10)]
+    assert cpu_decode._length_groups([5, 800, 10]) == [(0, 3)]  # unsorted: one padded group
+    assert cpu_decode._length_groups([100] * 8) == [(0, 8)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_decode_padding_row_with_no_context_yields_zeros(path):
+    # CUDA-graph batches are padded with rows of context 0; their softmax over
+    # nothing used to be NaN. The Triton kernel writes zeros; so does the CPU path.
+    k_cache, v_cache, tables, rows_kv = _paged([17, 3], 2, 16, 16)
+    q = torch.randn(2, 4, 16)
+    out = _decode(path, q, k_cache, v_cache, tables, [17, 0], 0.25)
+    assert torch.equal(out[1], torch.zeros(4, 16))
+    k, v = rows_kv[0]
+    torch.testing.assert_close(out[:1], dense.attend(q[:1], k, v, 0.25))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_decode_of_rows_sharing_prefix_blocks_matches_dense(path):
+    # rows 0, 2 and 4 share their first 2 blocks (a prefix-cache hit), the others not
+    block_size, head_dim = 16, 16
+    gen = torch.Generator().manual_seed(6)
+    k_cache = torch.randn(40, block_size, 2, head_dim, generator=gen)
+    v_cache = torch.randn(40, block_size, 2, head_dim, generator=gen)
+    tables = torch.tensor(
+        [[7, 30, 11], [9, 10, 20], [7, 30, 13], [21, 22, 23], [7, 30, 15]], dtype=torch.int32
+    )
+    contexts = [45, 44, 40, 39, 33]
+    q = torch.randn(5, 4, head_dim, generator=gen)
+    out = _decode(path, q, k_cache, v_cache, tables, contexts, 0.3)
+    rows_kv = _dense_of(k_cache, v_cache, tables, contexts)
+    _assert_decode_rows_match_dense(out, q, rows_kv, 0.3)
+
+
+def _reference_forbidden(monkeypatch, *names):
+    """The C path must not fall back to reference.py for these ops."""
+    for name in names:
+        monkeypatch.setattr(
+            cpu_elementwise.reference, name, lambda *a, **k: pytest.fail("fell back to torch")
+        )
+
+
+def test_norms_in_c_equal_the_reference(monkeypatch):
+    if cpu_native.load() is None:
+        pytest.skip("no C kernel on this machine")
+    gen = torch.Generator().manual_seed(11)
+    fused = torch.randn(5, 3 * 96, generator=gen)
+    x = fused[:, :96]  # rows at a stride, as a view of a wider tensor
+    residual, weight = torch.randn(5, 96, generator=gen), torch.rand(96, generator=gen) + 0.5
+    expected = ref.rms_norm(x, weight, 1e-6), ref.fused_add_rms_norm(x, residual, weight, 1e-5)
+    _reference_forbidden(monkeypatch, "rms_norm", "fused_add_rms_norm")
+    torch.testing.assert_close(cpu_elementwise.rms_norm(x, weight, 1e-6), expected[0])
+    normed, summed = cpu_elementwise.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, expected[1][1])  # one rounding, like torch's add
+    torch.testing.assert_close(normed, expected[1][0])
+
+
+def test_rotary_in_c_equals_the_reference(monkeypatch):
+    if cpu_native.load() is None:
+        pytest.skip("no C kernel on this machine")
+    gen = torch.Generator().manual_seed(12)
+    heads, kv_heads, head_dim, tokens = 6, 2, 16, 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.arange(64).float()[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.tensor([0, 1, 7, 63, 30])
+    expected = ref.apply_rotary(q, k, positions, cos, sin)
+    _reference_forbidden(monkeypatch, "apply_rotary")
+    got = cpu_elementwise.apply_rotary(q, k, positions, cos, sin)
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])
+    with pytest.raises(IndexError, match="outside the table's 64 rows"):
+        cpu_elementwise.apply_rotary(q, k, torch.tensor([0, 1, 2, 64, 3]), cos, sin)
+
+
+def test_other_dtypes_and_layouts_take_the_reference():
+    x = torch.randn(2, 3, 8)  # three dimensions: no single row stride
+    w = torch.rand(8) + 0.5
+    torch.testing.assert_close(cpu_elementwise.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    half = cpu_elementwise.rms_norm(x[0].bfloat16(), w.bfloat16(), 1e-6)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half, ref.rms_norm(x[0].bfloat16(), w.bfloat16(), 1e-6))
