@@ -50,7 +50,7 @@ def _hf_model(path: Path, attn: str = "sdpa"):
         path, dtype=torch.float32, attn_implementation=attn
     )
     model.eval()
-    model.generation_config.eos_token_id = None  # EOS off (HF-FACTS: it is filled in otherwise)
+    model.generation_config.eos_token_id = None  # EOS off: else generate fills in the config's
     return model
 
 

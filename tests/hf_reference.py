@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 # fp32 logits of two different tokens closer than this are a near tie: summation
-# order alone may decide greedy between them (HF-FACTS.md)
+# order alone may decide greedy between them (HF and the engine sum differently)
 TIE_MARGIN = 1e-4
 
 

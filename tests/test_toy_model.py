@@ -81,7 +81,7 @@ def test_greedy_outputs_are_varied(toy_model, arch: str):
     path = toy_model(arch)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
-    model.generation_config.eos_token_id = None  # EOS is filled in otherwise (HF-FACTS)
+    model.generation_config.eos_token_id = None  # else generate fills in the config's EOS
     outputs = []
     for prompt in ("The quick brown fox", "What is the capital of France?", "hello", "Summarise"):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
