@@ -110,3 +110,25 @@ def test_greedy_generations_match_hf_generate(toy_model, arch):
             assert out.finish_reason == expected
     assert ties <= 2, f"{ties} near-tie divergences out of {len(prompts)}"
     assert len({tuple(o.token_ids) for o in outputs}) == len(outputs)  # varied, not one token
+
+
+def test_without_a_c_compiler_the_engine_keeps_to_torch_and_matches_hf(
+    toy_model, monkeypatch, tmp_path, caplog
+):
+    from batchgen.kernels import cpu_native
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc or clang to be found
+    cpu_native.load.cache_clear()
+    try:
+        assert cpu_native.load() is None
+        assert "no C compiler found" in caplog.text
+        path = toy_model("llama")
+        engine = Engine.from_pretrained(path, num_kv_blocks=128)
+        prompts = _prompts(8192, 8, seed=5)
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        for prompt, out in zip(prompts, outputs):
+            ref = hf_greedy(path, prompt, 16, stop_at_eos=False)
+            assert out.token_ids == ref or first_divergence_is_tie(path, prompt, ref, out.token_ids)
+    finally:
+        cpu_native.load.cache_clear()  # the next test compiles again, with the real PATH
