@@ -51,7 +51,11 @@ class SoakConfig:
     seed: int = 1
     requests: int = 300  # per job
     workers: int = 3
-    max_tokens: tuple[int, int] = (4, 16)
+    max_tokens: tuple[int, int] = (16, 48)
+    # a few requests of the job to cancel run this long, so that it cannot be done before
+    # the storm cancels it, however fast the machine (its other rows take a blink)
+    long_requests: int = 3
+    long_tokens: int = 1500
     max_num_seqs: int = 16
     claim_timeout_s: float = 2.0
     max_attempts: int = 20  # kills must never dead-letter an innocent request
@@ -74,6 +78,7 @@ class SoakResult:
     error_rows: int = 0
     lost: int = 0
     duplicated: int = 0
+    cancelled_at: int = 0  # rows the cancelled job had when the cancel landed
     late_cancelled_rows: int = 0  # rows of the cancelled job made after its cancel
     orphan_files: int = 0
     pending_at_end: int = 0
@@ -87,7 +92,7 @@ def job_lines(config: SoakConfig) -> dict[str, list[dict[str, Any]]]:
     rng = random.Random(config.seed)
     lo, hi = config.max_tokens
     words = ["sea", "storm", "harbour", "lighthouse", "gull", "tide", "reef", "anchor", "sail"]
-    return {
+    lines = {
         job: [
             {
                 "id": f"{job}-{i}",
@@ -98,6 +103,9 @@ def job_lines(config: SoakConfig) -> dict[str, list[dict[str, Any]]]:
         ]
         for job in JOBS
     }
+    for i in rng.sample(range(config.requests), config.long_requests):
+        lines["cancelled"][i]["max_tokens"] = config.long_tokens
+    return lines
 
 
 def run_soak(config: SoakConfig, model: Path, workdir: Path, reference: Any = None) -> SoakResult:
@@ -172,7 +180,8 @@ def fault_free(model: Path) -> Any:
 
 def table(results: list[SoakResult]) -> str:
     names = ["seed", "requests", "kills", "restarts", "redis_restarts", "finalize_kills",
-             "broken_s", "rows", "error_rows", "lost", "duplicated", "late_cancelled_rows",
+             "broken_s", "rows", "error_rows", "lost", "duplicated", "cancelled_at",
+             "late_cancelled_rows",
              "orphan_files", "pending_at_end", "keys_left", "wall_s"]  # fmt: skip
     rows = [asdict(r) for r in results]
     widths = [max(len(n), *(len(str(r[n])) for r in rows)) for n in names]

@@ -7,8 +7,9 @@ Every tenth of a second it looks at the jobs and acts:
 - Redis: SIGKILL redis-server once, at a seeded share, and restart it on its
   AOF a second later;
 - cancel: ``batchgen cancel`` the job "cancelled" at a seeded share of its
-  rows, then wait (no kills meanwhile) until every serving worker says when it
-  applied the cancel;
+  short rows (a few of its requests are long: it cannot be done before), its
+  engines stopped meanwhile, then wait (no kills meanwhile) until every
+  serving worker says when it applied the cancel;
 - storage: repair the job "broken" ``broken_for_s`` after its output first
   failed;
 - finalize: SIGKILL the finalizer that froze at its crash point (once).
@@ -16,6 +17,7 @@ Every tenth of a second it looks at the jobs and acts:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -43,6 +45,7 @@ DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 @dataclass(slots=True)
 class CancelRecord:
     at_ms: int = 0  # when `batchgen cancel` returned
+    rows: int = 0  # rows the job had then
     seen: dict[str, int] = field(default_factory=dict)  # worker -> ms it applied the cancel
 
 
@@ -76,7 +79,7 @@ class Storm:
         self.rng = random.Random(config.seed * 7919 + 1)
         self.total = config.requests * len(JOBS)
         self.redis_at = self.rng.uniform(0.3, 0.6)
-        self.cancel_at = self.rng.uniform(0.2, 0.5)
+        self.cancel_at = self.rng.uniform(0.1, 0.4)
         self.next_kill = self._gap()
         self.kills = self.redis_restarts = self.finalize_kills = 0
         self.cancel = CancelRecord()
@@ -110,7 +113,8 @@ class Storm:
                 self.server.start()
                 self.redis_restarts += 1
                 continue
-            if not self.cancel.at_ms and done["cancelled"] >= self.cancel_at * self.config.requests:
+            short = self.config.requests - self.config.long_requests
+            if not self.cancel.at_ms and done["cancelled"] >= self.cancel_at * short:
                 self._cancel()
                 continue
             self._storage(jobs["broken"])
@@ -140,10 +144,27 @@ class Storm:
         return True
 
     def _cancel(self) -> None:
-        done = subprocess.run([*self.cli, "cancel", "cancelled"], env=self.env,
-                              capture_output=True, text=True)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        self.cancel.at_ms = int(time.time() * 1000)
+        """Cancel the job "cancelled" with the CLI while every engine is stopped (SIGSTOP), so
+        no row can land between the decision and the cancel however slow the CLI starts
+        (on a fast machine the job used to finish while ``batchgen`` was still importing)."""
+        engines = list(self._engines())
+        for pid in engines:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.2)  # commits already on the wire land first
+            record = self._job("cancelled")
+            done = int(record.get(b"done", 0)) + int(record.get(b"failed", 0))
+            if done >= self.config.requests:
+                raise AssertionError("the job to cancel finished before the storm cancelled it")
+            ran = subprocess.run([*self.cli, "cancel", "cancelled"], env=self.env,
+                                 capture_output=True, text=True)  # fmt: skip
+            assert ran.returncode == 0, ran.stderr
+            self.cancel.at_ms, self.cancel.rows = int(time.time() * 1000), done
+        finally:
+            for pid in engines:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + 60
         while True:  # every serving worker applies it; no kills meanwhile
             assert time.monotonic() < deadline, "workers did not apply the cancel"
@@ -157,6 +178,15 @@ class Storm:
                 self.cancel.seen = {name: int(ms) for name, ms in seen.items()}
                 return
             time.sleep(0.05)
+
+    def _job(self, job: str) -> dict[bytes, bytes]:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return self.conn.hgetall(self.qk.job(job).job)
+            except DOWN:
+                assert time.monotonic() < deadline, "Redis did not come back"
+                time.sleep(0.1)
 
     def _storage(self, record: dict[bytes, bytes]) -> None:
         if self.broken_s or not record.get(b"storage_error"):
@@ -178,6 +208,7 @@ class Storm:
     def report(self, result: SoakResult, worker_log: str) -> None:
         result.kills, result.redis_restarts = self.kills, self.redis_restarts
         result.finalize_kills, result.broken_s = self.finalize_kills, self.broken_s
+        result.cancelled_at = self.cancel.rows
         result.restarts = len(re.findall(r"worker \d+ exited with .*; restarting", worker_log))
         for name, ok in [("no engine process was killed", self.kills > 0),
                          ("Redis was not restarted", self.redis_restarts == 1),
