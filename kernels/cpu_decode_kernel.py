@@ -21,6 +21,7 @@ class KernelDecode:
     block_tables: torch.Tensor  # (num_seqs, max_blocks) int32, rows contiguous
     context_lens: torch.Tensor  # (num_seqs,) int32 contiguous
     max_context_len: int
+    threads: int = 1  # the C function splits the rows over this many threads
 
     def __call__(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
@@ -39,6 +40,7 @@ class KernelDecode:
             self.block_tables.data_ptr(), self.block_tables.stride(0),
             self.context_lens.data_ptr(), out.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, self.max_context_len,
+            self.threads,
         )  # fmt: skip
         if status != 0:
             raise MemoryError("paged decode attention: no memory for the scores")
@@ -77,4 +79,15 @@ def plan_kernel_decode(
         raise ValueError(f"context lengths must be in [0, {tables.shape[1] * block_size}]")
     if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
         raise ValueError(f"block ids must be in [0, {num_blocks})")
-    return KernelDecode(native, tables, lens, max_len)
+    return KernelDecode(native, tables, lens, max_len, _threads(int(lens.sum()), k_cache))
+
+
+# K/V floats a step's attention reads per layer below which one thread does it all:
+# starting a thread (~30 us) costs more than it saves there
+THREAD_MIN_FLOATS = 1 << 17
+
+
+def _threads(positions: int, k_cache: torch.Tensor) -> int:
+    """As many threads as torch's matmuls use, for a step with enough K/V to read."""
+    floats = 2 * positions * k_cache.shape[2] * k_cache.shape[3]
+    return torch.get_num_threads() if floats >= THREAD_MIN_FLOATS else 1

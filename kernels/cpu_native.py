@@ -5,7 +5,8 @@
   step) and reading the copy again; this reads K and V once, straight from
   the blocks the table names: the scores of all query heads of a position
   (GQA: head h reads KV head h // group), a softmax per head, the weighted
-  sum of V;
+  sum of V; a step's rows split over torch's thread count (pthreads) when
+  there is enough K/V to read;
 - RMSNorm with an optional residual add, and neox rotary: one pass each
   where torch takes five to twelve small ops, whose dispatch, not their
   arithmetic, is what they cost at decode batch sizes.
@@ -35,39 +36,46 @@ log = logging.getLogger(__name__)
 
 SOURCE = r"""
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 /* q (S, H, D) with row/head strides, unit stride in D; k/v caches contiguous
    (num_blocks, BS, HK, D); tables (S, >= ceil(ctx / BS)) int32 rows; lens (S,)
-   int32; out (S, H, D) contiguous. Returns 0, or 1 when out of memory. */
-int paged_decode_attention_f32(
-    const float *q, int64_t q_stride_s, int64_t q_stride_h,
-    const float *k_cache, const float *v_cache,
-    const int32_t *tables, int64_t table_stride, const int32_t *lens,
-    float *out, int64_t S, int64_t H, int64_t HK, int64_t D, int64_t BS,
-    float scale, int64_t max_len)
+   int32; out (S, H, D) contiguous. */
+typedef struct {
+    const float *q; int64_t q_stride_s, q_stride_h;
+    const float *k_cache, *v_cache;
+    const int32_t *tables; int64_t table_stride; const int32_t *lens;
+    float *out; int64_t H, HK, D, BS; float scale; int64_t max_len;
+    int64_t first, last; /* the rows [first, last) this thread does */
+    int status; /* 0, or 1 when out of memory */
+} DecodeRows;
+
+static void *decode_rows(void *arg)
 {
-    const int64_t group = H / HK, row = HK * D; /* floats from one position to the next */
-    float *scores = malloc(sizeof(float) * (size_t)(H * (max_len > 0 ? max_len : 1) + H));
-    if (!scores) return 1;
-    float *top = scores + H * max_len;
-    for (int64_t s = 0; s < S; s++) {
-        const int64_t n = lens[s];
-        const int32_t *table = tables + s * table_stride;
-        const float *qs = q + s * q_stride_s;
-        float *o = out + s * H * D;
+    DecodeRows *a = arg;
+    const int64_t H = a->H, D = a->D, BS = a->BS, group = H / a->HK;
+    const int64_t row = a->HK * D; /* floats from one position to the next */
+    float *scores = malloc(sizeof(float) * (size_t)(H * (a->max_len > 0 ? a->max_len : 1) + H));
+    if (!scores) { a->status = 1; return NULL; }
+    float *top = scores + H * a->max_len;
+    for (int64_t s = a->first; s < a->last; s++) {
+        const int64_t n = a->lens[s];
+        const int32_t *table = a->tables + s * a->table_stride;
+        const float *qs = a->q + s * a->q_stride_s;
+        float *o = a->out + s * H * D;
         for (int64_t i = 0; i < H * D; i++) o[i] = 0.f;
         if (n == 0) continue; /* a padding row attends to nothing: zeros */
         for (int64_t h = 0; h < H; h++) top[h] = -INFINITY;
         for (int64_t p = 0; p < n; p++) { /* scores: K read once, every head of a position together */
-            const float *k = k_cache + ((int64_t)table[p / BS] * BS + p % BS) * row;
+            const float *k = a->k_cache + ((int64_t)table[p / BS] * BS + p % BS) * row;
             for (int64_t h = 0; h < H; h++) {
-                const float *qh = qs + h * q_stride_h, *kh = k + (h / group) * D;
+                const float *qh = qs + h * a->q_stride_h, *kh = k + (h / group) * D;
                 float dot = 0.f;
                 #pragma omp simd reduction(+:dot)
                 for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
-                dot *= scale;
+                dot *= a->scale;
                 scores[h * n + p] = dot;
                 if (dot > top[h]) top[h] = dot;
             }
@@ -79,7 +87,7 @@ int paged_decode_attention_f32(
             for (int64_t p = 0; p < n; p++) sh[p] *= inv;
         }
         for (int64_t p = 0; p < n; p++) { /* weighted sum: V read once */
-            const float *v = v_cache + ((int64_t)table[p / BS] * BS + p % BS) * row;
+            const float *v = a->v_cache + ((int64_t)table[p / BS] * BS + p % BS) * row;
             for (int64_t h = 0; h < H; h++) {
                 const float w = scores[h * n + p], *vh = v + (h / group) * D;
                 float *oh = o + h * D;
@@ -89,7 +97,52 @@ int paged_decode_attention_f32(
         }
     }
     free(scores);
-    return 0;
+    a->status = 0;
+    return NULL;
+}
+
+/* The rows split over up to `threads` threads (the caller's one of them) in
+   contiguous ranges of about equal total context. Returns 0, or 1 when out of
+   memory. */
+int paged_decode_attention_f32(
+    const float *q, int64_t q_stride_s, int64_t q_stride_h,
+    const float *k_cache, const float *v_cache,
+    const int32_t *tables, int64_t table_stride, const int32_t *lens,
+    float *out, int64_t S, int64_t H, int64_t HK, int64_t D, int64_t BS,
+    float scale, int64_t max_len, int64_t threads)
+{
+    enum { MAX_THREADS = 64 };
+    DecodeRows parts[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > S) threads = S > 0 ? S : 1;
+    int64_t total = 0;
+    for (int64_t s = 0; s < S; s++) total += lens[s] + 1;
+    int64_t first = 0, seen = 0;
+    for (int64_t t = 0; t < threads; t++) {
+        int64_t last = first;
+        const int64_t goal = total * (t + 1) / threads;
+        while (last < S && (t == threads - 1 || seen + lens[last] + 1 <= goal || last == first)) {
+            seen += lens[last] + 1;
+            last++;
+        }
+        parts[t] = (DecodeRows){q, q_stride_s, q_stride_h, k_cache, v_cache, tables,
+                                table_stride, lens, out, H, HK, D, BS, scale, max_len,
+                                first, last, 0};
+        first = last;
+    }
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], NULL, decode_rows, &parts[t]) == 0;
+    decode_rows(&parts[0]);
+    int status = parts[0].status;
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else decode_rows(&parts[t]); /* no thread to be had: this one does it */
+        status |= parts[t].status;
+    }
+    return status;
 }
 
 /* out[t] = s * w / sqrt(mean(s^2) + eps) with s = x[t] (+ res[t], also written to
@@ -152,7 +205,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "paged_decode_attention_f32": (
         [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
-         _F32, _I64], ctypes.c_int,
+         _F32, _I64, _I64], ctypes.c_int,
     ),
     "add_rms_norm_f32": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "rotary_f32": (
@@ -197,7 +250,17 @@ def load() -> Native | None:
         source.write_text(SOURCE)
         errors = ""
         for flags in _FLAG_SETS:
-            cmd = [cc, *flags, "-shared", "-fPIC", str(source), "-o", str(library), "-lm"]
+            cmd = [
+                cc,
+                *flags,
+                "-shared",
+                "-fPIC",
+                str(source),
+                "-o",
+                str(library),
+                "-lm",
+                "-pthread",
+            ]
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             except (OSError, subprocess.TimeoutExpired) as exc:

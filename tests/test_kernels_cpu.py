@@ -115,6 +115,39 @@ def test_paged_decode_attention_takes_the_kernel_for_fp32_and_torch_for_bf16():
     torch.testing.assert_close(half.float(), out, atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_the_kernel_splits_rows_over_threads_and_does_every_row(threads):
+    """Rows of very different lengths (and a padding row) over 1..8 threads, more
+    threads than rows too: every row equals the oracle (a row no thread took would
+    hold whatever its fresh memory held)."""
+    if cpu_native.load() is None:
+        pytest.skip("no C kernel on this machine")
+    contexts = [300, 1, 0, 45, 2, 120, 17]
+    k_cache, v_cache, tables, rows_kv = _paged([max(c, 1) for c in contexts], 2, 32, 16, seed=9)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    plan = cpu_decode.plan_decode(tables, lens, k_cache, v_cache)
+    assert isinstance(plan, KernelDecode)
+    plan.threads = threads
+    q = torch.randn(len(contexts), 4, 32)
+    out = plan(q, k_cache, v_cache, 0.2)
+    assert torch.equal(out[2], torch.zeros(4, 32))  # the padding row
+    del contexts[2], rows_kv[2]
+    _assert_decode_rows_match_dense(torch.cat([out[:2], out[3:]]), torch.cat([q[:2], q[3:]]),
+                                    rows_kv, 0.2)  # fmt: skip
+
+
+def test_a_step_with_enough_to_read_takes_torchs_threads():
+    if cpu_native.load() is None:
+        pytest.skip("no C kernel on this machine")
+    k_cache, v_cache, tables, _ = _paged([512] * 8, 2, 64, 16)
+    many = cpu_decode.plan_decode(
+        tables, torch.full((8,), 512, dtype=torch.int32), k_cache, v_cache
+    )
+    few = cpu_decode.plan_decode(tables, torch.full((8,), 3, dtype=torch.int32), k_cache, v_cache)
+    assert isinstance(many, KernelDecode) and isinstance(few, KernelDecode)
+    assert (many.threads, few.threads) == (torch.get_num_threads(), 1)
+
+
 def test_the_kernel_compiles_where_there_is_a_compiler():
     if cpu_native._compiler() is None:
         pytest.skip("no C compiler on this machine")
