@@ -91,8 +91,12 @@ class Impostor:
         self.dir = Path(tempfile.mkdtemp(prefix="impostor-"))
         os.chown(self.dir, NOBODY, NOBODY)
         self.sock = sock or self.dir / "redis.sock"
+        # its own copy of the binary: the venv's may sit in a folder nobody cannot enter
+        binary = self.dir / "redis-server"
+        shutil.copy(find_redis_server(), binary)
+        binary.chmod(0o755)
         self.process = subprocess.Popen(
-            [find_redis_server(), "--port", "0", "--unixsocket", str(self.sock), "--unixsocketperm",
+            [str(binary), "--port", "0", "--unixsocket", str(self.sock), "--unixsocketperm",
              "777", "--dir", str(self.dir), "--save", "", "--appendonly", "no"],
             user=NOBODY, group=NOBODY, extra_groups=[], stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
