@@ -29,7 +29,7 @@ class KernelOps:
     store_kv: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
-    # (batch, k_cache, v_cache, num_heads, scale) -> what every layer of the step calls
+    # (batch, k_cache, v_cache, scale) -> what every layer of the step calls
     attention: Callable[..., StepAttention]
 
 

@@ -20,7 +20,6 @@ class CpuAttention:
         batch: AttentionBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        num_heads: int,
         scale: float,
     ) -> None:
         self.batch = batch

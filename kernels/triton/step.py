@@ -22,7 +22,6 @@ class TritonAttention:
         batch: AttentionBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        num_heads: int,
         scale: float,
     ) -> None:
         self.batch = batch

@@ -47,7 +47,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         hidden = F.embedding(input_ids, w.embed)  # (T, hidden)
         # planned once: every layer attends over the same sequences
-        attention = ops.attention(batch, *kv_caches[0], cfg.num_heads, self.scale)
+        attention = ops.attention(batch, *kv_caches[0], self.scale)
         residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(w.layers, kv_caches):
             if residual is None:
