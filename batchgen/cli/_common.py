@@ -30,8 +30,14 @@ def _hide_password(_ctx: click.Context, _param: click.Parameter, url: str | None
     return url
 
 
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
 def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Job-level sampling defaults; a line's own fields override them."""
+    """Job-level sampling defaults; a line's own fields override them.
+
+    The command receives them checked, as one ``defaults`` dict (``jobs.params``).
+    """
     options = [
         click.option("--max-tokens", type=int, default=None, help="Default 16."),
         click.option("--temperature", type=float, default=None, help="Default 0 (greedy)."),
@@ -42,12 +48,18 @@ def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
             "--stop", multiple=True, metavar="STR", help="Stop string (repeat for several)."
         ),
     ]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        flags = {name: kwargs.pop(name) for name in SAMPLING_FLAGS}
+        return func(*args, defaults=job_defaults(flags), **kwargs)
+
     for option in reversed(options):
-        func = option(func)
-    return func
+        wrapper = option(wrapper)
+    return wrapper
 
 
-def job_defaults(**flags: Any) -> dict[str, Any]:
+def job_defaults(flags: dict[str, Any]) -> dict[str, Any]:
     from batchgen.jobs.params import ParamError, job_defaults
 
     try:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
 from batchgen.cli._common import (
     connect,
     handles_errors,
-    job_defaults,
     redis_option,
     sampling_options,
 )
@@ -43,12 +43,7 @@ def submit(
     prompts: str,
     model: str,
     output: str | None,
-    max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    stop: tuple[str, ...],
+    defaults: dict[str, Any],
     job_id: str | None,
     skip_invalid: bool,
     retention: str | None,
@@ -69,10 +64,6 @@ def submit(
     from batchgen.jobs.submit import new_job_id
     from batchgen.jobs.submit import submit as run_submit
 
-    defaults = job_defaults(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        stop=stop,
-    )  # fmt: skip
     job_id = check_job_id(job_id) if job_id else new_job_id()
     retention_s = keep.parse(retention) if retention else keep.default()
     conn, keys, target = connect(redis_url)
