@@ -41,7 +41,7 @@ def _int_in(low: int, high: int, hint: str = "") -> Callable[[str, Any], Any]:
     def check(name: str, value: Any) -> int:
         if not _is_int(value) or not low <= value <= high:
             raise ParamError(
-                f"{name} must be an integer from {low} to {high}{hint}, got {_show(value)}"
+                f"{name} must be an integer from {low} to {high}{hint}, got {show(value)}"
             )
         return int(value)
 
@@ -55,7 +55,7 @@ def _number_in(
         ok = _is_number(value) and (low < value if low_open else low <= value) and value <= high
         if not ok:
             bounds = what or f"{'>' if low_open else '>='} {low:g} and <= {high:g}"
-            raise ParamError(f"{name} must be a number {bounds}, got {_show(value)}")
+            raise ParamError(f"{name} must be a number {bounds}, got {show(value)}")
         return float(value)
 
     return check
@@ -64,7 +64,7 @@ def _number_in(
 def _stop(name: str, value: Any) -> list[str]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise ParamError(f"{name} must be a string or a list of strings, got {_show(value)}")
+        raise ParamError(f"{name} must be a string or a list of strings, got {show(value)}")
     if len(items) > MAX_STOPS:
         raise ParamError(f"{name} has {len(items)} strings; at most {MAX_STOPS} allowed")
     for s in items:
@@ -75,7 +75,7 @@ def _stop(name: str, value: Any) -> list[str]:
 
 def _stop_token_ids(name: str, value: Any) -> list[int]:
     if not isinstance(value, list) or not all(_is_int(t) and 0 <= t < 1 << 31 for t in value):
-        raise ParamError(f"{name} must be a list of token ids (integers >= 0), got {_show(value)}")
+        raise ParamError(f"{name} must be a list of token ids (integers >= 0), got {show(value)}")
     if len(value) > MAX_STOP_TOKEN_IDS:
         raise ParamError(f"{name} has {len(value)} ids; at most {MAX_STOP_TOKEN_IDS} allowed")
     return list(value)
@@ -83,8 +83,29 @@ def _stop_token_ids(name: str, value: Any) -> list[int]:
 
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ParamError(f"{name} must be true or false, got {_show(value)}")
+        raise ParamError(f"{name} must be true or false, got {show(value)}")
     return value
+
+
+def _structured(name: str, value: Any) -> dict[str, Any] | None:
+    from batchgen.jobs.structured import check_field  # it imports this module
+
+    return check_field(name, value)
+
+
+# Where the grammar decides the end, these would cut a structured output short.
+_NOT_WITH_STRUCTURED = ("stop", "stop_token_ids", "min_tokens")
+
+
+def check_together(values: dict[str, Any]) -> None:
+    """ParamError when two fields set in ``values`` cannot go together."""
+    if values.get("structured_output"):
+        for name in _NOT_WITH_STRUCTURED:
+            if values.get(name):
+                raise ParamError(
+                    f"{name} cannot be combined with structured_output: the constraint "
+                    "decides where the output ends"
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +133,8 @@ FIELDS: dict[str, Field] = {
     "logprobs": Field(None, _int_in(0, MAX_LOGPROBS), in_lines=False),
     "min_tokens": Field(0, _int_in(0, MAX_TOKENS_LIMIT), in_lines=False),
     "skip_special_tokens": Field(True, _bool, in_lines=False),
+    # one constraint (jobs.structured); a line may also write OpenAI's response_format
+    "structured_output": Field(None, _structured),
 }
 
 # What a request line may set, and the check of each.
@@ -143,6 +166,7 @@ def job_defaults(overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
+    """A value as JSON, cut short for an error message."""
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= 60 else text[:57] + "..."
