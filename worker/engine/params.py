@@ -11,7 +11,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from batchgen.jobs.params import FIELDS, check
+from batchgen.jobs.params import FIELDS, check, check_together
+from batchgen.jobs.structured import StructuredOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,8 @@ class SamplingParams:
     logprobs: int | None = FIELDS["logprobs"].default  # top-k logprobs to return per token
     min_tokens: int = FIELDS["min_tokens"].default
     skip_special_tokens: bool = FIELDS["skip_special_tokens"].default
+    # the text must follow this; a queue entry's one-key dict form is taken too
+    structured_output: StructuredOutput | None = FIELDS["structured_output"].default
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -47,8 +50,11 @@ class SamplingParams:
             if value is None and FIELDS[field.name].default is None:
                 continue  # unset
             value = check(field.name, list(value) if isinstance(value, tuple) else value)
+            if field.name == "structured_output":
+                value = StructuredOutput.from_spec(value)
             # lists become tuples: the params stay hashable and immutable
             object.__setattr__(self, field.name, tuple(value) if isinstance(value, list) else value)
+        check_together({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @property
     def greedy(self) -> bool:

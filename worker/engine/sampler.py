@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchgen.worker.engine.request import Request
+from batchgen.worker.engine.structured import apply_masks
 
 _MASK64 = (1 << 64) - 1
 
@@ -46,13 +48,19 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """logits (num_requests, vocab) fp32, one row per request about to get a token."""
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], masks: np.ndarray | None = None
+    ) -> SampleResult:
+        """logits (num_requests, vocab) fp32, one row per request about to get a token;
+        ``masks``: the allowed-token bitmasks of constrained requests (``TokenMasks``).
+        Logprobs are those of the model, before penalties and masks."""
         raw = logits
-        if not any(self._needs_processing(r) for r in requests):
+        if masks is None and not any(self._needs_processing(r) for r in requests):
             tokens = logits.argmax(dim=-1).tolist()
         else:
             logits = logits.clone()
+            if masks is not None:
+                apply_masks(logits, requests, masks)
             self._apply_penalties(logits, requests)
             self._suppress_stop_before_min_tokens(logits, requests)
             tokens = self._pick(logits, requests)

@@ -1,0 +1,143 @@
+"""Constrained decoding with llguidance: compiled grammars, matchers, token masks.
+
+A request with ``structured_output`` carries a matcher (its grammar state). Each
+step, before sampling, the rows of constrained requests get a token bitmask
+(filled in parallel by llguidance's executor, on a thread while the model runs)
+and every token the grammar does not allow gets logit -inf. After sampling the
+matcher consumes the token; when the grammar cannot go on, the request stops.
+
+The matcher follows the output tokens only, so preemption by recompute, prefix
+hits and chunked prefill leave it alone; a resumed request replays its tokens
+into a fresh one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from batchgen.jobs.structured import StructuredOutput, grammar_text
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from batchgen.worker.engine.request import Request
+
+MAX_COMPILED = 256  # distinct grammars kept compiled per engine
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile against this model's tokenizer."""
+
+
+class Grammars:
+    """Compiled grammars by content hash; a request gets a copy of the compiled state.
+
+    A job of 10M rows with one schema compiles it once per worker.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self._hf_tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._lltokenizer: Any = None  # built on first use (~1 s for a large vocabulary)
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        self.num_compiled = 0
+
+    def matcher(self, constraint: StructuredOutput, replay: list[int] | None = None) -> LLMatcher:
+        """A fresh matcher for ``constraint`` that has consumed ``replay`` (resumed tokens)."""
+        compiled = self._compile(constraint)
+        m = compiled.deep_copy()
+        if replay and not m.consume_tokens(replay):
+            raise GrammarError(f"the resumed tokens do not follow the constraint: {m.get_error()}")
+        return m
+
+    def _compile(self, constraint: StructuredOutput) -> LLMatcher:
+        key = constraint.key
+        found = self._compiled.get(key)
+        if found is not None:
+            self._compiled.move_to_end(key)
+            return found
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self._tokenizer(), grammar_text(constraint.spec), log_level=0)
+        if m.is_error():
+            raise GrammarError(m.get_error())
+        self._compiled[key] = m
+        self.num_compiled += 1
+        if len(self._compiled) > MAX_COMPILED:
+            self._compiled.popitem(last=False)
+        return m
+
+    def _tokenizer(self) -> Any:
+        if self._lltokenizer is None:
+            import llguidance.hf
+
+            self._lltokenizer = llguidance.hf.from_tokenizer(
+                self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos
+            )
+        return self._lltokenizer
+
+
+class TokenMasks:
+    """Fills the allowed-token bitmasks of a step's constrained rows off the main thread."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._buffer = np.empty((0, self.words), dtype=np.int32)
+        self._executor: Any = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="token-masks")
+        self.fill_seconds = 0.0  # spent filling masks (on the thread)
+        self.wait_seconds = 0.0  # of that, what the step waited for after the model ran
+
+    def start(self, requests: list[Request]) -> Future[np.ndarray] | None:
+        """Begins filling masks for the constrained ones among ``requests`` (None: none)."""
+        rows = [(r.matcher, i) for i, r in enumerate(requests) if r.matcher is not None]
+        if not rows:
+            return None
+        if self._buffer.shape[0] < len(requests):
+            self._buffer = np.empty((max(len(requests), 2 * self._buffer.shape[0]), self.words),
+                                    dtype=np.int32)  # fmt: skip
+        target = self._buffer[: len(requests)]
+        return self._thread.submit(self._fill, rows, target)
+
+    def wait(self, pending: Future[np.ndarray]) -> np.ndarray:
+        start = time.perf_counter()
+        masks = pending.result()
+        self.wait_seconds += time.perf_counter() - start
+        return masks
+
+    def _fill(self, rows: list[tuple[LLMatcher, int]], target: np.ndarray) -> np.ndarray:
+        from llguidance import LLExecutor
+
+        start = time.perf_counter()
+        if self._executor is None:
+            self._executor = LLExecutor()
+        target.fill(-1)  # unconstrained rows allow everything
+        self._executor.unsafe_compute_mask_ptr(
+            rows, target.ctypes.data, self.words * 4, target.shape[0]
+        )
+        self.fill_seconds += time.perf_counter() - start
+        return target
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_masks(logits: torch.Tensor, requests: list[Request], masks: np.ndarray) -> None:
+    """Sets the logits of disallowed tokens to -inf in the constrained rows."""
+    rows = [i for i, r in enumerate(requests) if r.matcher is not None]
+    index = torch.tensor(rows, device=logits.device)
+    words = torch.from_numpy(masks[rows]).to(logits.device)
+    bits = (words.unsqueeze(-1) >> _SHIFTS.to(logits.device)) & 1
+    allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].bool()
+    if allowed.shape[1] < logits.shape[1]:  # ids past the mask's words are never allowed
+        pad = logits.shape[1] - allowed.shape[1]
+        allowed = torch.cat([allowed, allowed.new_zeros(len(rows), pad)], dim=1)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
