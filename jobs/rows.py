@@ -34,6 +34,8 @@ SCHEMA = pa.schema(
         pa.field("queued_at", _TS),
         pa.field("finished_at", _TS),
         pa.field("metadata", pa.string()),  # the line's metadata object, as JSON
+        # the output constraint's kind (json, json_object, regex, choice, grammar), or null
+        pa.field("structured", pa.string()),
     ]
 )
 
@@ -55,6 +57,7 @@ class Row:
     queued_at: int | None = None  # unix ms
     finished_at: int | None = None  # unix ms
     metadata: str | None = None
+    structured: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -87,6 +90,7 @@ def to_table(rows: Sequence[Row]) -> pa.Table:
         columns["queued_at"].append(row.queued_at)
         columns["finished_at"].append(row.finished_at)
         columns["metadata"].append(row.metadata)
+        columns["structured"].append(row.structured)
     return pa.Table.from_pydict(columns, schema=SCHEMA)
 
 

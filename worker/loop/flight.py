@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from batchgen.jobs.queue import Delivery
 from batchgen.jobs.rows import FinishReason, Row
+from batchgen.jobs.structured import kind_of
 
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
@@ -24,6 +25,10 @@ class Flight:
 def _metadata(delivery: Delivery) -> str | None:
     md = delivery.request.get("md")
     return json.dumps(md, ensure_ascii=False, separators=(",", ":")) if md else None
+
+
+def _structured(delivery: Delivery) -> str | None:
+    return kind_of(delivery.request.get("s", {}).get("structured_output"))
 
 
 def now_ms() -> int:
@@ -51,6 +56,7 @@ def output_row(flight: Flight, out, worker: str) -> Row:
         queued_at=d.queued_at,
         finished_at=now_ms(),
         metadata=_metadata(d),
+        structured=_structured(d),
     )
 
 
@@ -68,4 +74,5 @@ def error_row(delivery: Delivery, error: str, worker: str, prompt_tokens: int = 
         queued_at=delivery.queued_at,
         finished_at=now_ms(),
         metadata=_metadata(delivery),
+        structured=_structured(delivery),
     )
