@@ -158,5 +158,5 @@ class ModelRunner:
         if not inputs.sampling:
             return [], SampleResult([], [])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        masks = self.masks.wait(pending) if pending is not None else None
+        masks = self.masks.wait(pending, logits.device) if pending is not None else None
         return inputs.sampling, self.sampler(logits, inputs.sampling, masks)

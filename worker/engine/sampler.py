@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from batchgen.worker.engine.request import Request
@@ -49,10 +48,10 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request], masks: np.ndarray | None = None
+        self, logits: torch.Tensor, requests: list[Request], masks: torch.Tensor | None = None
     ) -> SampleResult:
         """logits (num_requests, vocab) fp32, one row per request about to get a token;
-        ``masks``: the allowed-token bitmasks of constrained requests (``TokenMasks``).
+        ``masks``: True where a constrained request may not take a token (``TokenMasks``).
         Logprobs are those of the model, before penalties and masks."""
         raw = logits
         if masks is None and not any(self._needs_processing(r) for r in requests):
@@ -60,7 +59,7 @@ class Sampler:
         else:
             logits = logits.clone()
             if masks is not None:
-                apply_masks(logits, requests, masks)
+                apply_masks(logits, masks)
             self._apply_penalties(logits, requests)
             self._suppress_stop_before_min_tokens(logits, requests)
             tokens = self._pick(logits, requests)

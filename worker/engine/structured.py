@@ -78,66 +78,58 @@ class Grammars:
         if self._lltokenizer is None:
             import llguidance.hf
 
-            self._lltokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos
-            )
+            try:
+                self._lltokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos
+                )
+            except (ValueError, TypeError) as exc:  # e.g. a slow (Python) tokenizer
+                raise GrammarError(f"this model's tokenizer cannot be constrained: {exc}") from None
         return self._lltokenizer
 
 
 class TokenMasks:
-    """Fills the allowed-token bitmasks of a step's constrained rows off the main thread."""
+    """Fills the disallowed-token masks of a step's constrained rows off the main thread.
+
+    llguidance writes one bit per token; the thread also unpacks the bits, so all
+    the step itself does is one ``masked_fill_`` over the logits.
+    """
 
     def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size  # the logits' width (the model's vocabulary)
         self.words = (vocab_size + 31) // 32
-        self._buffer = np.empty((0, self.words), dtype=np.int32)
         self._executor: Any = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="token-masks")
         self.fill_seconds = 0.0  # spent filling masks (on the thread)
         self.wait_seconds = 0.0  # of that, what the step waited for after the model ran
 
-    def start(self, requests: list[Request]) -> Future[np.ndarray] | None:
-        """Begins filling masks for the constrained ones among ``requests`` (None: none)."""
+    def start(self, requests: list[Request]) -> Future[torch.Tensor] | None:
+        """Begins the masks of ``requests`` (rows in that order; None: none is constrained)."""
         rows = [(r.matcher, i) for i, r in enumerate(requests) if r.matcher is not None]
         if not rows:
             return None
-        if self._buffer.shape[0] < len(requests):
-            self._buffer = np.empty((max(len(requests), 2 * self._buffer.shape[0]), self.words),
-                                    dtype=np.int32)  # fmt: skip
-        target = self._buffer[: len(requests)]
-        return self._thread.submit(self._fill, rows, target)
+        return self._thread.submit(self._fill, rows, len(requests))
 
-    def wait(self, pending: Future[np.ndarray]) -> np.ndarray:
+    def wait(self, pending: Future[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """(rows, vocab) bool on ``device``: True where a token is not allowed."""
         start = time.perf_counter()
         masks = pending.result()
         self.wait_seconds += time.perf_counter() - start
-        return masks
+        return masks.to(device, non_blocking=True)
 
-    def _fill(self, rows: list[tuple[LLMatcher, int]], target: np.ndarray) -> np.ndarray:
+    def _fill(self, rows: list[tuple[LLMatcher, int]], num_rows: int) -> torch.Tensor:
         from llguidance import LLExecutor
 
         start = time.perf_counter()
         if self._executor is None:
             self._executor = LLExecutor()
-        target.fill(-1)  # unconstrained rows allow everything
-        self._executor.unsafe_compute_mask_ptr(
-            rows, target.ctypes.data, self.words * 4, target.shape[0]
-        )
+        bits = np.full((num_rows, self.words), -1, dtype=np.int32)  # unconstrained: all allowed
+        self._executor.unsafe_compute_mask_ptr(rows, bits.ctypes.data, self.words * 4, num_rows)
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+        disallowed = torch.from_numpy(allowed[:, : self.vocab_size] == 0)
         self.fill_seconds += time.perf_counter() - start
-        return target
+        return disallowed
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def apply_masks(logits: torch.Tensor, requests: list[Request], masks: np.ndarray) -> None:
-    """Sets the logits of disallowed tokens to -inf in the constrained rows."""
-    rows = [i for i, r in enumerate(requests) if r.matcher is not None]
-    index = torch.tensor(rows, device=logits.device)
-    words = torch.from_numpy(masks[rows]).to(logits.device)
-    bits = (words.unsqueeze(-1) >> _SHIFTS.to(logits.device)) & 1
-    allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].bool()
-    if allowed.shape[1] < logits.shape[1]:  # ids past the mask's words are never allowed
-        pad = logits.shape[1] - allowed.shape[1]
-        allowed = torch.cat([allowed, allowed.new_zeros(len(rows), pad)], dim=1)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> None:
+    """Sets the logits of disallowed tokens (``TokenMasks.wait``) to -inf."""
+    logits.masked_fill_(masks, float("-inf"))
