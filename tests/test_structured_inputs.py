@@ -219,3 +219,19 @@ def test_cli_flags_set_the_job_default_and_refuse_bad_ones(redis_url, tmp_path):
         out = _cli("submit", str(prompts), "--model", "m", *flags, env=env)
         assert out.returncode == 2 and message in out.stderr, (flags, out.stderr)
         assert "Traceback" not in out.stderr
+
+
+def _readme_section() -> str:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return text.split("### Structured output", 1)[1].split("\n### ", 1)[0]
+
+
+def test_the_readme_examples_are_accepted_as_written():
+    fences = _readme_section().split("```")[1::2]
+    lines = [line for line in fences[0].strip().splitlines() if "..." not in line]
+    assert len(lines) == 5
+    kinds = [next(iter(_entry(json.loads(line))["s"]["structured_output"])) for line in lines]
+    assert kinds == ["json", "json_object", "regex", "choice", "grammar"]
+    grammar = fences[1].strip().replace("\n  ", "\n")
+    assert grammar.startswith("start:")
+    assert structured.check_spec({"grammar": grammar}) == {"grammar": grammar}
