@@ -19,8 +19,10 @@ MAX_TOKENS_LIMIT = 1 << 20  # far above any context window; 10**9 is a typo
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 64
-MAX_SAMPLES = 128  # n
+MAX_SAMPLES = 16  # n
 MAX_LOGPROBS = 20  # top logprobs per token
+MAX_LOGIT_BIAS = 300  # entries
+MAX_BIAS = 100.0
 
 
 class ParamError(ValueError):
@@ -81,6 +83,25 @@ def _stop_token_ids(name: str, value: Any) -> list[int]:
     return list(value)
 
 
+def _logit_bias(name: str, value: Any) -> dict[str, float]:
+    """{token id: bias}; JSON keys are strings, the Python API may give ints."""
+    if not isinstance(value, dict):
+        raise ParamError(f"{name} must be an object of token id -> bias, got {show(value)}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ParamError(f"{name} has {len(value)} entries; at most {MAX_LOGIT_BIAS} allowed")
+    out: dict[str, float] = {}
+    for key, bias in value.items():
+        token = key if _is_int(key) else int(key) if isinstance(key, str) and key.isdigit() else -1
+        if not 0 <= token < 1 << 31:
+            raise ParamError(f"{name} keys must be token ids (integers >= 0), got {show(key)}")
+        if not _is_number(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise ParamError(
+                f"{name} values must be numbers from -{MAX_BIAS:g} to {MAX_BIAS:g}, got {show(bias)}"
+            )
+        out[str(token)] = float(bias)
+    return out
+
+
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ParamError(f"{name} must be true or false, got {show(value)}")
@@ -129,8 +150,10 @@ FIELDS: dict[str, Field] = {
     "repetition_penalty": Field(1.0, _number_in(0.0, 100.0, low_open=True)),
     "presence_penalty": Field(0.0, _number_in(-2.0, 2.0)),
     "frequency_penalty": Field(0.0, _number_in(-2.0, 2.0)),
-    "n": Field(1, _int_in(1, MAX_SAMPLES), in_lines=False),
-    "logprobs": Field(None, _int_in(0, MAX_LOGPROBS), in_lines=False),
+    "n": Field(1, _int_in(1, MAX_SAMPLES)),
+    # top alternatives per generated token; 0: the chosen token's logprob alone
+    "logprobs": Field(None, _int_in(0, MAX_LOGPROBS)),
+    "logit_bias": Field(None, _logit_bias),
     "min_tokens": Field(0, _int_in(0, MAX_TOKENS_LIMIT), in_lines=False),
     "skip_special_tokens": Field(True, _bool, in_lines=False),
     # one constraint (jobs.structured); a line may also write OpenAI's response_format

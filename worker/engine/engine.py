@@ -112,6 +112,10 @@ class Engine:
         )
         return list(ids)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone, as logprobs show it."""
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
     def add_request(
         self,
         request_id: str,
@@ -187,6 +191,14 @@ class Engine:
             )
         if len(resumed) >= params.max_tokens:
             raise RequestRejected(request_id, "resumed tokens already reach max_tokens")
+        if resumed and params.n > 1:
+            raise RequestRejected(request_id, "only a request with n = 1 resumes from tokens")
+        outside = [t for t, _ in params.bias_pairs if t >= vocab]
+        if outside:
+            raise RequestRejected(
+                request_id,
+                f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})",
+            )
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

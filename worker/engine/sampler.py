@@ -61,6 +61,7 @@ class Sampler:
             if masks is not None:
                 apply_masks(logits, masks)
             self._apply_penalties(logits, requests)
+            self._apply_logit_bias(logits, requests)
             self._suppress_stop_before_min_tokens(logits, requests)
             tokens = self._pick(logits, requests)
         return SampleResult(tokens, self._logprobs(raw, requests, tokens))
@@ -68,7 +69,12 @@ class Sampler:
     @staticmethod
     def _needs_processing(r: Request) -> bool:
         p = r.params
-        return not p.greedy or p.has_penalties or r.num_output_tokens < p.min_tokens
+        return (
+            not p.greedy
+            or p.has_penalties
+            or p.logit_bias is not None
+            or r.num_output_tokens < p.min_tokens
+        )
 
     # -- logit processors -----------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
@@ -93,6 +99,15 @@ class Sampler:
                 row -= p.frequency_penalty * counts
             if p.presence_penalty:
                 row -= p.presence_penalty * (counts > 0).float()
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+        for i, r in enumerate(requests):
+            pairs = r.params.bias_pairs
+            if pairs:
+                ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+                bias = torch.tensor([b for _, b in pairs], device=logits.device)
+                logits[i].index_add_(0, ids, bias.to(logits.dtype))
 
     def _suppress_stop_before_min_tokens(
         self, logits: torch.Tensor, requests: list[Request]
