@@ -139,7 +139,7 @@ def _openai(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) ->
     try:
         params = body_params(body, chat=kind == "messages")
     except BodyError as exc:
-        raise _FieldError(("body", exc.field), exc.message) from None
+        raise _FieldError(("body", exc.field), exc.message, exc.at_key) from None
     paths: dict[str, tuple[str, ...]] = {
         name: ("body", key) for key, name in PARAMS.items() if key in body
     }

@@ -37,10 +37,11 @@ FIELDS = frozenset(
 
 
 class BodyError(Exception):
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, at_key: bool = False) -> None:
         super().__init__(message)
         self.field = field  # the body field at fault
         self.message = message
+        self.at_key = at_key  # point at the field's name (refused fields), not its value
 
 
 def body_params(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -51,7 +52,7 @@ def body_params(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     """
     for key in body:
         if key in UNSUPPORTED:
-            raise BodyError(key, f"body.{key} is not supported by batchgen")
+            raise BodyError(key, f"body.{key} is not supported by batchgen", at_key=True)
         if key in FIXED and body[key] != FIXED[key]:
             raise BodyError(key, f"body.{key} = {show(body[key])} is not supported by batchgen "
                             f"(only {show(FIXED[key])})")  # fmt: skip
