@@ -242,3 +242,19 @@ def test_a_mixed_file_through_a_worker_gives_logprobs_and_choices(
     table = pq.read_table(tmp_path / "dialect.parquet")
     assert table.schema.field("choices").type.value_type == CHOICES.value_type
     assert table.schema.field("logprobs").type.value_type == LOGPROBS.value_type
+
+
+def test_n_samples_restart_rather_than_resume_from_one_token_list(engine):
+    from batchgen.jobs.queue import Delivery
+    from batchgen.worker import RequestRejected
+    from batchgen.worker.loop.flight import resumable
+
+    with pytest.raises(RequestRejected, match="only a request with n = 1 resumes from tokens"):
+        engine.add_request("n2", "hi", SamplingParams(n=2), resume_token_ids=[5, 6])
+
+    def delivery(n: int) -> Delivery:
+        request = {"p": "hi", "s": {"n": n}}
+        return Delivery(entry_id="1-0", job_id="j", index=0, request=request)
+
+    assert resumable(delivery(1), [5, 6]) == [5, 6]
+    assert resumable(delivery(2), [5, 6]) == []
