@@ -17,7 +17,8 @@ and only if ``enqueued`` still equals the chunk's start. So:
   refused;
 - with ``wait_s``, a Redis that goes away mid-file (a restart) is waited for,
   and appending goes on from the job's ``enqueued``: nothing twice, nothing
-  skipped.
+  skipped; through Sentinel a failover is such an outage, and the last chunk
+  waits for a replica before submit reports success (sentinel.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from batchgen.jobs.lifecycle import CREATE, JobState, script
 from batchgen.jobs.names import check_job_id
 from batchgen.jobs.ownership import claim, new_token
 from batchgen.jobs.records import JobRecord
+from batchgen.jobs.sentinel import replicated
 from batchgen.jobs.storage import OutputDir
 from batchgen.jobs.validate import SpoolDir, validate_file
 
@@ -160,6 +162,7 @@ def submit(
                         "to enqueue the rest"
                     ) from exc
                 position = after
+        replicated(conn)  # through Sentinel: every chunk on a replica before we say so
         appended = position - start
     return SubmitResult(
         job_id, checked.total, checked.error_count, checked.errors, appended, resumed
