@@ -4,7 +4,7 @@ worker host is cut off mid-job past the claim timeout, then reconnected. Checks
 exactly one row per line with tokens equal to a fault-free run, and prints how long
 the cut lasted and the job took. Needs root and iproute2. Run from the repo root:
 
-    .venv/bin/python -m benchmarks.fleet_hosts --workers 4 --lines 200
+    .venv/bin/python -m benchmarks.fleet_hosts --workers 4 --lines 120
 """
 
 from __future__ import annotations
