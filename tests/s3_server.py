@@ -2,13 +2,11 @@
 the test's own: a real S3 API over HTTP that pyarrow's own S3 client reaches.
 
 moto keeps objects in memory, so a restart would empty it: a test takes the store
-away with ``Gate`` (refused connections) or ``pause`` (SIGSTOP: requests hang)."""
+away with ``Gate`` (its address refuses connections), which leaves moto running."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
 import struct
 import subprocess
@@ -29,7 +27,6 @@ class MotoServer:
     def __init__(self, log: Path, host: str = "127.0.0.1", port: int | None = None) -> None:
         self.log, self.host, self.port = log, host, port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
-        self.paused_at = 0.0
 
     @property
     def endpoint(self) -> str:
@@ -55,18 +52,8 @@ class MotoServer:
                 assert alive and time.monotonic() < deadline, self.log.read_text()
                 time.sleep(0.1)
 
-    def pause(self) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGSTOP)
-        self.paused_at = time.monotonic()
-
-    def resume(self) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGCONT)
-
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGCONT)
             self.process.kill()
         if self.process is not None:
             self.process.wait()
