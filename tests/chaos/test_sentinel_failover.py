@@ -18,8 +18,11 @@ from typing import Any
 
 import pytest
 import redis
+from click.testing import CliRunner
 
+from batchgen.cli import main
 from batchgen.jobs import sentinel
+from batchgen.jobs import submit as submit_mod
 from batchgen.jobs.connection import connect
 from batchgen.jobs.errors import RedisUnavailable
 from batchgen.jobs.redis_server import RedisServer, find_redis_server, free_port
@@ -184,3 +187,33 @@ def test_sigkill_of_the_primary_mid_job_fails_over_and_loses_nothing(
         assert chaos.conn.connection_pool.get_master_address()[1] == sentinels.replica.port
     finally:
         chaos.stop_all()
+
+
+def test_a_submit_in_flight_when_the_primary_dies_enqueues_every_line_once(
+    sentinels, tmp_path, monkeypatch
+):
+    """SIGKILL of the primary between two of a submit's chunks: the submit waits for
+    the promoted replica, re-reads the job's counter there (chunks the replica never
+    got are appended again, none twice) and finishes: every line once, in order."""
+    monkeypatch.setattr(submit_mod, "CHUNK_ENTRIES", 100)
+    monkeypatch.setenv("BATCHGEN_REDIS_WAIT", "30")
+    original, sent = submit_mod._ChunkSender.send, []
+
+    def send(sender, start: int, chunk: list[bytes]) -> None:
+        sent.append(start)
+        if len(sent) == 5:
+            sentinels.primary.kill()
+        original(sender, start, chunk)
+
+    monkeypatch.setattr(submit_mod._ChunkSender, "send", send)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"line {i}"} for i in range(2000)])
+    args = ["submit", str(src), "--model", "m", "--job-id", "big", "--output",
+            str(tmp_path / "out"), "--redis", sentinels.url]  # fmt: skip
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert (result.exit_code, result.output) == (0, "big\n")
+    assert sentinels.master_port() == sentinels.replica.port
+    chaos = SentinelChaos(sentinels.url, Path("m"), tmp_path)
+    indices = sorted(int(f[b"i"]) for _, f in chaos.conn.xrange(chaos.qk.stream))
+    assert indices == list(range(2000))  # every line once
+    record = chaos.record("big")
+    assert (record.enqueued, record.total) == (2000, 2000)
