@@ -66,7 +66,8 @@ class FleetChaos(Chaos):
 
     def listing(self, job_id: str) -> list[str]:
         fs = pafs.S3FileSystem(endpoint_override=self.store, scheme="http")
-        found = fs.get_file_info(pafs.FileSelector(f"{BUCKET}/out/{job_id}", recursive=True))
+        where = pafs.FileSelector(f"{BUCKET}/out/{job_id}", recursive=True, allow_not_found=True)
+        found = fs.get_file_info(where)
         return sorted(i.base_name for i in found if i.type == pafs.FileType.File)
 
 

@@ -47,6 +47,10 @@ def test_a_worker_host_cut_off_mid_job_is_taken_over_exactly_once(
         late = beat["counters"]
         # what it held went to the others: released on its return, or its commit lost
         assert late.get("stolen", 0) + late.get("rows_lost_to_duplicates", 0) >= 1, late
+        deleted = chaos.cli("delete", "net", "--outputs")  # from the client host too
+        assert deleted.returncode == 0, deleted.stderr
+        assert chaos.conn.keys("*net*") == [] and chaos.conn.hget("bg:jobs", "net") is None
+        assert chaos.listing("net") == []
 
 
 LISTEN = (
