@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 
 from batchgen.jobs.errors import InlineCredentials, UsageError
 from batchgen.jobs.names import inline_credentials
+from batchgen.jobs.storage import open_uri
 
 COPY_CHUNK = 8 << 20
 
@@ -33,7 +33,7 @@ def local_copy(source: str, folder: Path) -> str:
         raise InlineCredentials(f"cannot read the prompts: {reason}")
     target = folder / "prompts.jsonl"
     try:
-        fs, path = pafs.FileSystem.from_uri(source)
+        fs, path = open_uri(source)
         with fs.open_input_stream(path) as src, open(target, "wb") as out:
             while chunk := src.read(COPY_CHUNK):
                 out.write(chunk)

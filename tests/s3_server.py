@@ -2,11 +2,13 @@
 the test's own: a real S3 API over HTTP that pyarrow's own S3 client reaches.
 
 moto keeps objects in memory, so a restart would empty it: a test takes the store
-away with ``Gate`` (its address refuses connections), which leaves moto running."""
+away with ``Gate`` (its address refuses connections) or ``pause`` (it hangs)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import struct
 import subprocess
@@ -52,8 +54,18 @@ class MotoServer:
                 assert alive and time.monotonic() < deadline, self.log.read_text()
                 time.sleep(0.1)
 
+    def pause(self) -> None:
+        """SIGSTOP: connections are still accepted (by the kernel), nothing answers."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
             self.process.kill()
         if self.process is not None:
             self.process.wait()
