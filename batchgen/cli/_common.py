@@ -12,7 +12,8 @@ from typing import Any
 import click
 
 REDIS_HELP = (
-    "Redis URL (redis://, rediss://, unix://); default $BATCHGEN_REDIS_URL, else the "
+    "Redis URL (redis://, rediss://, unix://, redis+sentinel://HOST:PORT,.../SERVICE/DB); "
+    "default $BATCHGEN_REDIS_URL, else the "
     "embedded server shared by every batchgen command on this machine."
 )
 

@@ -16,7 +16,7 @@ from batchgen.cli._common import (
 
 
 @click.command("submit")
-@click.argument("prompts", type=click.Path(dir_okay=False))
+@click.argument("prompts")
 @click.option("--model", required=True, help="Model path or name; workers serve it by this name.")
 @click.option(
     "--output",
@@ -50,7 +50,8 @@ def submit(
     as_json: bool,
     redis_url: str | None,
 ) -> None:
-    """Validate PROMPTS (JSONL) and queue one request per line; print the job id.
+    """Validate PROMPTS (JSONL: a local path, or a URI such as s3://bucket/p.jsonl, with
+    credentials from the AWS_* environment) and queue one request per line; print the job id.
 
     Every line is checked before anything is queued; an invalid line stops the
     submit with its line and column, unless --skip-invalid. Lines are native
