@@ -7,12 +7,16 @@ Per size: 64 requests (greedy, prompts of 8-40 words) all under one JSON schema,
 run to completion; then the same prompts without a constraint, each with
 max_tokens set to the length its constrained run produced and EOS ignored, so
 both runs generate exactly the same number of tokens with the same batch
-shapes and the difference is the constraint's own cost. Reports output tok/s
+shapes (prefix caching off, so neither reuses the other's prompts) and the
+difference is the constraint's own cost. Reports output tok/s
 both ways, their ratio, the time llguidance spent filling masks (on its thread,
 overlapped with the model) and the part of it the step waited for after the
 model had run, each as a share of the constrained run's wall time. Each size
-runs in its own process on a warm engine (one untimed round first). Prints
-JSON, then a table.
+runs in its own process on a warm engine (one untimed round first), with
+OMP_WAIT_POLICY=PASSIVE unless the environment sets it (as engine_bench.py:
+spinning OpenMP threads and llguidance's mask threads fight for two cores).
+``--rounds N`` repeats everything and reports each round. Prints JSON, then a
+table.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.engine_bench import set_omp_wait_policy  # noqa: E402
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -68,7 +74,8 @@ def child(size: str, n: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="bg-structured-bench-") as tmp:
         model = write_toy_checkpoint(Path(tmp), arch="llama", size=size)
-        engine = Engine.from_pretrained(model, max_num_seqs=n)
+        # no prefix cache: the second run would skip the prompts the first one computed
+        engine = Engine.from_pretrained(model, max_num_seqs=n, enable_prefix_caching=False)
     prompts = _prompts(n)
     constrained = SamplingParams(max_tokens=256, structured_output=StructuredOutput(json=SCHEMA))
     with torch.inference_mode():
@@ -114,13 +121,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="tiny,small")
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.requests)))
         return
+    set_omp_wait_policy("passive")
     results = []
-    for size in args.sizes.split(","):
+    for size in [s for _ in range(args.rounds) for s in args.sizes.split(",")]:
         out = subprocess.run(
             [sys.executable, __file__, "--child", size, "--requests", str(args.requests)],
             capture_output=True, text=True, check=True,
