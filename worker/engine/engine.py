@@ -35,6 +35,8 @@ from batchgen.worker.engine.scheduler import Scheduler
 from batchgen.worker.engine.stopping import stop_reason
 from batchgen.worker.engine.structured import GrammarError, Grammars
 
+_EMBED_PARAMS = SamplingParams(max_tokens=1)  # an embedding request's (never sampled)
+
 
 @dataclass(slots=True)
 class EngineStats:
@@ -204,7 +206,7 @@ class Engine:
             prompt_ids = [int(t) for t in prompt]
         else:
             raise RequestRejected(request_id, "an embedding input is a string or token ids")
-        params = SamplingParams(max_tokens=1)
+        params = _EMBED_PARAMS
         self._check_fits(request_id, prompt_ids, [], params, generates=False)
         req = Request(
             request_id=request_id,

@@ -125,8 +125,8 @@ def pool_step(pooling: Pooling, hidden: torch.Tensor, spans: list[EmbedSpan]) ->
             part = rows.float().sum(dim=0)
             task.state = part if task.state is None else task.state + part
         elif pooling.mode is PoolingMode.CLS:
-            if span.start == 0:
-                task.state = rows[0].float()
+            if span.start == 0:  # a copy: a view would keep the step's hidden states
+                task.state = rows[0].to(torch.float32, copy=True)
         elif end == span.request.num_prompt_tokens:
             task.state = rows[-1].float()
         if end == span.request.num_prompt_tokens:
