@@ -1,7 +1,8 @@
 """Embeddings through the paged engine against HF transformers' final hidden states.
 
 Each pooling a sentence-transformers config can ask for (mean, CLS, last token;
-with and without Normalize) and the default (last token, L2-normalized) equal
+with and without Normalize) and the default (last token, L2-normalized, on every
+architecture) equal
 HF ``AutoModel``'s ``last_hidden_state`` pooled the same way; Matryoshka
 ``dimensions``; the same input gives the same vector whatever it is batched
 with; KV blocks are freed as soon as an embedding's prompt is computed; and
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen.toy import ARCHS
 from batchgen.worker import Engine, RequestRejected, SamplingParams
 from tests.hf_reference import hf_last_hidden_state
 
@@ -110,6 +112,16 @@ def test_default_is_last_token_normalized(llama):
         ref = hf_pooled(llama, list(token_ids), "last", normalize=True)
         torch.testing.assert_close(torch.tensor(vec), ref, atol=ATOL, rtol=0)
         assert abs(float(torch.tensor(vec).norm()) - 1.0) < 1e-5
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+def test_default_pooling_on_every_architecture(toy_model, arch):
+    path = toy_model(arch)
+    engine = Engine.from_pretrained(path, num_kv_blocks=64, max_num_batched_tokens=32)
+    inputs = prompts(3, seed=13, lo=20, hi=60)
+    for ids, vec in zip(inputs, engine.embed(inputs)):
+        ref = hf_pooled(path, ids, "last", normalize=True)
+        torch.testing.assert_close(torch.tensor(vec), ref, atol=ATOL, rtol=0)
 
 
 def test_dimensions_truncate_and_renormalize(llama, st_engines):
