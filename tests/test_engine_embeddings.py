@@ -2,11 +2,11 @@
 
 Each pooling a sentence-transformers config can ask for (mean, CLS, last token;
 with and without Normalize) and the default (last token, L2-normalized, on every
-architecture) equal
-HF ``AutoModel``'s ``last_hidden_state`` pooled the same way; Matryoshka
-``dimensions``; the same input gives the same vector whatever it is batched
-with; KV blocks are freed as soon as an embedding's prompt is computed; and
-embedding requests leave the generation requests they share steps with unchanged.
+architecture) equal HF ``AutoModel``'s ``last_hidden_state`` pooled the same
+way; Matryoshka ``dimensions``; the same input gives the same vector whatever
+it is batched with; KV blocks are freed as soon as an embedding's prompt is
+computed; and embedding requests leave the generation requests they share
+steps with unchanged.
 """
 
 from __future__ import annotations
