@@ -56,3 +56,19 @@ def first_divergence_is_tie(path: Path, prompt: list[int], ref: list[int], got: 
     logits = hf_logits(path, prompt + ref[:i])[-1]
     top2 = logits.topk(2).values
     return float(top2[0] - top2[1]) < TIE_MARGIN and float(logits[got[i]]) >= float(top2[1])
+
+
+@functools.lru_cache(maxsize=4)
+def hf_base_model(path: Path):
+    """The model without its LM head (``AutoModel``), as sentence-transformers loads it."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def hf_last_hidden_state(path: Path, token_ids: list[int]) -> torch.Tensor:
+    """(len, hidden) ``last_hidden_state`` (after the final norm) of one forward."""
+    with torch.no_grad():
+        return hf_base_model(path)(torch.tensor([token_ids])).last_hidden_state[0].float()

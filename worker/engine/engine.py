@@ -4,6 +4,8 @@
 
 It knows nothing of Redis: the queue loop calls add_request / step / abort
 and takes finished outputs back; ``generate`` does the same for a list.
+Embedding requests (``add_embedding``, ``embed``) share the steps: their
+prompts are computed like any prefill, pooled, and never decode.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from batchgen.worker.engine.loading import EngineLimits, build_engine
 from batchgen.worker.engine.outputs import build_output
 from batchgen.worker.engine.params import SamplingParams
 from batchgen.worker.engine.request import (
+    EmbedTask,
     FinishReason,
     Request,
     RequestOutput,
@@ -31,6 +34,8 @@ from batchgen.worker.engine.runner import ModelRunner
 from batchgen.worker.engine.scheduler import Scheduler
 from batchgen.worker.engine.stopping import stop_reason
 from batchgen.worker.engine.structured import GrammarError, Grammars
+
+_EMBED_PARAMS = SamplingParams(max_tokens=1)  # an embedding request's (never sampled)
 
 
 @dataclass(slots=True)
@@ -70,6 +75,7 @@ class Engine:
             limits.max_num_seqs,
             limits.max_num_batched_tokens,
             watermark_blocks=max(1, limits.num_kv_blocks // 100),
+            embeds_read_prefix_cache=runner.pooling.reads_prefix_cache,
         )
         self.grammars = Grammars(tokenizer, runner.model.config.vocab_size, eos_token_ids)
         self._requests: dict[str, list[Request]] = {}  # id -> its samples (n of them)
@@ -167,21 +173,86 @@ class Engine:
             sibling.wait_for = samples[0]
             self._parked.append(sibling)
 
+    def add_embedding(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        dimensions: int | None = None,
+        *,
+        priority: int = 0,
+    ) -> None:
+        """Queues an embedding request: a string (tokenized with special tokens, no
+        chat template) or token ids. It is scheduled with generation work (chunked
+        prefill included), never decodes, and frees its KV blocks as soon as its
+        prompt is computed; ``step`` then returns a ``RequestOutput`` with
+        ``embedding`` set, ``finish_reason`` "stop", empty ``token_ids`` and
+        ``text``. ``dimensions`` keeps the first that many values (re-normalized
+        when the pooling normalizes). An aborted or drained one has no partial
+        result (``embedding`` None, "abort"): run it again from the start.
+        Raises RequestRejected when it can never run here.
+        """
+        if request_id in self._requests:
+            raise RequestRejected(request_id, "a request with this id is already in the engine")
+        unsupported = self.runner.pooling.unsupported
+        if unsupported is not None:
+            raise RequestRejected(request_id, f"this model cannot embed: {unsupported}")
+        hidden = self.runner.model.config.hidden_size
+        if dimensions is not None and (
+            isinstance(dimensions, bool) or not isinstance(dimensions, int)
+            or not 1 <= dimensions <= hidden
+        ):  # fmt: skip
+            raise RequestRejected(
+                request_id, f"dimensions must be an integer in [1, {hidden}], got {dimensions!r}"
+            )
+        if isinstance(prompt, str):
+            prompt_ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt_ids = [int(t) for t in prompt]
+        else:
+            raise RequestRejected(request_id, "an embedding input is a string or token ids")
+        params = _EMBED_PARAMS
+        self._check_fits(request_id, prompt_ids, [], params, generates=False)
+        req = Request(
+            request_id=request_id,
+            token_ids=prompt_ids,
+            num_prompt_tokens=len(prompt_ids),
+            params=params,
+            arrival_order=next(self._arrivals),
+            priority=priority,
+            embed=EmbedTask(dimensions),
+        )
+        self._requests[request_id] = [req]
+        self.scheduler.add(req)
+
     def _check_fits(
-        self, request_id: str, prompt: list[int], resumed: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: list[int],
+        resumed: list[int],
+        params: SamplingParams,
+        generates: bool = True,
     ) -> None:
         if not prompt:
             raise RequestRejected(request_id, "the prompt is empty")
         vocab = self.runner.model.config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt + resumed):
             raise RequestRejected(request_id, f"token ids must be in [0, {vocab})")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestRejected(
-                request_id,
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context of {self.max_model_len} tokens",
-            )
+        if not generates:
+            total = len(prompt)
+            if total > self.max_model_len:
+                raise RequestRejected(
+                    request_id,
+                    f"the input ({total} tokens) exceeds the model's context of "
+                    f"{self.max_model_len} tokens",
+                )
+        else:
+            total = len(prompt) + params.max_tokens
+            if total > self.max_model_len:
+                raise RequestRejected(
+                    request_id,
+                    f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                    f"{total} exceeds the model's context of {self.max_model_len} tokens",
+                )
         blocks = self.block_manager.blocks_needed(total)
         if blocks > self.block_manager.num_blocks:
             raise RequestRejected(
@@ -189,7 +260,7 @@ class Engine:
                 f"needs {blocks} KV blocks but the pool has {self.block_manager.num_blocks}; "
                 "give the engine more KV cache memory",
             )
-        if len(resumed) >= params.max_tokens:
+        if generates and len(resumed) >= params.max_tokens:
             raise RequestRejected(request_id, "resumed tokens already reach max_tokens")
         if resumed and params.n > 1:
             raise RequestRejected(request_id, "only a request with n = 1 resumes from tokens")
@@ -228,6 +299,11 @@ class Engine:
             reason = stop_reason(req, self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 req.finish_reason = reason
+                self.scheduler.finish(req)
+                finished.append(req)
+        for req in plan.embeds:  # pooled by the runner; blocks freed at once
+            if req.num_computed_tokens == req.num_tokens:
+                req.finish_reason = FinishReason.STOP
                 self.scheduler.finish(req)
                 finished.append(req)
         return self._collect(finished)
@@ -313,8 +389,36 @@ class Engine:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         batch = next(self._generate_ids)
         ids = [f"generate-{batch}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params):
-            self.add_request(rid, prompt, p)
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                self.add_request(rid, prompt, p)
+        except RequestRejected:
+            for rid in ids:  # none of the batch stays behind
+                self.abort(rid)
+            raise
+        return self._run_to_completion(ids)
+
+    def embed(
+        self, inputs: Sequence[str | Sequence[int]], dimensions: int | None = None
+    ) -> list[list[float]]:
+        """Embeds every input (a string or token ids; see ``add_embedding``); the
+        vectors come back in input order."""
+        batch = next(self._generate_ids)
+        ids = [f"embed-{batch}-{i}" for i in range(len(inputs))]
+        try:
+            for rid, text in zip(ids, inputs):
+                self.add_embedding(rid, text, dimensions)
+        except RequestRejected:
+            for rid in ids:  # none of the batch stays behind
+                self.abort(rid)
+            raise
+        vectors = []
+        for out in self._run_to_completion(ids):
+            assert out.embedding is not None
+            vectors.append(out.embedding)
+        return vectors
+
+    def _run_to_completion(self, ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         pending = set(ids)
         while pending:

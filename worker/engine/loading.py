@@ -14,6 +14,7 @@ from batchgen.kernels import select_ops
 from batchgen.worker.config import DTYPES, EngineConfig
 from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
 from batchgen.worker.engine.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from batchgen.worker.engine.pooling import load_pooling
 from batchgen.worker.engine.runner import ModelRunner
 from batchgen.worker.engine.sampler import Sampler
 from batchgen.worker.models.config import ModelConfig, UnsupportedModelError, load_model_config
@@ -82,7 +83,7 @@ def eos_token_ids(path: Path, config: ModelConfig, tokenizer: Any) -> tuple[int,
 
 
 def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEngine:
-    """Tokenizer, model, KV pool, CUDA graphs and runner for ``path`` as ``config`` says."""
+    """Tokenizer, model, KV pool, CUDA graphs, pooling and runner for ``path`` as ``config`` says."""
     from transformers import AutoTokenizer
 
     root = Path(path)
@@ -125,7 +126,9 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
             model, kv_caches, min(max_num_seqs, 256), max_model_len, block_size, dev
         )
         graphs.capture()
-    runner = ModelRunner(model, kv_caches, block_size, Sampler(eos, config.seed), dev, graphs)
+    runner = ModelRunner(
+        model, kv_caches, block_size, Sampler(eos, config.seed), dev, graphs, load_pooling(root)
+    )
     limits = EngineLimits(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,

@@ -30,4 +30,5 @@ def build_output(request_id: str, samples: list[Request], tokenizer: Any) -> Req
         num_preemptions=sum(s.num_preemptions for s in samples),
         logprobs=done[0].logprobs,
         samples=done,
+        embedding=first.embed.vector if first.embed is not None else None,
     )

@@ -32,6 +32,20 @@ class RequestRejected(ValueError):
 
 
 @dataclass(slots=True, eq=False)
+class EmbedTask:
+    """What makes a request an embedding: prefill only, it never decodes.
+
+    ``state`` is the pooling's running state over the positions computed so
+    far (``pooling.pool_step``), reset when the request is preempted;
+    ``vector`` is set once the whole prompt is computed.
+    """
+
+    dimensions: int | None = None  # keep the first this many values (Matryoshka)
+    state: Any = None  # fp32 tensor on the model's device
+    vector: list[float] | None = None
+
+
+@dataclass(slots=True, eq=False)
 class Request:
     """Prompt and output live in one token list; prefill is not a separate kind.
 
@@ -62,6 +76,7 @@ class Request:
     stop_text: str | None = None  # text cut at a stop string
     stop_matcher: StopStringMatcher | None = None  # when params.stop is set
     matcher: Any = None  # llguidance LLMatcher when params.structured_output is set
+    embed: EmbedTask | None = None  # set for an embedding request
 
     @property
     def num_tokens(self) -> int:
@@ -104,3 +119,5 @@ class RequestOutput:
     num_preemptions: int
     logprobs: list[dict[int, float]] | None = None
     samples: list[Sample] = field(default_factory=list)
+    # an embedding request's vector (token_ids empty, text ""); None for generation
+    embedding: list[float] | None = None

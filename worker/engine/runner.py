@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from batchgen.kernels import AttentionBatch
+from batchgen.worker.engine.pooling import EmbedSpan, Pooling, pool_step
 from batchgen.worker.engine.request import Request
 from batchgen.worker.engine.sampler import Sampler, SampleResult
 from batchgen.worker.engine.scheduler import SchedulerPlan
@@ -28,6 +29,7 @@ class StepInputs:
     batch: AttentionBatch
     logits_indices: torch.Tensor  # (num_sampling,) rows whose logits we need
     sampling: list[Request]  # the requests those rows belong to
+    embeds: list[EmbedSpan]  # embedding requests' rows; empty in a generation-only step
 
 
 class DecodeGraphs(Protocol):
@@ -60,8 +62,10 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         graphs: DecodeGraphs | None = None,
+        pooling: Pooling | None = None,
     ) -> None:
         self.model = model
+        self.pooling = pooling or Pooling()
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = sampler
@@ -118,6 +122,9 @@ class ModelRunner:
             if req.num_computed_tokens + n == req.num_tokens:
                 sampling.append(req)
                 rows.append(nd + int(p_qsl[i + 1]) - 1)
+        embeds: list[EmbedSpan] = []
+        if plan.embeds:  # a generation-only step never comes here
+            embeds, sampling, rows = self._split_embeds(plan, p_qsl, sampling, rows)
 
         dev = self.device
 
@@ -142,10 +149,30 @@ class ModelRunner:
             batch=batch,
             logits_indices=to_dev(rows, torch.int64),
             sampling=sampling,
+            embeds=embeds,
         )
 
+    @staticmethod
+    def _split_embeds(
+        plan: SchedulerPlan, p_qsl: np.ndarray, sampling: list[Request], rows: list[int]
+    ) -> tuple[list[EmbedSpan], list[Request], list[int]]:
+        """The embedding requests' row spans; they leave the sampling rows."""
+        nd = len(plan.decodes)
+        spans = [
+            EmbedSpan(r, i, r.num_computed_tokens, 1)
+            for i, r in enumerate(plan.decodes) if r.embed is not None
+        ]  # fmt: skip
+        spans += [
+            EmbedSpan(r, nd + int(p_qsl[i]), r.num_computed_tokens, n)
+            for i, (r, n) in enumerate(zip(plan.prefills, plan.prefill_lens))
+            if r.embed is not None
+        ]
+        kept = [(r, row) for r, row in zip(sampling, rows) if r.embed is None]
+        return spans, [r for r, _ in kept], [row for _, row in kept]
+
     def run(self, plan: SchedulerPlan) -> tuple[list[Request], SampleResult]:
-        """Runs one step; returns the requests that get a token and what they got."""
+        """Runs one step; returns the requests that get a token and what they got.
+        Embedding requests get none: their rows are pooled (``pool_step``)."""
         inputs = self.prepare(plan)
         pending = self.masks.start(inputs.sampling)  # filled while the model runs
         if self.graphs is not None and not plan.prefills and self.graphs.can_run(len(plan.decodes)):
@@ -155,6 +182,8 @@ class ModelRunner:
             hidden = self.model.forward(
                 inputs.input_ids, inputs.positions, inputs.batch, self.kv_caches
             )
+        if inputs.embeds:
+            pool_step(self.pooling, hidden, inputs.embeds)
         if not inputs.sampling:
             return [], SampleResult([], [])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

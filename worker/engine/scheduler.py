@@ -37,6 +37,7 @@ class SchedulerPlan:
     prefill_lens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     first_admitted: list[Request] = field(default_factory=list)  # for prefix-hit stats
+    embeds: list[Request] = field(default_factory=list)  # embedding requests among them
 
     @property
     def num_tokens(self) -> int:
@@ -54,8 +55,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         watermark_blocks: int = 0,
+        embeds_read_prefix_cache: bool = True,
     ) -> None:
         self.blocks = block_manager
+        # False when the pooling needs every prompt position's hidden state
+        self.embeds_read_prefix_cache = embeds_read_prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # free blocks kept back from admission so running requests can grow
@@ -117,9 +121,10 @@ class Scheduler:
             if req.is_finished:  # aborted while waiting
                 heapq.heappop(self.waiting)
                 continue
-            hits = self.blocks.find_cached_prefix(req.token_ids)
+            reads_cache = req.embed is None or self.embeds_read_prefix_cache
+            hits = self.blocks.find_cached_prefix(req.token_ids) if reads_cache else []
             head = tuple(req.token_ids[:bs]) if req.num_tokens > bs else None
-            if not hits and head is not None and self.blocks.enable_prefix_caching:
+            if not hits and head is not None and self.blocks.enable_prefix_caching and reads_cache:
                 if head in heads_being_computed:
                     # its prefix is being computed in this very step: admitted one
                     # step later, it reads those blocks from the cache instead
@@ -149,6 +154,8 @@ class Scheduler:
 
     @staticmethod
     def _add_to_plan(plan: SchedulerPlan, req: Request, num_new: int) -> None:
+        if req.embed is not None:
+            plan.embeds.append(req)
         if num_new == 1:
             plan.decodes.append(req)
         else:
@@ -161,6 +168,8 @@ class Scheduler:
         req.block_table = []
         req.num_computed_tokens = 0
         req.num_hashed_blocks = 0
+        if req.embed is not None:
+            req.embed.state = None  # recomputed from the start
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.add(req)
@@ -170,8 +179,8 @@ class Scheduler:
         """Advances computed counts, caches full blocks, appends sampled tokens.
 
         ``sampled`` holds one token for each request of plan.decodes +
-        plan.prefills that reached the end of its tokens, in that order.
-        Returns those requests.
+        plan.prefills that reached the end of its tokens, in that order
+        (embedding requests never get one). Returns those requests.
         """
         grown = []
         tokens = iter(sampled)
@@ -181,7 +190,7 @@ class Scheduler:
             req.num_hashed_blocks = self.blocks.cache_full_blocks(
                 req.block_table, req.token_ids, req.num_computed_tokens, req.num_hashed_blocks
             )
-            if req.num_computed_tokens == req.num_tokens:
+            if req.num_computed_tokens == req.num_tokens and req.embed is None:
                 req.token_ids.append(next(tokens))
                 grown.append(req)
         return grown
