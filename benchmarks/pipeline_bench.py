@@ -108,6 +108,7 @@ class _Out:
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] | None = None
     samples: list[Any] = field(default_factory=list)
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -123,6 +124,9 @@ class ZeroEngine:
 
     def encode(self, prompt: Any) -> list[int]:
         return [1, 2, 3]
+
+    def add_embedding(self, request_id, prompt, dimensions=None):
+        raise ValueError("the zero engine does not embed")
 
     def add_request(self, request_id, prompt, params, *, resume_token_ids=None, priority=0):
         self.running.append(request_id)

@@ -4,8 +4,10 @@ Two line formats (docs/pipeline.md, "Input lines"):
 
 - native: ``{"id"?, "prompt" | "messages", <sampling params>?, "metadata"?}``
 - OpenAI batch: ``{"custom_id", "method": "POST", "url", "body"}`` where ``url`` is
-  ``/v1/chat/completions`` (``body.messages``) or ``/v1/completions``
-  (``body.prompt``); ``custom_id`` becomes the row id.
+  ``/v1/chat/completions`` (``body.messages``), ``/v1/completions``
+  (``body.prompt``) or ``/v1/embeddings`` (``body.input``); ``custom_id`` becomes
+  the row id.
+- native embedding: ``{"input", "task": "embed", "dimensions"?, "id"?, "metadata"?}``
 
 Unknown fields are errors (a typo such as ``max_token`` would otherwise be
 silently ignored). An OpenAI body's dialect (fields accepted and ignored, fields
@@ -23,6 +25,10 @@ from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-
 from typing import Any
 
 from batchgen.jobs import jsonpos, strictjson
+from batchgen.jobs.embeddings import BODY_FIELDS as EMBEDDING_BODY_FIELDS
+from batchgen.jobs.embeddings import EmbeddingError, embedding_input
+from batchgen.jobs.embeddings import body_entry as embedding_body
+from batchgen.jobs.embeddings import dimensions as embedding_dimensions
 from batchgen.jobs.lines import MAX_LINE_BYTES as MAX_LINE_BYTES  # submit's default limit
 from batchgen.jobs.lines import LineError
 from batchgen.jobs.openai_body import FIELDS as BODY_FIELDS
@@ -36,8 +42,9 @@ MAX_MESSAGES = 10_000
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 NATIVE_FIELDS = frozenset({"id", "prompt", "messages", "metadata", "response_format", *CHECKS})
+EMBED_FIELDS = frozenset({"id", "input", "task", "dimensions", "metadata"})
 OPENAI_FIELDS = frozenset({"custom_id", "method", "url", "body"})
-URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
 # JSONEncoder.encode builds this C encoder anew for every call, a tenth of a line's
@@ -91,6 +98,8 @@ def _encode(entry: dict[str, Any]) -> str:
 
 
 def _native(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) -> dict[str, Any]:
+    if "task" in value or "input" in value:
+        return _native_embedding(value, line_chars)
     _reject_unknown(value, NATIVE_FIELDS, ())
     entry: dict[str, Any] = {}
     if "id" in value:
@@ -111,6 +120,28 @@ def _native(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) ->
     return entry
 
 
+def _native_embedding(value: dict[str, Any], line_chars: int) -> dict[str, Any]:
+    """``{"input", "task": "embed", "dimensions"?, "id"?, "metadata"?}``."""
+    _reject_unknown(value, EMBED_FIELDS, ())
+    if value.get("task") != "embed":
+        raise _FieldError(
+            ("task",) if "task" in value else (), 'an "input" line needs "task": "embed"'
+        )
+    if "input" not in value:
+        raise _FieldError((), '"task": "embed" needs "input"')
+    try:
+        entry: dict[str, Any] = {"e": embedding_input(value["input"])}
+        if "dimensions" in value:
+            entry["dim"] = embedding_dimensions(value["dimensions"])
+    except EmbeddingError as exc:
+        raise _FieldError((exc.field,), exc.message) from None
+    if "id" in value:
+        entry["id"] = _row_id(value["id"], ("id",))
+    if "metadata" in value:
+        entry["md"] = _metadata(value["metadata"], ("metadata",), line_chars)
+    return entry
+
+
 def _openai(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) -> dict[str, Any]:
     _reject_unknown(value, OPENAI_FIELDS, ())
     for name in ("custom_id", "method", "url", "body"):
@@ -126,6 +157,12 @@ def _openai(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) ->
     body = value["body"]
     if not isinstance(body, dict):
         raise _FieldError(("body",), "body must be an object")
+    if kind == "input":
+        _reject_unknown(body, EMBEDDING_BODY_FIELDS, ("body",))
+        try:
+            return {**entry, **embedding_body(body)}
+        except EmbeddingError as exc:
+            raise _FieldError(("body", exc.field), exc.message) from None
     _reject_unknown(body, BODY_FIELDS, ("body",))
     other = "prompt" if kind == "messages" else "messages"
     if other in body:

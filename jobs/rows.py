@@ -48,6 +48,7 @@ SCHEMA = pa.schema(
         pa.field("structured", pa.string()),
         pa.field("logprobs", LOGPROBS),  # the first sample's, when asked; else null
         pa.field("choices", CHOICES),  # every sample when n > 1; else null
+        pa.field("embedding", pa.list_(pa.float32())),  # embedding lines only; else null
     ]
 )
 
@@ -72,6 +73,7 @@ class Row:
     structured: str | None = None
     logprobs: list[dict] | None = None
     choices: list[dict] | None = None
+    embedding: list[float] | None = None
 
     @property
     def failed(self) -> bool:
@@ -107,6 +109,7 @@ def to_table(rows: Sequence[Row]) -> pa.Table:
         columns["structured"].append(row.structured)
         columns["logprobs"].append(row.logprobs)
         columns["choices"].append(row.choices)
+        columns["embedding"].append(row.embedding)
     return pa.Table.from_pydict(columns, schema=SCHEMA)
 
 

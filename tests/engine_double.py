@@ -51,6 +51,7 @@ class RequestOutput:
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] | None = None
     samples: list[Any] = field(default_factory=list)
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -104,6 +105,9 @@ class FakeEngine:
         if "\x07" in prompt:
             raise ValueError("bell characters are not in the vocabulary")
         return [ord(c) % 256 for c in prompt]
+
+    def add_embedding(self, request_id, prompt, dimensions=None):
+        raise RequestRejected(request_id, "the engine double does not embed")
 
     def add_request(self, request_id, prompt, params, *, resume_token_ids=None, priority=0):
         assert isinstance(prompt, list)

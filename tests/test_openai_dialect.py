@@ -205,13 +205,30 @@ def test_a_mixed_file_through_a_worker_gives_logprobs_and_choices(
         _completion(logprobs=3, max_tokens=5),
         {"id": "native", "prompt": "One two three four", "max_tokens": 4,
          "logit_bias": {"333": 100}},
+        {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": "m", "input": "The weather today is", "encoding_format": "float"}},
+        {"id": "embed-native", "task": "embed", "input": [5, 6, 7, 8], "dimensions": 16},
+        {"id": "embed-too-wide", "task": "embed", "input": "hi", "dimensions": 5000},
     ]  # fmt: skip
     lines[0]["custom_id"], lines[1]["custom_id"] = "chat", "completion"
     submit(env, model, write_jsonl(tmp_path / "p.jsonl", lines), "dialect", tmp_path)
     proc = workers(model, "--burst", "--max-num-seqs", "4")
     assert proc.wait(timeout=300) == 0, (tmp_path / "worker-0.log").read_text()[-3000:]
     rows = download(env, "dialect", tmp_path)
-    assert rows["id"] == ["chat", "completion", "native"]
+    assert rows["id"] == ["chat", "completion", "native", "embed", "embed-native", "embed-too-wide"]
+
+    # embeddings: the engine's vectors, one row per line, null on generation rows
+    vectors = [
+        engine.embed(["The weather today is"])[0],
+        engine.embed([[5, 6, 7, 8]], dimensions=16)[0],
+    ]
+    assert rows["embedding"][:3] == [None, None, None]
+    for got, want in zip(rows["embedding"][3:5], vectors):
+        assert got == pytest.approx(want, abs=1e-6)
+    assert len(rows["embedding"][4]) == 16
+    assert rows["finish_reason"][3:] == ["stop", "stop", "error"]
+    assert rows["prompt_tokens"][4] == 4
+    assert "dimensions must be an integer in [1, " in rows["error"][5]
 
     chat = engine.generate(
         [MESSAGES], SamplingParams(max_tokens=6, temperature=1.0, seed=5, n=2, logprobs=2)
@@ -258,3 +275,52 @@ def test_n_samples_restart_rather_than_resume_from_one_token_list(engine):
 
     assert resumable(delivery(1), [5, 6]) == [5, 6]
     assert resumable(delivery(2), [5, 6]) == []
+
+
+def _embedding(**body: Any) -> dict[str, Any]:
+    return {"custom_id": "e1", "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": "m", **body}}  # fmt: skip
+
+
+def _entry(line: dict[str, Any]) -> dict[str, Any]:
+    out = parse_line(1, json.dumps(line).encode(), DEFAULTS)
+    assert not isinstance(out, LineError), str(out)
+    return json.loads(out)
+
+
+@pytest.mark.parametrize(
+    ("line", "entry"),
+    [
+        (_embedding(input="hello"), {"id": "e1", "e": "hello"}),
+        (_embedding(input=["hello"], dimensions=8, encoding_format="float", user="u"),
+         {"id": "e1", "e": "hello", "dim": 8}),
+        (_embedding(input=[1, 2, 3]), {"id": "e1", "e": [1, 2, 3]}),
+        (_embedding(input=[[1, 2, 3]]), {"id": "e1", "e": [1, 2, 3]}),
+        ({"task": "embed", "input": "hi", "id": 7, "metadata": {"k": 1}},
+         {"e": "hi", "id": "7", "md": {"k": 1}}),
+    ],
+)  # fmt: skip
+def test_embedding_lines_become_embedding_entries(line, entry):
+    assert _entry(line) == entry
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (_embedding(input=["a", "b"]), "input holds 2 inputs; batchgen takes one per line"),
+        (_embedding(input=""), "input is empty"),
+        (_embedding(input=[1, -2]), "input must be a string or a list of token ids"),
+        (_embedding(input=5), "input must be a string or a list of token ids, got 5"),
+        (_embedding(), "/v1/embeddings needs body.input"),
+        (_embedding(input="x", encoding_format="base64"),
+         'body.encoding_format = "base64" is not supported by batchgen (only "float")'),
+        (_embedding(input="x", dimensions=0), "dimensions must be an integer from 1 to 65536"),
+        (_embedding(input="x", max_tokens=3), "unknown field 'body.max_tokens'"),
+        ({"input": "hi"}, 'an "input" line needs "task": "embed"'),
+        ({"task": "embed"}, '"task": "embed" needs "input"'),
+        ({"task": "generate", "input": "x"}, 'an "input" line needs "task": "embed"'),
+        ({"task": "embed", "input": "x", "temperature": 1}, "unknown field 'temperature'"),
+    ],
+)  # fmt: skip
+def test_bad_embedding_lines_are_refused(line, message):
+    assert message in _error(line)

@@ -75,6 +75,7 @@ def output_row(flight: Flight, out, worker: str, token_text: Callable[[int], str
         structured=_structured(d),
         logprobs=_logprobs(token_ids, out.logprobs, top_k, token_text),
         choices=choices or None,
+        embedding=list(out.embedding) if out.embedding is not None else None,
     )
 
 

@@ -148,6 +148,8 @@ class Requests:
             self.sink.add(d, output, from_dict(d.finished))
             self.count("rows_carried", 1)
             return
+        if "e" in d.request:
+            return self._start_embedding(d, output)
         try:
             params = self.api.sampling_params(**d.request["s"])
         except (TypeError, ValueError) as exc:
@@ -173,6 +175,15 @@ class Requests:
             reason = getattr(exc, "reason", None) or str(exc)
             return self.error(d, output, f"request rejected: {reason}", len(token_ids))
         self.flights[d.entry_id] = Flight(d, output, len(token_ids))
+
+    def _start_embedding(self, d: Delivery, output: str) -> None:
+        """An embedding entry: no sampling, no partial tokens (a hand-back restarts it)."""
+        try:
+            self.engine.add_embedding(d.entry_id, d.request["e"], d.request.get("dim"))
+        except self.rejections as exc:
+            reason = getattr(exc, "reason", None) or str(exc)
+            return self.error(d, output, f"request rejected: {reason}")
+        self.flights[d.entry_id] = Flight(d, output)
 
     def error(self, d: Delivery, output: str, message: str, prompt_tokens: int = 0) -> None:
         row = error_row(d, message, self.config.name, prompt_tokens)
