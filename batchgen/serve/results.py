@@ -4,17 +4,22 @@ cancelled ones in ``error_file_id``; read in record batches, written streaming."
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow.parquet as pq
 
+from batchgen.jobs.lines import read_lines
 from batchgen.jobs.records import JobRecord
 from batchgen.jobs.result import RESULT
 from batchgen.jobs.rows import FinishReason
 from batchgen.jobs.storage import OutputDir
+from batchgen.serve.errors import APIError
 from batchgen.serve.files import FileStore, new_file_id
 from batchgen.serve.records import BatchRecord
 
@@ -79,8 +84,35 @@ def output_line(batch: BatchRecord, row: dict[str, Any], created: int) -> tuple[
     return line, False
 
 
+def custom_ids(path: str) -> Iterator[str | None]:
+    """The custom_id of each request line of the input file, in order (row i is line i:
+    a batch's file has no invalid line), then None for ever."""
+    with open(path, "rb") as src:
+        for _, raw in read_lines(src):
+            try:
+                value = json.loads(raw) if isinstance(raw, bytes) else None
+            except ValueError:
+                value = None
+            yield value.get("custom_id") if isinstance(value, dict) else None
+    while True:
+        yield None
+
+
 def write_outputs(store: FileStore, batch: BatchRecord, job: JobRecord) -> Outputs:
-    """Write both files (an empty one is dropped) and register them."""
+    """Write both files (an empty one is dropped) and register them.
+
+    Rows finalize made up for requests that never ran (cancelled) carry no id: their
+    custom_id is read from the input file, walked in step with the rows."""
+    with contextlib.ExitStack() as stack:
+        try:
+            ids = custom_ids(stack.enter_context(store.as_local_file(batch.input_file_id)))
+        except APIError:  # the input file was deleted meanwhile
+            ids = itertools.repeat(None)
+        return _write(store, batch, job, ids)
+
+
+def _write(store: FileStore, batch: BatchRecord, job: JobRecord,
+           ids: Iterator[str | None]) -> Outputs:  # fmt: skip
     created = int(job.finished_at or job.created_at)
     ok_id, err_id = new_file_id(), new_file_id()
     counts, sizes = [0, 0], [0, 0]
@@ -93,17 +125,19 @@ def write_outputs(store: FileStore, batch: BatchRecord, job: JobRecord) -> Outpu
         sinks = (err_out, ok_out)
         for record_batch in pq.ParquetFile(src).iter_batches(batch_size=4096, columns=COLUMNS):
             for row in record_batch.to_pylist():
+                from_input = next(ids)  # advanced for every row: the input walks in step
+                row["id"] = row["id"] if row["id"] is not None else from_input
                 line, good = output_line(batch, row, created)
                 data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
                 sinks[good].write(data)
                 counts[good] += 1
                 sizes[good] += len(data)
-    ids = []
+    kept = []
     for which, file_id, label in ((1, ok_id, "output"), (0, err_id, "error")):
         if counts[which]:
             store.register(file_id, f"{batch.id}_{label}.jsonl", "batch_output", sizes[which])
-            ids.append(file_id)
+            kept.append(file_id)
         else:
             store.dir.delete_file(file_id)
-            ids.append("")
-    return Outputs(ids[0], ids[1], counts[1], counts[0])
+            kept.append("")
+    return Outputs(kept[0], kept[1], counts[1], counts[0])
