@@ -17,8 +17,10 @@ from typing import Any
 import openai
 import pyarrow.parquet as pq
 import pytest
+import redis
 from openai import OpenAI
 
+from batchgen.jobs.keys import Keys
 from batchgen.jobs.redis_server import RedisServer
 from tests.serve_stack import KEY, Stack
 
@@ -223,3 +225,23 @@ def test_files_round_trip_and_errors_are_shaped_as_openai(stack, client, tmp_pat
     error = json.loads(no_key.value.read())["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "authentication_error"
+
+
+def test_a_batch_past_its_window_expires_keeping_finished_requests(stack, client, tmp_path):
+    rows = lines(str(stack.model), 120, max_tokens=48, prefix="late")
+    batch = client.batches.create(input_file_id=upload(client, tmp_path, rows, "late.jsonl").id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")  # fmt: skip
+    assert batch.expires_at == batch.created_at + 24 * 3600
+    while (batch := client.batches.retrieve(batch.id)).request_counts.completed == 0:
+        assert batch.status in ("validating", "in_progress"), batch.status
+        time.sleep(0.2)
+    # 24 hours pass: the batch record's deadline is moved to now (real Redis, the real sweep)
+    conn = redis.Redis.from_url(stack.redis_url)
+    conn.hset(Keys("bg").batch(batch.id), "expires_at", int(time.time()))
+    batch = wait_done(client, batch.id)
+    assert batch.status == "expired" and batch.expired_at and batch.cancelled_at is None
+    counts = batch.request_counts
+    assert 0 < counts.completed < 120 and counts.completed + counts.failed == 120
+    errors = jsonl(client, batch.error_file_id)
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert len(jsonl(client, batch.output_file_id)) == counts.completed

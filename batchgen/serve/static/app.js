@@ -83,13 +83,15 @@ function renderChart(series, jobs, now) {
   ctx.scale(ratio, ratio);
   ctx.clearRect(0, 0, width, height);
   const pad = {l: 48, r: 10, t: 10, b: 22};
-  const t0 = now - 3600;
+  // the last hour at most, the last five minutes at least: a short run is not a spike
+  const span = Math.min(3600, Math.max(300, series.length ? now - series[0].t : 0));
+  const t0 = now - span;
   const top = jobs.filter((j) => series.some((p) => p.jobs[j.job_id]))
                   .slice(0, COLORS.length - 1);
   const lines = [{name: "fleet", color: COLORS[0], value: (p) => p.fleet}].concat(
     top.map((j, i) => ({name: j.job_id, color: COLORS[i + 1], value: (p) => p.jobs[j.job_id] || 0})));
   const ymax = Math.max(1, ...series.map((p) => p.fleet)) * 1.1;
-  const x = (t) => pad.l + (width - pad.l - pad.r) * (t - t0) / 3600;
+  const x = (t) => pad.l + (width - pad.l - pad.r) * (t - t0) / span;
   const y = (v) => height - pad.b - (height - pad.t - pad.b) * v / ymax;
   ctx.strokeStyle = "#e3e6ec"; ctx.fillStyle = "#6b7385"; ctx.font = "11px system-ui, sans-serif";
   ctx.lineWidth = 1;
@@ -98,8 +100,10 @@ function renderChart(series, jobs, now) {
     ctx.beginPath(); ctx.moveTo(pad.l, y(v)); ctx.lineTo(width - pad.r, y(v)); ctx.stroke();
     ctx.fillText(v.toFixed(v < 10 ? 1 : 0), 4, y(v) + 4);
   }
-  for (let m = 60; m >= 0; m -= 15) {
-    ctx.fillText(m ? "-" + m + "m" : "now", x(now - m * 60) - 10, height - 6);
+  for (let k = 4; k >= 0; k--) {
+    const ago = span * k / 4;
+    const label = k ? "-" + (ago >= 60 ? Math.round(ago / 60) + "m" : Math.round(ago) + "s") : "now";
+    ctx.fillText(label, x(now - ago) - (k ? 10 : 24), height - 6);
   }
   for (const line of lines) {
     ctx.strokeStyle = line.color; ctx.lineWidth = line.name === "fleet" ? 2 : 1.3;
