@@ -245,3 +245,54 @@ def test_a_batch_past_its_window_expires_keeping_finished_requests(stack, client
     errors = jsonl(client, batch.error_file_id)
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert len(jsonl(client, batch.output_file_id)) == counts.completed
+
+
+def test_the_readme_example_runs(stack, tmp_path, capsys):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("<!-- serve-example", 1)[1].split("```python\n", 1)[1].split("```")[0]
+    assert len(block.strip().splitlines()) == 5
+    rows = lines(str(stack.model), 4, prefix="readme")
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = (block.replace("http://localhost:8000/v1", stack.base + "/v1")
+            .replace("sk-my-key", KEY).replace('"requests.jsonl"', repr(str(tmp_path / "requests.jsonl")))
+            .replace("time.sleep(5)", "time.sleep(0.3)"))  # fmt: skip
+    exec(compile(code, "README.md", "exec"), {})
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    assert sorted(line["custom_id"] for line in printed) == [f"readme-{i}" for i in range(4)]
+    assert {line["response"]["status_code"] for line in printed} == {200}
+
+
+def test_the_dashboard_json_endpoints(stack, client, tmp_path):
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    def api(path: str, method: str = "GET") -> Any:
+        request = urllib.request.Request(stack.base + path, headers=headers, method=method)
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return json.loads(reply.read())
+
+    rows = lines(str(stack.model), 60, max_tokens=48, prefix="api")
+    batch = client.batches.create(input_file_id=upload(client, tmp_path, rows, "api.jsonl").id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")  # fmt: skip
+    while client.batches.retrieve(batch.id).request_counts.completed == 0:
+        time.sleep(0.2)
+    overview = api("/api/overview")
+    job = next(j for j in overview["jobs"] if j["job_id"] == batch.id)
+    assert job["state"] == "running" and job["total"] == 60 and job["done"] > 0
+    (worker,) = overview["workers"]
+    assert (worker["device"], worker["model"]) == ("cpu", str(stack.model))
+    assert worker["host"] and worker["last_heartbeat"] > time.time() - 30
+    assert api("/api/workers")[0]["name"] == worker["name"]
+    # the server samples tok/s every second (--sample 1): the fleet and this job produce
+    deadline = time.monotonic() + 30
+    while not any(p["jobs"].get(batch.id) for p in api("/api/series")):
+        assert time.monotonic() < deadline, "no tok/s sample for the job"
+        time.sleep(0.5)
+    assert any(p["fleet"] > 0 for p in api("/api/series"))
+    assert api(f"/api/jobs/{batch.id}/cancel", "POST") == {
+        "job_id": batch.id,
+        "state": "cancelling",
+    }
+    detail = api(f"/api/jobs/{batch.id}")
+    assert detail["state"] in ("cancelling", "cancelled") and detail["dead_letters"] == []
+    assert detail["output"].endswith(batch.id)
+    assert wait_done(client, batch.id).status == "cancelled"
