@@ -8,12 +8,15 @@ Runs everything for real in a temp dir: a private redis-server, ``batchgen serve
 and one CPU ``batchgen worker`` on a tiny toy checkpoint (subprocesses), and the
 ``openai`` client. The batch of ``--lines`` requests runs to completion first;
 then each call is made by ``--threads`` clients (one ``OpenAI`` client per
-thread, keep-alive) for ``--seconds``. Prints a table and, last, one JSON object.
+thread, keep-alive) for ``--seconds``, and again as plain keep-alive HTTP GETs
+(http.client), which shows the server's share without the client's parsing.
+Prints a table and, last, one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import signal
@@ -55,7 +58,7 @@ def wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def rate(call: Callable[[OpenAI], Any], make: Callable[[], OpenAI], threads: int,
+def rate(call: Callable[[Any], Any], make: Callable[[], Any], threads: int,
          seconds: float) -> dict[str, float]:  # fmt: skip
     """Calls per second over ``seconds``, ``threads`` clients at once."""
     counts = [0] * threads
@@ -82,6 +85,21 @@ def rate(call: Callable[[OpenAI], Any], make: Callable[[], OpenAI], threads: int
     return {"requests": sum(counts), "per_s": round(sum(counts) / elapsed, 1),
             "p50_ms": round(1000 * flat[len(flat) // 2], 2),
             "p99_ms": round(1000 * flat[int(len(flat) * 0.99)], 2)}  # fmt: skip
+
+
+def http_client(port: int) -> Callable[[], http.client.HTTPConnection]:
+    return lambda: http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+
+def http_get(port: int, path: str) -> Callable[[http.client.HTTPConnection], Any]:
+    def call(conn: http.client.HTTPConnection) -> bytes:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {KEY}"})
+        reply = conn.getresponse()
+        body = reply.read()
+        assert reply.status == 200, body[:200]
+        return body
+
+    return call
 
 
 def main() -> None:
@@ -141,6 +159,11 @@ def main() -> None:
             )
             content = rate(lambda c: c.files.content(output_id).content, make, args.threads,
                            args.seconds)  # fmt: skip
+            # the same calls as plain keep-alive HTTP: the server's share, without the client's
+            raw_retrieve = rate(http_get(port, f"/v1/batches/{batch_id}"), http_client(port),
+                                args.threads, args.seconds)  # fmt: skip
+            raw_content = rate(http_get(port, f"/v1/files/{output_id}/content"), http_client(port),
+                               args.threads, args.seconds)  # fmt: skip
         finally:
             for proc in procs:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -149,11 +172,12 @@ def main() -> None:
 
     result = {"lines": args.lines, "threads": args.threads, "batch_wall_s": round(batch_s, 1),
               "output_bytes": size, "batches.retrieve": retrieve, "files.content": content,
-              "files.content_MB_per_s": round(content["per_s"] * size / 1e6, 1)}  # fmt: skip
-    print(f"{'call':<18} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
-    for name in ("batches.retrieve", "files.content"):
+              "files.content_MB_per_s": round(content["per_s"] * size / 1e6, 1),
+              "http GET batch": raw_retrieve, "http GET content": raw_content}  # fmt: skip
+    print(f"{'call':<24} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    for name in ("batches.retrieve", "files.content", "http GET batch", "http GET content"):
         r = result[name]
-        print(f"{name:<18} {r['per_s']:>8} {r['p50_ms']:>8} {r['p99_ms']:>8}")
+        print(f"{name:<24} {r['per_s']:>8} {r['p50_ms']:>8} {r['p99_ms']:>8}")
     print(f"(a {args.lines}-line output of {size / 1e6:.1f} MB; {args.threads} client threads; "
           f"the batch itself ran in {batch_s:.0f} s)")  # fmt: skip
     print(json.dumps(result))

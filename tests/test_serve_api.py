@@ -288,6 +288,9 @@ def test_the_dashboard_json_endpoints(stack, client, tmp_path):
         assert time.monotonic() < deadline, "no tok/s sample for the job"
         time.sleep(0.5)
     assert any(p["fleet"] > 0 for p in api("/api/series"))
+    while not api("/api/workers")[0]["tokens_per_s"] > 0:  # from its heartbeats' counters
+        assert time.monotonic() < deadline, "no tok/s for the worker"
+        time.sleep(0.5)
     assert api(f"/api/jobs/{batch.id}/cancel", "POST") == {
         "job_id": batch.id,
         "state": "cancelling",

@@ -135,8 +135,8 @@ def create_app(config: ServeConfig, conn: redis.Redis, keys: Keys) -> FastAPI:
         return _page(page, more)
 
     @app.get("/v1/batches/{batch_id}", dependencies=auth)
-    def get_batch(batch_id: str) -> Any:
-        return batches.get(batch_id)
+    def get_batch(batch_id: str) -> JSONResponse:
+        return JSONResponse(batches.get(batch_id))  # plain JSON already: no re-encoding
 
     @app.post("/v1/batches/{batch_id}/cancel", dependencies=auth)
     def cancel_batch(batch_id: str) -> Any:

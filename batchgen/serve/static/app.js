@@ -105,12 +105,23 @@ function renderChart(series, jobs, now) {
     const label = k ? "-" + (ago >= 60 ? Math.round(ago / 60) + "m" : Math.round(ago) + "s") : "now";
     ctx.fillText(label, x(now - ago) - (k ? 10 : 24), height - 6);
   }
+  if (series.length) {  // the fleet as a shaded area, each job a line over it
+    ctx.beginPath();
+    ctx.moveTo(x(series[0].t), y(0));
+    for (const p of series) ctx.lineTo(x(p.t), y(p.fleet));
+    ctx.lineTo(x(series[series.length - 1].t), y(0));
+    ctx.closePath();
+    ctx.fillStyle = "rgba(47, 111, 219, 0.15)";
+    ctx.fill();
+  }
   for (const line of lines) {
-    ctx.strokeStyle = line.color; ctx.lineWidth = line.name === "fleet" ? 2 : 1.3;
+    ctx.strokeStyle = line.color; ctx.lineWidth = line.name === "fleet" ? 2.5 : 1.5;
+    ctx.setLineDash(line.name === "fleet" ? [] : [5, 3]);
     ctx.beginPath();
     series.forEach((p, i) => { const f = i ? "lineTo" : "moveTo"; ctx[f](x(p.t), y(line.value(p))); });
     ctx.stroke();
   }
+  ctx.setLineDash([]);
   document.getElementById("legend").replaceChildren(...lines.map((l) =>
     el("span", {}, Object.assign(el("i"), {style: "background:" + l.color}), l.name)));
 }
