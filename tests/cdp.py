@@ -24,13 +24,14 @@ class Browser:
 
     def __init__(self, binary: str, profile: Path, log: Path) -> None:
         self.log = log.open("wb")
+        port_file = profile / "DevToolsActivePort"
+        port_file.unlink(missing_ok=True)  # a reused profile's is stale
         self.proc = subprocess.Popen(
             [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
              "--remote-debugging-port=0", f"--user-data-dir={profile}",
              "--window-size=1440,1000", "about:blank"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-        port_file = profile / "DevToolsActivePort"
         deadline = time.monotonic() + 60
         while not (port_file.exists() and port_file.read_text().count("\n") >= 1):
             assert self.proc.poll() is None and time.monotonic() < deadline, (

@@ -105,21 +105,31 @@ function renderChart(series, jobs, now) {
     const label = k ? "-" + (ago >= 60 ? Math.round(ago / 60) + "m" : Math.round(ago) + "s") : "now";
     ctx.fillText(label, x(now - ago) - (k ? 10 : 24), height - 6);
   }
-  if (series.length) {  // the fleet as a shaded area, each job a line over it
+  // runs of samples without a gap (the server was down, say): no line bridges a gap
+  const steps = series.slice(1).map((p, i) => p.t - series[i].t).sort((a, b) => a - b);
+  const gap = Math.max(15, 4 * (steps[Math.floor(steps.length / 2)] || 0));
+  const runs = [];
+  series.forEach((p, i) => {
+    if (!i || p.t - series[i - 1].t > gap) runs.push([]);
+    runs[runs.length - 1].push(p);
+  });
+  ctx.fillStyle = "rgba(47, 111, 219, 0.15)";
+  for (const run of runs) {  // the fleet as a shaded area, each job a dashed line over it
     ctx.beginPath();
-    ctx.moveTo(x(series[0].t), y(0));
-    for (const p of series) ctx.lineTo(x(p.t), y(p.fleet));
-    ctx.lineTo(x(series[series.length - 1].t), y(0));
+    ctx.moveTo(x(run[0].t), y(0));
+    for (const p of run) ctx.lineTo(x(p.t), y(p.fleet));
+    ctx.lineTo(x(run[run.length - 1].t), y(0));
     ctx.closePath();
-    ctx.fillStyle = "rgba(47, 111, 219, 0.15)";
     ctx.fill();
   }
   for (const line of lines) {
     ctx.strokeStyle = line.color; ctx.lineWidth = line.name === "fleet" ? 2.5 : 1.5;
     ctx.setLineDash(line.name === "fleet" ? [] : [5, 3]);
-    ctx.beginPath();
-    series.forEach((p, i) => { const f = i ? "lineTo" : "moveTo"; ctx[f](x(p.t), y(line.value(p))); });
-    ctx.stroke();
+    for (const run of runs) {
+      ctx.beginPath();
+      run.forEach((p, i) => { const f = i ? "lineTo" : "moveTo"; ctx[f](x(p.t), y(line.value(p))); });
+      ctx.stroke();
+    }
   }
   ctx.setLineDash([]);
   document.getElementById("legend").replaceChildren(...lines.map((l) =>
