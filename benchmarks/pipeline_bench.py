@@ -106,6 +106,8 @@ class _Out:
     num_prompt_tokens: int = 3
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    samples: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -115,6 +117,9 @@ class ZeroEngine:
     max_num_seqs: int = 256
     max_model_len: int = 4096
     running: list[str] = field(default_factory=list)
+
+    def token_text(self, token_id: int) -> str:
+        return str(token_id)
 
     def encode(self, prompt: Any) -> list[int]:
         return [1, 2, 3]

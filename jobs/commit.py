@@ -9,6 +9,8 @@ without bound and a crash leaves either everything or nothing done. A job that
 has every row moves to ``finalizing`` here, exactly once.
 
 All keys share the queue's hash tag (keys.py), so this runs on Redis Cluster.
+Through Sentinel a commit then waits for one replica (sentinel.py).
+
 Idempotent: a part already recorded is not counted again (a retried commit
 after a lost reply only acks); a closed (finalized) or missing job's rows are
 discarded and their entries acked.
@@ -26,6 +28,7 @@ from batchgen.jobs.keys import GROUP, QueueKeys
 from batchgen.jobs.lifecycle import script
 from batchgen.jobs.lua import ACK_AND_DELETE
 from batchgen.jobs.rows import Row
+from batchgen.jobs.sentinel import replicated
 
 COMMIT = script(
     "commit parts",
@@ -139,6 +142,7 @@ def commit(
         payload=json.dumps(payload, separators=(",", ":")),
     )  # fmt: skip
     data = json.loads(raw)
+    replicated(conn)  # through Sentinel: on a replica before the worker moves on
     return CommitResult(
         finished=_list(data["finished"]),
         missing=_list(data["missing"]),

@@ -6,6 +6,9 @@ server (embedded.py). ``rediss://`` verifies the server certificate
 from the URL query (``?ssl_ca_certs=...&ssl_certfile=...&ssl_keyfile=...``) or
 ``BATCHGEN_REDIS_CA`` / ``BATCHGEN_REDIS_CERT`` / ``BATCHGEN_REDIS_KEY``.
 User and password go in the URL (``rediss://user:pass@host:6380/0``).
+``redis+sentinel://host:26379,host:26380/mymaster/0`` (``rediss+sentinel://``
+with TLS) reaches the primary through Sentinel, with the same rules
+(sentinel.py).
 No other query parameter is accepted (check_url): redis-py hands query
 parameters to the connection and lets them override ours, so
 ``?ssl_cert_reqs=none`` or ``?ssl_check_hostname=false`` would turn verification
@@ -33,7 +36,7 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
-from batchgen.jobs import cmdline, embedded
+from batchgen.jobs import cmdline, embedded, sentinel
 from batchgen.jobs.errors import (
     QueueFull,
     RedisUnavailable,
@@ -51,7 +54,9 @@ _TLS_ENV = {
     "ssl_keyfile": "BATCHGEN_REDIS_KEY",
 }
 # scheme://user:PASSWORD@host: redis-py's password ends at the host's last '@'
-_PASSWORD = re.compile(r"^([a-z]+://[^:@/?#]*:)([^/?#]*)@")
+_PASSWORD = re.compile(r"^([a-z+]+://[^:@/?#]*:)([^/?#]*)@")
+_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
+_TLS_SCHEMES = ("rediss", "rediss+sentinel")
 _PLAIN_PARAMS = ("db", *_TLS_ENV)
 # The verification switches, each with the one value that keeps verification on.
 _VERIFY_PARAMS = {"ssl_cert_reqs": "required", "ssl_check_hostname": "true"}
@@ -67,9 +72,10 @@ def resolve(url: str | None = None) -> Target:
     """Which Redis to use; starts the embedded server when nothing is configured."""
     chosen = url or os.environ.get(ENV_URL)
     if chosen:
-        if not chosen.startswith(("redis://", "rediss://", "unix://")):
+        if not chosen.startswith(_SCHEMES):
             raise RedisUnavailable(
-                f"unsupported Redis URL {redact(chosen)!r}: use redis://, rediss:// or unix://"
+                f"unsupported Redis URL {redact(chosen)!r}: use redis://, rediss://, unix:// "
+                "or redis+sentinel:// (rediss+sentinel://)"
             )
         check_url(chosen)
         return Target(chosen, embedded=False)
@@ -89,14 +95,18 @@ def check_url(url: str) -> None:
     seen: set[str] = set()
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         lower = name.lower()
+        if name == "db" and sentinel.is_sentinel(url):
+            raise UnsafeRedisURL(
+                f"Redis URL {where}: give the db after the service (.../mymaster/0), not as ?db="
+            )
         if name in _PLAIN_PARAMS:
-            if name != "db" and parts.scheme != "rediss":
+            if name != "db" and parts.scheme not in _TLS_SCHEMES:
                 raise UnsafeRedisURL(
                     f"Redis URL {where}: TLS parameters need a rediss:// URL ({name})"
                 )
         elif lower.startswith("ssl_"):
             keeps_verifying = _VERIFY_PARAMS.get(name) == value.lower()
-            if not keeps_verifying or parts.scheme != "rediss":
+            if not keeps_verifying or parts.scheme not in _TLS_SCHEMES:
                 raise UnsafeRedisURL(
                     f"Redis URL {where}: {_shown(name, value)} could weaken TLS verification; "
                     "batchgen always verifies the server's certificate and host name: remove it "
@@ -111,6 +121,8 @@ def check_url(url: str) -> None:
         if name in seen:
             raise UnsafeRedisURL(f"Redis URL {where}: {name!r} is given twice; give it once")
         seen.add(name)
+    if sentinel.is_sentinel(url):
+        sentinel.parse(url, where)
 
 
 def _shown(name: str, value: str) -> str:
@@ -169,12 +181,17 @@ def connect(
     }
     if not target.url.startswith("unix://"):
         kwargs["socket_keepalive"] = True
-    if target.url.startswith("rediss://"):
+    if target.url.startswith(("rediss://", "rediss+sentinel://")):
         kwargs["ssl_cert_reqs"] = "required"  # never "none": fail closed on a bad cert
         for arg, env in _TLS_ENV.items():
             if os.environ.get(env) and f"{arg}=" not in target.url:
                 kwargs[arg] = os.environ[env]
-    client = redis.Redis.from_url(target.url, **kwargs)
+    if sentinel.is_sentinel(target.url):
+        query = urlparse(target.url).query
+        kwargs |= {k: v for k, v in parse_qsl(query) if k in _TLS_ENV}  # check_url's
+        client = sentinel.client(target.url, redact(target.url), kwargs)
+    else:
+        client = redis.Redis.from_url(target.url, **kwargs)
     deadline = time.monotonic() + wait_s
     delay = 0.1
     while check_policy:

@@ -8,8 +8,8 @@ Two line formats (docs/pipeline.md, "Input lines"):
   (``body.prompt``); ``custom_id`` becomes the row id.
 
 Unknown fields are errors (a typo such as ``max_token`` would otherwise be
-silently ignored), except ``body.model`` and ``body.user`` in OpenAI lines, which
-are accepted and ignored: the job's ``--model`` decides the model.
+silently ignored). An OpenAI body's dialect (fields accepted and ignored, fields
+refused as not supported, chat's logprobs) is ``openai_body``'s.
 
 An entry carries the prompt or messages, every sampling parameter (job defaults
 merged with the line's own), id and metadata, so a worker needs nothing else.
@@ -25,20 +25,18 @@ from typing import Any
 from batchgen.jobs import jsonpos, strictjson
 from batchgen.jobs.lines import MAX_LINE_BYTES as MAX_LINE_BYTES  # submit's default limit
 from batchgen.jobs.lines import LineError
-from batchgen.jobs.params import CHECKS, ParamError
+from batchgen.jobs.openai_body import FIELDS as BODY_FIELDS
+from batchgen.jobs.openai_body import PARAMS, BodyError, body_params
+from batchgen.jobs.params import CHECKS, ParamError, check_together
+from batchgen.jobs.structured import from_response_format
 
 MAX_ID_CHARS = 1024
 MAX_METADATA_BYTES = 64 << 10
 MAX_MESSAGES = 10_000
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
-NATIVE_FIELDS = frozenset({"id", "prompt", "messages", "metadata", *CHECKS})
+NATIVE_FIELDS = frozenset({"id", "prompt", "messages", "metadata", "response_format", *CHECKS})
 OPENAI_FIELDS = frozenset({"custom_id", "method", "url", "body"})
-BODY_PARAMS = {name: name for name in CHECKS} | {"max_completion_tokens": "max_tokens"}
-BODY_IGNORED = frozenset({"model", "user"})
-BODY_FIELDS = frozenset(
-    {*BODY_PARAMS, *BODY_IGNORED, "messages", "prompt", "n", "stream", "metadata"}
-)
 URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
@@ -104,7 +102,10 @@ def _native(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) ->
         entry["p"] = _prompt(value["prompt"], ("prompt",))
     else:
         entry["m"] = _messages(value["messages"], ("messages",))
-    entry["s"] = _params({k: v for k, v in value.items() if k in CHECKS}, defaults, ())
+    given = {k: v for k, v in value.items() if k in CHECKS}
+    paths: dict[str, tuple[str, ...]] = {}
+    _response_format(value, given, paths, ())
+    entry["s"] = _params(given, defaults, (), paths)
     if "metadata" in value:
         entry["md"] = _metadata(value["metadata"], ("metadata",), line_chars)
     return entry
@@ -135,18 +136,15 @@ def _openai(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) ->
         entry["p"] = _prompt(body["prompt"], ("body", "prompt"))
     else:
         entry["m"] = _messages(body["messages"], ("body", "messages"))
-    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
-        raise _FieldError(("body", "n"), "n must be 1 (one completion per line)")
-    if body.get("stream", False) is not False:
-        raise _FieldError(("body", "stream"), "stream must be false in a batch")
-    if "max_tokens" in body and "max_completion_tokens" in body:
-        raise _FieldError(
-            ("body", "max_completion_tokens"), "give max_tokens or max_completion_tokens, not both"
-        )
-    params = {BODY_PARAMS[k]: v for k, v in body.items() if k in BODY_PARAMS}
+    try:
+        params = body_params(body, chat=kind == "messages")
+    except BodyError as exc:
+        raise _FieldError(("body", exc.field), exc.message, exc.at_key) from None
     paths: dict[str, tuple[str, ...]] = {
-        BODY_PARAMS[k]: ("body", k) for k in body if k in BODY_PARAMS
+        name: ("body", key) for key, name in PARAMS.items() if key in body
     }
+    paths["logprobs"] = ("body", "top_logprobs" if "top_logprobs" in body else "logprobs")
+    _response_format(body, params, paths, ("body",))
     entry["s"] = _params(params, defaults, ("body",), paths)
     if "metadata" in body:
         entry["md"] = _metadata(body["metadata"], ("body", "metadata"), line_chars)
@@ -239,12 +237,36 @@ def _params(
     paths: dict[str, tuple[str, ...]] | None = None,
 ) -> dict[str, Any]:
     merged = dict(defaults)
+    paths = paths or {}
     for name, value in given.items():
         try:
             merged[name] = CHECKS[name](name, value)  # params.check, one call less a field
         except ParamError as exc:
-            raise _FieldError((paths or {}).get(name, (*at, name)), str(exc)) from None
+            raise _FieldError(paths.get(name, (*at, name)), str(exc)) from None
+    if merged.get("structured_output"):
+        try:
+            check_together(merged)
+        except ParamError as exc:
+            path = paths.get("structured_output", (*at, "structured_output"))
+            raise _FieldError(path if "structured_output" in given else at, str(exc)) from None
     return merged
+
+
+def _response_format(
+    value: dict[str, Any], given: dict[str, Any], paths: dict[str, tuple[str, ...]],
+    at: tuple[str, ...],
+) -> None:  # fmt: skip
+    """OpenAI's response_format, as the structured_output it means."""
+    if "response_format" not in value:
+        return
+    path = (*at, "response_format")
+    if "structured_output" in value:
+        raise _FieldError(path, "give response_format or structured_output, not both")
+    try:
+        given["structured_output"] = from_response_format(value["response_format"])
+    except ParamError as exc:
+        raise _FieldError(path, str(exc)) from None
+    paths["structured_output"] = path
 
 
 def _metadata(value: Any, path: tuple[str, ...], line_chars: int) -> dict[str, Any]:

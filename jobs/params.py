@@ -19,8 +19,10 @@ MAX_TOKENS_LIMIT = 1 << 20  # far above any context window; 10**9 is a typo
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 64
-MAX_SAMPLES = 128  # n
+MAX_SAMPLES = 16  # n
 MAX_LOGPROBS = 20  # top logprobs per token
+MAX_LOGIT_BIAS = 300  # entries
+MAX_BIAS = 100.0
 
 
 class ParamError(ValueError):
@@ -41,7 +43,7 @@ def _int_in(low: int, high: int, hint: str = "") -> Callable[[str, Any], Any]:
     def check(name: str, value: Any) -> int:
         if not _is_int(value) or not low <= value <= high:
             raise ParamError(
-                f"{name} must be an integer from {low} to {high}{hint}, got {_show(value)}"
+                f"{name} must be an integer from {low} to {high}{hint}, got {show(value)}"
             )
         return int(value)
 
@@ -55,7 +57,7 @@ def _number_in(
         ok = _is_number(value) and (low < value if low_open else low <= value) and value <= high
         if not ok:
             bounds = what or f"{'>' if low_open else '>='} {low:g} and <= {high:g}"
-            raise ParamError(f"{name} must be a number {bounds}, got {_show(value)}")
+            raise ParamError(f"{name} must be a number {bounds}, got {show(value)}")
         return float(value)
 
     return check
@@ -64,7 +66,7 @@ def _number_in(
 def _stop(name: str, value: Any) -> list[str]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise ParamError(f"{name} must be a string or a list of strings, got {_show(value)}")
+        raise ParamError(f"{name} must be a string or a list of strings, got {show(value)}")
     if len(items) > MAX_STOPS:
         raise ParamError(f"{name} has {len(items)} strings; at most {MAX_STOPS} allowed")
     for s in items:
@@ -75,16 +77,56 @@ def _stop(name: str, value: Any) -> list[str]:
 
 def _stop_token_ids(name: str, value: Any) -> list[int]:
     if not isinstance(value, list) or not all(_is_int(t) and 0 <= t < 1 << 31 for t in value):
-        raise ParamError(f"{name} must be a list of token ids (integers >= 0), got {_show(value)}")
+        raise ParamError(f"{name} must be a list of token ids (integers >= 0), got {show(value)}")
     if len(value) > MAX_STOP_TOKEN_IDS:
         raise ParamError(f"{name} has {len(value)} ids; at most {MAX_STOP_TOKEN_IDS} allowed")
     return list(value)
 
 
+def _logit_bias(name: str, value: Any) -> dict[str, float]:
+    """{token id: bias}; JSON keys are strings, the Python API may give ints."""
+    if not isinstance(value, dict):
+        raise ParamError(f"{name} must be an object of token id -> bias, got {show(value)}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ParamError(f"{name} has {len(value)} entries; at most {MAX_LOGIT_BIAS} allowed")
+    out: dict[str, float] = {}
+    for key, bias in value.items():
+        token = key if _is_int(key) else int(key) if isinstance(key, str) and key.isdigit() else -1
+        if not 0 <= token < 1 << 31:
+            raise ParamError(f"{name} keys must be token ids (integers >= 0), got {show(key)}")
+        if not _is_number(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise ParamError(
+                f"{name} values must be numbers from -{MAX_BIAS:g} to {MAX_BIAS:g}, got {show(bias)}"
+            )
+        out[str(token)] = float(bias)
+    return out
+
+
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ParamError(f"{name} must be true or false, got {_show(value)}")
+        raise ParamError(f"{name} must be true or false, got {show(value)}")
     return value
+
+
+def _structured(name: str, value: Any) -> dict[str, Any] | None:
+    from batchgen.jobs.structured import check_field  # it imports this module
+
+    return check_field(name, value)
+
+
+# Where the grammar decides the end, these would cut a structured output short.
+_NOT_WITH_STRUCTURED = ("stop", "stop_token_ids", "min_tokens")
+
+
+def check_together(values: dict[str, Any]) -> None:
+    """ParamError when two fields set in ``values`` cannot go together."""
+    if values.get("structured_output"):
+        for name in _NOT_WITH_STRUCTURED:
+            if values.get(name):
+                raise ParamError(
+                    f"{name} cannot be combined with structured_output: the constraint "
+                    "decides where the output ends"
+                )
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +150,14 @@ FIELDS: dict[str, Field] = {
     "repetition_penalty": Field(1.0, _number_in(0.0, 100.0, low_open=True)),
     "presence_penalty": Field(0.0, _number_in(-2.0, 2.0)),
     "frequency_penalty": Field(0.0, _number_in(-2.0, 2.0)),
-    "n": Field(1, _int_in(1, MAX_SAMPLES), in_lines=False),
-    "logprobs": Field(None, _int_in(0, MAX_LOGPROBS), in_lines=False),
+    "n": Field(1, _int_in(1, MAX_SAMPLES)),
+    # top alternatives per generated token; 0: the chosen token's logprob alone
+    "logprobs": Field(None, _int_in(0, MAX_LOGPROBS)),
+    "logit_bias": Field(None, _logit_bias),
     "min_tokens": Field(0, _int_in(0, MAX_TOKENS_LIMIT), in_lines=False),
     "skip_special_tokens": Field(True, _bool, in_lines=False),
+    # one constraint (jobs.structured); a line may also write OpenAI's response_format
+    "structured_output": Field(None, _structured),
 }
 
 # What a request line may set, and the check of each.
@@ -143,6 +189,7 @@ def job_defaults(overrides: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
+    """A value as JSON, cut short for an error message."""
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -17,6 +17,16 @@ class FinishReason(str, enum.Enum):
 
 
 _TS = pa.timestamp("ms", tz="UTC")
+_TOP = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
+# per generated token: its id, text and logprob, and the top alternatives
+LOGPROBS = pa.list_(
+    pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32()),
+               ("top", pa.list_(_TOP))])
+)  # fmt: skip
+CHOICES = pa.list_(
+    pa.struct([("index", pa.int32()), ("text", pa.string()), ("token_ids", pa.list_(pa.int32())),
+               ("finish_reason", pa.string()), ("logprobs", LOGPROBS)])
+)  # fmt: skip
 SCHEMA = pa.schema(
     [
         pa.field("index", pa.int64(), nullable=False),  # 0-based input order (valid lines)
@@ -26,7 +36,7 @@ SCHEMA = pa.schema(
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("error", pa.string()),
         pa.field("prompt_tokens", pa.int32()),
-        pa.field("completion_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),  # of every sample, as OpenAI counts
         pa.field("cached_tokens", pa.int32()),
         pa.field("attempts", pa.int32()),  # deliveries that ran it, hand-backs included
         pa.field("preemptions", pa.int32()),
@@ -34,6 +44,10 @@ SCHEMA = pa.schema(
         pa.field("queued_at", _TS),
         pa.field("finished_at", _TS),
         pa.field("metadata", pa.string()),  # the line's metadata object, as JSON
+        # the output constraint's kind (json, json_object, regex, choice, grammar), or null
+        pa.field("structured", pa.string()),
+        pa.field("logprobs", LOGPROBS),  # the first sample's, when asked; else null
+        pa.field("choices", CHOICES),  # every sample when n > 1; else null
     ]
 )
 
@@ -55,6 +69,9 @@ class Row:
     queued_at: int | None = None  # unix ms
     finished_at: int | None = None  # unix ms
     metadata: str | None = None
+    structured: str | None = None
+    logprobs: list[dict] | None = None
+    choices: list[dict] | None = None
 
     @property
     def failed(self) -> bool:
@@ -87,6 +104,9 @@ def to_table(rows: Sequence[Row]) -> pa.Table:
         columns["queued_at"].append(row.queued_at)
         columns["finished_at"].append(row.finished_at)
         columns["metadata"].append(row.metadata)
+        columns["structured"].append(row.structured)
+        columns["logprobs"].append(row.logprobs)
+        columns["choices"].append(row.choices)
     return pa.Table.from_pydict(columns, schema=SCHEMA)
 
 

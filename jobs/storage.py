@@ -23,6 +23,10 @@ from batchgen.jobs.errors import OutputError, UnsafeName
 from batchgen.jobs.names import check_file_name, inline_credentials
 
 TEMP_PREFIX = ".tmp-"
+# S3 requests give up when no byte moves this long (pyarrow's own retries follow); without
+# them a store that accepts connections and never answers held a worker's write > 60 s.
+S3_CONNECT_TIMEOUT_S = 5.0
+S3_REQUEST_TIMEOUT_S = 10.0
 
 
 @dataclass(slots=True)
@@ -40,7 +44,7 @@ class OutputDir:
         if reason:
             raise OutputError(f"cannot open output: {reason}")
         try:
-            fs, path = pafs.FileSystem.from_uri(uri)
+            fs, path = open_uri(uri)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as exc:
             raise OutputError(f"cannot open output {uri!r}: {exc}") from exc
         return cls(uri, fs, path.rstrip("/"), local=isinstance(fs, pafs.LocalFileSystem))
@@ -182,6 +186,17 @@ class OutputDir:
         except OSError as exc:
             if exc.errno != errno.ENOTEMPTY:
                 raise OutputError(f"cannot remove {path}: {exc}") from exc
+
+
+def open_uri(uri: str) -> tuple[pafs.FileSystem, str]:
+    """``pafs.FileSystem.from_uri``, with timeouts on S3 requests (the URI cannot carry
+    them: pyarrow rebuilds the filesystem from its own options, as when unpickling)."""
+    fs, path = pafs.FileSystem.from_uri(uri)
+    if isinstance(fs, pafs.S3FileSystem):
+        rebuild, (options,) = fs.__reduce__()
+        fs = rebuild({**options, "connect_timeout": S3_CONNECT_TIMEOUT_S,
+                      "request_timeout": S3_REQUEST_TIMEOUT_S})  # fmt: skip
+    return fs, path
 
 
 @contextlib.contextmanager

@@ -17,12 +17,12 @@ and only if ``enqueued`` still equals the chunk's start. So:
   refused;
 - with ``wait_s``, a Redis that goes away mid-file (a restart) is waited for,
   and appending goes on from the job's ``enqueued``: nothing twice, nothing
-  skipped.
+  skipped; through Sentinel a failover is such an outage, and the last chunk
+  waits for a replica before submit reports success (sentinel.py).
 """
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
 from collections import deque
@@ -34,13 +34,15 @@ import redis
 
 from batchgen.jobs import retention
 from batchgen.jobs.connection import describe_connection_error, is_oom, queue_full
-from batchgen.jobs.errors import InvalidInput, JobConflict, RedisUnavailable, UsageError
+from batchgen.jobs.errors import InvalidInput, JobConflict, RedisUnavailable
 from batchgen.jobs.inputs import MAX_LINE_BYTES, LineError
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys, queue_name, queue_tag, text
 from batchgen.jobs.lifecycle import CREATE, JobState, script
 from batchgen.jobs.names import check_job_id
 from batchgen.jobs.ownership import claim, new_token
 from batchgen.jobs.records import JobRecord
+from batchgen.jobs.sentinel import replicated
+from batchgen.jobs.sources import local_copy
 from batchgen.jobs.storage import OutputDir
 from batchgen.jobs.validate import SpoolDir, validate_file
 
@@ -111,10 +113,9 @@ def submit(
     retention_s: int | None = None,
 ) -> SubmitResult:
     job_id = check_job_id(job_id) if job_id else new_job_id()
-    if not os.path.isfile(source_path) or not os.access(source_path, os.R_OK):
-        raise UsageError(f"cannot read {source_path}: not a readable file")
     with SpoolDir() as spool_dir:
-        checked = validate_file(source_path, defaults, spool_dir, max_line_bytes)
+        local = local_copy(source_path, spool_dir)
+        checked = validate_file(local, defaults, spool_dir, max_line_bytes)
         if checked.error_count and not skip_invalid:
             shown = "\n  ".join(str(e) for e in checked.errors)
             more = checked.error_count - len(checked.errors)
@@ -161,6 +162,7 @@ def submit(
                         "to enqueue the rest"
                     ) from exc
                 position = after
+        replicated(conn)  # through Sentinel: every chunk on a replica before we say so
         appended = position - start
     return SubmitResult(
         job_id, checked.total, checked.error_count, checked.errors, appended, resumed

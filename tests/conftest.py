@@ -87,42 +87,22 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real S3 API: moto's standalone server (``moto_server``) on a free port, with a
     bucket ``batchgen-test``; pyarrow's own S3 client reaches it. Yields ``host:port``.
     Credentials are the environment's (AWS_* variables, set here for the session)."""
-    import subprocess
-    import sys
-    import time
-    import urllib.request
+    from tests.s3_server import MotoServer
 
-    from batchgen.jobs.redis_server import free_port
-
-    binary = str(Path(sys.executable).parent / "moto_server")  # this environment's
-    if not Path(binary).exists():
-        pytest.skip("an S3 endpoint needs moto's server: pip install 'moto[server]'")
-    port = free_port()
-    log = tmp_path_factory.mktemp("moto") / "moto.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=1)
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    server.start()
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                              "AWS_DEFAULT_REGION")}  # fmt: skip
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                       AWS_DEFAULT_REGION="us-east-1")  # fmt: skip
     import pyarrow.fs as pafs
 
-    endpoint = f"127.0.0.1:{port}"
+    endpoint = server.endpoint
     pafs.S3FileSystem(
         endpoint_override=endpoint, scheme="http", allow_bucket_creation=True
     ).create_dir("batchgen-test")
     yield endpoint
-    proc.kill()
-    proc.wait()
+    server.stop()
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

@@ -49,6 +49,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    samples: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -92,6 +94,9 @@ class FakeEngine:
     on_step: Any = None  # called with the step number before each step
     raise_on: str | None = None  # step() raises while a request with this prompt runs
     _stats: EngineStats = field(default_factory=EngineStats)
+
+    def token_text(self, token_id: int) -> str:
+        return str(token_id)
 
     def encode(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list):

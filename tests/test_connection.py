@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import redis
 
 from batchgen.jobs import embedded
 from batchgen.jobs.connection import connect, redact, resolve
-from batchgen.jobs.errors import RedisUnavailable, UnsafeRedis
+from batchgen.jobs.errors import RedisUnavailable, UnsafeRedis, UnsafeRedisURL
 from batchgen.jobs.redis_server import RedisServer, free_port
 
 
@@ -98,3 +99,25 @@ def test_embedded_default_is_shared_by_processes_and_persists(tmp_path):
         assert "shared" in out.stdout and "queued" in out.stdout
     finally:
         embedded.stop(tmp_path / "home")
+
+
+def test_sentinel_urls_follow_the_plain_urls_rules():
+    """redis+sentinel:// is accepted with the same checks: TLS parameters only with
+    rediss+sentinel://, verification never switched off, the password never shown,
+    and a malformed host list or path is a one-line usage error."""
+    hosts = "h1:26379,h2:26380"
+    assert resolve(f"redis+sentinel://{hosts}/mymaster/0").url.endswith("/mymaster/0")
+    assert redact(f"redis+sentinel://u:p@ss@{hosts}/m") == f"redis+sentinel://u:***@{hosts}/m"
+    assert resolve(f"rediss+sentinel://{hosts}/m?ssl_ca_certs=/ca.pem").url
+    refused = {
+        f"redis+sentinel://{hosts}/m?ssl_ca_certs=/ca.pem": "TLS parameters need a rediss:// URL",
+        f"rediss+sentinel://{hosts}/m?ssl_cert_reqs=none": "could weaken TLS verification",
+        f"redis+sentinel://{hosts}/m?db=1": "give the db after the service",
+        f"redis+sentinel://{hosts}/m?x=1": "unsupported parameter 'x'",
+        "redis+sentinel://h1:26379,h2/m": "'h2' is not host:port",
+        f"redis+sentinel://{hosts}": "give the service and optionally the db",
+        f"redis+sentinel://{hosts}/m/zero": "give the service and optionally the db",
+    }
+    for url, message in refused.items():
+        with pytest.raises(UnsafeRedisURL, match=re.escape(message)):
+            resolve(url)

@@ -53,8 +53,8 @@ HOSTILE = [
      "url must be one of /v1/chat/completions, /v1/completions"),
     ('{"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}', 1,
      'OpenAI batch line without "custom_id"'),
-    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 2}}',
-     88, "unknown field 'body.logprobs'"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "frobnicate": 2}}',
+     88, "unknown field 'body.frobnicate'"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": ["x", "y"]}}',
      83, "prompt must be one string (one prompt per line)"),
     # one level past the limit (the limit itself: NESTED_32 below)

@@ -139,3 +139,18 @@ def test_finalize_deletes_only_its_own_parts_even_when_two_jobs_share_a_director
     assert finalize(conn, KEYS, "B") == "completed"
     assert pq.read_table(out / "result.parquet").column("text").to_pylist() == ["B0", "B1"]
     assert load_job(conn, KEYS, "B").done == 2 and not (out / "parts").exists()
+
+
+def test_s3_requests_give_up_on_a_store_that_does_not_answer():
+    """Outputs and prompts on S3 get request timeouts the URI cannot carry; without them
+    a hung store held a worker's part write for over a minute (test_object_store.py)."""
+    from batchgen.jobs.storage import S3_CONNECT_TIMEOUT_S, S3_REQUEST_TIMEOUT_S, open_uri
+
+    fs, path = open_uri("s3://bucket/out?endpoint_override=127.0.0.1:1&scheme=http")
+    options = fs.__reduce__()[1][0]
+    assert (options["connect_timeout"], options["request_timeout"]) == (
+        S3_CONNECT_TIMEOUT_S, S3_REQUEST_TIMEOUT_S
+    ) == (5.0, 10.0)  # fmt: skip
+    assert (options["endpoint_override"], options["scheme"], path) == (
+        "127.0.0.1:1", "http", "bucket/out"
+    )  # fmt: skip

@@ -104,7 +104,7 @@ def test_logprobs_top_k_and_sampled():
         ({"top_p": 1.5}, "top_p must be a number in (0, 1], got 1.5"),
         ({"top_k": -1}, "top_k must be an integer from 0 to 1048576 (0 turns it off), got -1"),
         ({"stop": [""]}, "each stop string must have 1 to 1000 characters"),
-        ({"n": 0}, "n must be an integer from 1 to 128, got 0"),
+        ({"n": 0}, "n must be an integer from 1 to 16, got 0"),
         ({"seed": -1}, "seed must be an integer from 0 to 9223372036854775807, got -1"),
     ],
 )

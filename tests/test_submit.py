@@ -189,3 +189,30 @@ def test_local_model_paths_name_the_same_queue(tmp_path, monkeypatch):
     assert queue_name(str(model) + "/") == str(model)
     assert queue_name("meta-llama/Llama-3-8B") == "meta-llama/Llama-3-8B"
     assert Keys("bg").queue_for_model("./tiny") == Keys("bg").queue_for_model(str(model))
+
+
+def test_prompts_from_an_object_store_uri(redis_url, tmp_path, s3_endpoint):
+    """PROMPTS may be any URI pyarrow.fs opens: the same entries as the local file;
+    a missing object or inline credentials are one-line errors and enqueue nothing."""
+    import pyarrow.fs as pafs
+
+    from batchgen.jobs.errors import InlineCredentials, UsageError
+
+    conn = rconn(redis_url)
+    local = write_prompts(tmp_path / "p.jsonl", 5)
+    fs = pafs.S3FileSystem(endpoint_override=s3_endpoint, scheme="http")
+    with fs.open_output_stream("batchgen-test/in/p.jsonl") as out:
+        out.write(local.read_bytes())
+    query = f"?endpoint_override={s3_endpoint}&scheme=http"
+    remote = run(conn, f"s3://batchgen-test/in/p.jsonl{query}", "remote",
+                 output=str(tmp_path / "out-remote"))  # fmt: skip
+    assert (remote.total, remote.enqueued_now) == (5, 5)
+    run(conn, local, "local")
+    records = [load_job(conn, KEYS, j) for j in ("remote", "local")]
+    assert records[0].source_sha256 == records[1].source_sha256
+    assert stream_indices(conn, "remote") == list(range(5))
+    with pytest.raises(UsageError, match=r"^cannot read s3://batchgen-test/in/nope.jsonl\?"):
+        run(conn, f"s3://batchgen-test/in/nope.jsonl{query}", "nope")
+    with pytest.raises(InlineCredentials, match="carries credentials"):
+        run(conn, "s3://AKIA:secret@batchgen-test/in/p.jsonl", "creds")
+    assert conn.exists(KEYS.queue_for_model("m").job("nope").job) == 0

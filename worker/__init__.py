@@ -1,7 +1,7 @@
 """Data plane: the generation engine and the queue loop that feeds it.
 
-``from batchgen.worker import Engine, EngineConfig, SamplingParams`` is the
-Python API. The names load on first use, so the worker supervisor
+``from batchgen.worker import Engine, EngineConfig, SamplingParams, StructuredOutput``
+is the Python API. The names load on first use, so the worker supervisor
 (``batchgen.worker.loop``) starts without importing torch; ``EngineConfig``
 itself lives in the torch-free ``batchgen.worker.config``.
 """
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         RequestRejected,
         Sample,
         SamplingParams,
+        StructuredOutput,
     )
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "RequestRejected",
     "Sample",
     "SamplingParams",
+    "StructuredOutput",
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -11,7 +12,8 @@ from typing import Any
 import click
 
 REDIS_HELP = (
-    "Redis URL (redis://, rediss://, unix://); default $BATCHGEN_REDIS_URL, else the "
+    "Redis URL (redis://, rediss://, unix://, redis+sentinel://HOST:PORT,.../SERVICE/DB); "
+    "default $BATCHGEN_REDIS_URL, else the "
     "embedded server shared by every batchgen command on this machine."
 )
 
@@ -30,8 +32,15 @@ def _hide_password(_ctx: click.Context, _param: click.Parameter, url: str | None
     return url
 
 
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+STRUCTURED_FLAGS = ("json_schema", "regex", "choice", "grammar")
+
+
 def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Job-level sampling defaults; a line's own fields override them."""
+    """Job-level sampling defaults; a line's own fields override them.
+
+    The command receives them checked, as one ``defaults`` dict (``jobs.params``).
+    """
     options = [
         click.option("--max-tokens", type=int, default=None, help="Default 16."),
         click.option("--temperature", type=float, default=None, help="Default 0 (greedy)."),
@@ -41,19 +50,87 @@ def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--stop", multiple=True, metavar="STR", help="Stop string (repeat for several)."
         ),
+        click.option(
+            "--json-schema",
+            type=click.Path(exists=True, dir_okay=False),
+            metavar="FILE",
+            help="Every output is JSON valid for this JSON Schema (a line's own "
+            "structured_output or response_format overrides it).",
+        ),
+        click.option("--regex", metavar="RE", help="Every output matches this regex."),
+        click.option(
+            "--choice",
+            multiple=True,
+            metavar="STR",
+            help="Every output is one of these strings "
+            "(repeat the flag: --choice yes --choice no).",
+        ),
+        click.option(
+            "--grammar",
+            type=click.Path(exists=True, dir_okay=False),
+            metavar="FILE",
+            help="Every output follows this Lark grammar (llguidance's dialect; see README).",
+        ),
     ]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        flags = {name: kwargs.pop(name) for name in SAMPLING_FLAGS}
+        flags["structured_output"] = _structured_flag({n: kwargs.pop(n) for n in STRUCTURED_FLAGS})
+        return func(*args, defaults=job_defaults(flags), **kwargs)
+
     for option in reversed(options):
-        func = option(func)
-    return func
+        wrapper = option(wrapper)
+    return wrapper
 
 
-def job_defaults(**flags: Any) -> dict[str, Any]:
-    from batchgen.jobs.params import ParamError, job_defaults
+def job_defaults(flags: dict[str, Any]) -> dict[str, Any]:
+    from batchgen.jobs.params import ParamError, check_together, job_defaults
 
     try:
-        return job_defaults(flags)
+        defaults = job_defaults(flags)
+        check_together(defaults)
+        return defaults
     except ParamError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _structured_flag(flags: dict[str, Any]) -> dict[str, Any] | None:
+    """--json-schema/--regex/--choice/--grammar as one structured_output spec (None: none)."""
+    given = {name: value for name, value in flags.items() if value}
+    if len(given) > 1:
+        shown = " and ".join("--" + name.replace("_", "-") for name in given)
+        raise click.UsageError(f"{shown}: give at most one output constraint")
+    if not given:
+        return None
+    name, value = next(iter(given.items()))
+    flag = "--" + name.replace("_", "-")
+    if name == "choice":
+        return _checked_spec(flag, {"choice": list(value)})
+    if name == "regex":
+        return _checked_spec(flag, {"regex": value})
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.UsageError(f"{flag} {value}: cannot read it ({exc})") from None
+    if name == "grammar":
+        return _checked_spec(flag, {"grammar": text})
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise click.UsageError(f"{flag} {value}: not valid JSON ({exc})") from None
+    return _checked_spec(flag, {"json": schema})
+
+
+def _checked_spec(flag: str, spec: dict[str, Any]) -> dict[str, Any]:
+    from batchgen.jobs.params import ParamError
+    from batchgen.jobs.structured import check_spec
+
+    try:
+        return check_spec(spec)
+    except ParamError as exc:
+        raise click.UsageError(f"{flag}: {exc}") from None
 
 
 @contextlib.contextmanager

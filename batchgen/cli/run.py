@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import click
 
 from batchgen.cli._common import (
     connect,
     handles_errors,
-    job_defaults,
     progress_bar,
     redis_option,
     sampling_options,
@@ -38,8 +38,7 @@ from batchgen.cli._common import (
 @redis_option
 @handles_errors
 def run(
-    prompts: str, model: str, dest: str, job_output: str | None, max_tokens: int | None, temperature: float | None,
-    top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...],
+    prompts: str, model: str, dest: str, job_output: str | None, defaults: dict[str, Any],
     device: str | None, max_num_seqs: int, num_kv_blocks: int | None, job_id: str | None,
     skip_invalid: bool, redis_url: str | None,
 ) -> None:  # fmt: skip
@@ -61,10 +60,6 @@ def run(
     from batchgen.worker.loop.engine_api import load_engine
     from batchgen.worker.loop.runner import QueueLoop
 
-    defaults = job_defaults(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        stop=stop,
-    )  # fmt: skip
     engine_config = EngineConfig(
         device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks
     )

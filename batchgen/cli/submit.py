@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
 from batchgen.cli._common import (
     connect,
     handles_errors,
-    job_defaults,
     redis_option,
     sampling_options,
 )
 
 
 @click.command("submit")
-@click.argument("prompts", type=click.Path(dir_okay=False))
+@click.argument("prompts")
 @click.option("--model", required=True, help="Model path or name; workers serve it by this name.")
 @click.option(
     "--output",
@@ -43,19 +43,15 @@ def submit(
     prompts: str,
     model: str,
     output: str | None,
-    max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    stop: tuple[str, ...],
+    defaults: dict[str, Any],
     job_id: str | None,
     skip_invalid: bool,
     retention: str | None,
     as_json: bool,
     redis_url: str | None,
 ) -> None:
-    """Validate PROMPTS (JSONL) and queue one request per line; print the job id.
+    """Validate PROMPTS (JSONL: a local path, or a URI such as s3://bucket/p.jsonl, with
+    credentials from the AWS_* environment) and queue one request per line; print the job id.
 
     Every line is checked before anything is queued; an invalid line stops the
     submit with its line and column, unless --skip-invalid. Lines are native
@@ -69,10 +65,6 @@ def submit(
     from batchgen.jobs.submit import new_job_id
     from batchgen.jobs.submit import submit as run_submit
 
-    defaults = job_defaults(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        stop=stop,
-    )  # fmt: skip
     job_id = check_job_id(job_id) if job_id else new_job_id()
     retention_s = keep.parse(retention) if retention else keep.default()
     conn, keys, target = connect(redis_url)

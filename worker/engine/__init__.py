@@ -1,5 +1,6 @@
 """The generation engine: continuous batching over a paged KV cache."""
 
+from batchgen.jobs.structured import StructuredOutput
 from batchgen.worker.config import EngineConfig, InvalidEngineConfig
 from batchgen.worker.engine.engine import Engine, EngineStats
 from batchgen.worker.engine.params import SamplingParams
@@ -15,4 +16,5 @@ __all__ = [
     "RequestRejected",
     "Sample",
     "SamplingParams",
+    "StructuredOutput",
 ]

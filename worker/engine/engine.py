@@ -30,6 +30,7 @@ from batchgen.worker.engine.request import (
 from batchgen.worker.engine.runner import ModelRunner
 from batchgen.worker.engine.scheduler import Scheduler
 from batchgen.worker.engine.stopping import stop_reason
+from batchgen.worker.engine.structured import GrammarError, Grammars
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class Engine:
             limits.max_num_batched_tokens,
             watermark_blocks=max(1, limits.num_kv_blocks // 100),
         )
+        self.grammars = Grammars(tokenizer, runner.model.config.vocab_size, eos_token_ids)
         self._requests: dict[str, list[Request]] = {}  # id -> its samples (n of them)
         self._parked: list[Request] = []  # siblings waiting for the first sample's prompt
         self._arrivals = itertools.count()
@@ -110,6 +112,10 @@ class Engine:
         )
         return list(ids)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone, as logprobs show it."""
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
     def add_request(
         self,
         request_id: str,
@@ -149,6 +155,11 @@ class Engine:
                     self.tokenizer, params.stop, params.skip_special_tokens
                 )
                 req.stop_matcher.skip(resumed)
+            if params.structured_output is not None:
+                try:
+                    req.matcher = self.grammars.matcher(params.structured_output, resumed)
+                except GrammarError as exc:
+                    raise RequestRejected(request_id, f"structured_output: {exc}") from None
             samples.append(req)
         self._requests[request_id] = samples
         self.scheduler.add(samples[0])
@@ -180,6 +191,14 @@ class Engine:
             )
         if len(resumed) >= params.max_tokens:
             raise RequestRejected(request_id, "resumed tokens already reach max_tokens")
+        if resumed and params.n > 1:
+            raise RequestRejected(request_id, "only a request with n = 1 resumes from tokens")
+        outside = [t for t, _ in params.bias_pairs if t >= vocab]
+        if outside:
+            raise RequestRejected(
+                request_id,
+                f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})",
+            )
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -200,6 +219,12 @@ class Engine:
             self._generated += 1
             if req.logprobs is not None and logprobs is not None:
                 req.logprobs.append(logprobs)
+            if req.matcher is not None and not req.matcher.consume_token(req.token_ids[-1]):
+                # cannot happen while masks apply; ends the request rather than the worker
+                req.finish_reason = FinishReason.ABORT
+                self.scheduler.finish(req)
+                finished.append(req)
+                continue
             reason = stop_reason(req, self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 req.finish_reason = reason

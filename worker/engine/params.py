@@ -8,10 +8,11 @@ is one the engine accepts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from batchgen.jobs.params import FIELDS, check
+from batchgen.jobs.params import FIELDS, check, check_together
+from batchgen.jobs.structured import StructuredOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,21 +39,39 @@ class SamplingParams:
     frequency_penalty: float = FIELDS["frequency_penalty"].default
     n: int = FIELDS["n"].default
     logprobs: int | None = FIELDS["logprobs"].default  # top-k logprobs to return per token
+    # {token id: bias in [-100, 100]} added to the logits before sampling (greedy too);
+    # kept as sorted (id, bias) pairs
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = FIELDS[
+        "logit_bias"
+    ].default
     min_tokens: int = FIELDS["min_tokens"].default
     skip_special_tokens: bool = FIELDS["skip_special_tokens"].default
+    # the text must follow this; a queue entry's one-key dict form is taken too
+    structured_output: StructuredOutput | None = FIELDS["structured_output"].default
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if value is None and FIELDS[field.name].default is None:
                 continue  # unset
+            if field.name == "logit_bias" and isinstance(value, tuple):
+                value = dict(value)  # already normalized (dataclasses.replace)
             value = check(field.name, list(value) if isinstance(value, tuple) else value)
+            if field.name == "structured_output":
+                value = StructuredOutput.from_spec(value)
+            elif field.name == "logit_bias":  # {"id": bias} -> ((id, bias), ...)
+                value = tuple(sorted((int(token), bias) for token, bias in value.items()))
             # lists become tuples: the params stay hashable and immutable
             object.__setattr__(self, field.name, tuple(value) if isinstance(value, list) else value)
+        check_together({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(self.logit_bias or ())  # type: ignore[arg-type]
 
     @property
     def has_penalties(self) -> bool:

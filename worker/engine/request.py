@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchgen.worker.engine.detokenizer import StopStringMatcher
 from batchgen.worker.engine.params import SamplingParams
@@ -60,6 +61,7 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     stop_text: str | None = None  # text cut at a stop string
     stop_matcher: StopStringMatcher | None = None  # when params.stop is set
+    matcher: Any = None  # llguidance LLMatcher when params.structured_output is set
 
     @property
     def num_tokens(self) -> int:

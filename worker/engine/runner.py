@@ -17,6 +17,7 @@ from batchgen.kernels import AttentionBatch
 from batchgen.worker.engine.request import Request
 from batchgen.worker.engine.sampler import Sampler, SampleResult
 from batchgen.worker.engine.scheduler import SchedulerPlan
+from batchgen.worker.engine.structured import TokenMasks
 from batchgen.worker.models.llama import LlamaModel
 
 
@@ -67,6 +68,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs  # decode-only steps replay these when set
         self.num_graph_replays = 0
+        self.masks = TokenMasks(model.config.vocab_size)
 
     def prepare(self, plan: SchedulerPlan) -> StepInputs:
         bs = self.block_size
@@ -145,6 +147,7 @@ class ModelRunner:
     def run(self, plan: SchedulerPlan) -> tuple[list[Request], SampleResult]:
         """Runs one step; returns the requests that get a token and what they got."""
         inputs = self.prepare(plan)
+        pending = self.masks.start(inputs.sampling)  # filled while the model runs
         if self.graphs is not None and not plan.prefills and self.graphs.can_run(len(plan.decodes)):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.batch)
             self.num_graph_replays += 1
@@ -155,4 +158,5 @@ class ModelRunner:
         if not inputs.sampling:
             return [], SampleResult([], [])
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return inputs.sampling, self.sampler(logits, inputs.sampling)
+        masks = self.masks.wait(pending, logits.device) if pending is not None else None
+        return inputs.sampling, self.sampler(logits, inputs.sampling, masks)

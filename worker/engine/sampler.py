@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.worker.engine.request import Request
+from batchgen.worker.engine.structured import apply_masks
 
 _MASK64 = (1 << 64) - 1
 
@@ -46,14 +47,21 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """logits (num_requests, vocab) fp32, one row per request about to get a token."""
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], masks: torch.Tensor | None = None
+    ) -> SampleResult:
+        """logits (num_requests, vocab) fp32, one row per request about to get a token;
+        ``masks``: True where a constrained request may not take a token (``TokenMasks``).
+        Logprobs are those of the model, before penalties and masks."""
         raw = logits
-        if not any(self._needs_processing(r) for r in requests):
+        if masks is None and not any(self._needs_processing(r) for r in requests):
             tokens = logits.argmax(dim=-1).tolist()
         else:
             logits = logits.clone()
+            if masks is not None:
+                apply_masks(logits, masks)
             self._apply_penalties(logits, requests)
+            self._apply_logit_bias(logits, requests)
             self._suppress_stop_before_min_tokens(logits, requests)
             tokens = self._pick(logits, requests)
         return SampleResult(tokens, self._logprobs(raw, requests, tokens))
@@ -61,7 +69,12 @@ class Sampler:
     @staticmethod
     def _needs_processing(r: Request) -> bool:
         p = r.params
-        return not p.greedy or p.has_penalties or r.num_output_tokens < p.min_tokens
+        return (
+            not p.greedy
+            or p.has_penalties
+            or p.logit_bias is not None
+            or r.num_output_tokens < p.min_tokens
+        )
 
     # -- logit processors -----------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
@@ -86,6 +99,15 @@ class Sampler:
                 row -= p.frequency_penalty * counts
             if p.presence_penalty:
                 row -= p.presence_penalty * (counts > 0).float()
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+        for i, r in enumerate(requests):
+            pairs = r.params.bias_pairs
+            if pairs:
+                ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+                bias = torch.tensor([b for _, b in pairs], device=logits.device)
+                logits[i].index_add_(0, ids, bias.to(logits.dtype))
 
     def _suppress_stop_before_min_tokens(
         self, logits: torch.Tensor, requests: list[Request]

@@ -11,7 +11,8 @@ def stop_reason(
     """Checked after each new token; None while the request goes on.
 
     EOS and stop token ids count only once min_tokens are out; a stop string
-    cuts the text before it (``req.stop_text``) and keeps the token ids.
+    cuts the text before it (``req.stop_text``) and keeps the token ids. A
+    constrained request also stops where its grammar ends.
     """
     p = req.params
     token = req.token_ids[-1]
@@ -25,6 +26,8 @@ def stop_reason(
         if cut is not None:
             req.stop_text = cut
             return FinishReason.STOP
+    if req.matcher is not None and req.matcher.is_stopped():
+        return FinishReason.STOP  # the constraint is complete and cannot go on
     if req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None

@@ -20,6 +20,8 @@ class EngineLike(Protocol):
 
     def encode(self, prompt: str | list[dict[str, str]]) -> list[int]: ...
 
+    def token_text(self, token_id: int) -> str: ...
+
     def add_request(
         self,
         request_id: str,

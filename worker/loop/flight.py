@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from batchgen.jobs.queue import Delivery
 from batchgen.jobs.rows import FinishReason, Row
+from batchgen.jobs.structured import kind_of
 
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
@@ -26,15 +28,34 @@ def _metadata(delivery: Delivery) -> str | None:
     return json.dumps(md, ensure_ascii=False, separators=(",", ":")) if md else None
 
 
+def _structured(delivery: Delivery) -> str | None:
+    return kind_of(delivery.request.get("s", {}).get("structured_output"))
+
+
+def resumable(delivery: Delivery, tokens: list[int]) -> list[int]:
+    """The tokens a hand-back carries: n > 1 samples restart (one token list cannot
+    resume them all)."""
+    return tokens if delivery.request.get("s", {}).get("n", 1) == 1 else []
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def output_row(flight: Flight, out, worker: str) -> Row:
-    """The row of a finished engine output (``RequestOutput``)."""
+def output_row(flight: Flight, out, worker: str, token_text: Callable[[int], str]) -> Row:
+    """The row of a finished engine output (``RequestOutput``); ``token_text``: a token
+    id's text alone, for the logprobs columns."""
     d = flight.delivery
     reason = _REASONS.get(out.finish_reason)
     token_ids = list(out.token_ids)
+    top_k = d.request.get("s", {}).get("logprobs")
+    samples = out.samples if len(out.samples) > 1 else []
+    choices = [
+        {"index": i, "text": s.text, "token_ids": list(s.token_ids),
+         "finish_reason": s.finish_reason,
+         "logprobs": _logprobs(s.token_ids, s.logprobs, top_k, token_text)}
+        for i, s in enumerate(samples)
+    ]  # fmt: skip
     return Row(
         index=d.index,
         id=d.request.get("id"),
@@ -43,7 +64,7 @@ def output_row(flight: Flight, out, worker: str) -> Row:
         finish_reason=reason or FinishReason.ERROR,
         error=None if reason else f"the engine ended the request with {out.finish_reason!r}",
         prompt_tokens=int(out.num_prompt_tokens),
-        completion_tokens=len(token_ids),
+        completion_tokens=sum(len(c["token_ids"]) for c in choices) or len(token_ids),
         cached_tokens=int(out.num_cached_tokens),
         attempts=d.attempts,
         preemptions=d.preemptions + int(out.num_preemptions),
@@ -51,7 +72,26 @@ def output_row(flight: Flight, out, worker: str) -> Row:
         queued_at=d.queued_at,
         finished_at=now_ms(),
         metadata=_metadata(d),
+        structured=_structured(d),
+        logprobs=_logprobs(token_ids, out.logprobs, top_k, token_text),
+        choices=choices or None,
     )
+
+
+def _logprobs(
+    token_ids: list[int], entries: list[dict[int, float]] | None, top_k: int | None,
+    token_text: Callable[[int], str],
+) -> list[dict] | None:  # fmt: skip
+    """The logprobs column: per token {token_id, token, logprob, top: the top_k best}."""
+    if entries is None or top_k is None:
+        return None
+    out = []
+    for token, entry in zip(token_ids, entries):
+        best = sorted(entry.items(), key=lambda item: -item[1])[:top_k]
+        top = [{"token_id": t, "token": token_text(t), "logprob": lp} for t, lp in best]
+        out.append({"token_id": token, "token": token_text(token), "logprob": entry[token],
+                    "top": top})  # fmt: skip
+    return out
 
 
 def error_row(delivery: Delivery, error: str, worker: str, prompt_tokens: int = 0) -> Row:
@@ -68,4 +108,5 @@ def error_row(delivery: Delivery, error: str, worker: str, prompt_tokens: int = 
         queued_at=delivery.queued_at,
         finished_at=now_ms(),
         metadata=_metadata(delivery),
+        structured=_structured(delivery),
     )

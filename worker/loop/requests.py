@@ -23,7 +23,7 @@ from batchgen.jobs.rows import from_dict
 from batchgen.jobs.sink import PartSink
 from batchgen.worker.loop.config import LoopConfig
 from batchgen.worker.loop.engine_api import EngineAPI
-from batchgen.worker.loop.flight import Flight, error_row, now_ms, output_row
+from batchgen.worker.loop.flight import Flight, error_row, now_ms, output_row, resumable
 from batchgen.worker.loop.isolation import Isolation
 from batchgen.worker.loop.upkeep import JobInfo
 
@@ -184,7 +184,7 @@ class Requests:
         flight = self.flights.pop(out.request_id, None)
         if flight is None:
             return  # aborted meanwhile (cancelled, or claimed by another worker)
-        row = output_row(flight, out, self.config.name)
+        row = output_row(flight, out, self.config.name, self.engine.token_text)
         self.sink.add(flight.delivery, flight.output, row)
         self.count("rows_error" if row.failed else "rows_ok", 1)
         self.count("prompt_tokens", row.prompt_tokens)
@@ -236,7 +236,7 @@ class Requests:
                 del self.flights[entry_id]
                 self.isolation.forget(entry_id)
                 tokens = list(out.token_ids) if out else list(flight.delivery.resume)
-                items.append(HandBack(flight.delivery, tokens))
+                items.append(HandBack(flight.delivery, resumable(flight.delivery, tokens)))
         return items
 
     def take_all(self, outputs: list[Any], failed: bool, error: str) -> list[HandBack]:
@@ -246,7 +246,7 @@ class Requests:
         for out in outputs:
             flight = self.flights.pop(out.request_id, None)
             if flight is not None:
-                tokens = list(out.token_ids)
+                tokens = resumable(flight.delivery, list(out.token_ids))
                 items.append(
                     HandBack(flight.delivery, tokens, out.num_preemptions, failed, error=error)
                 )
