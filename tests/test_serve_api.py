@@ -90,6 +90,7 @@ def test_batches_run_to_completion_with_the_openai_client(stack, client, tmp_pat
     chat = lines(model, 12)
     text = lines(model, 5, url="/v1/completions", prefix="cmpl")
     chat_file = upload(client, tmp_path, chat, "chat.jsonl")
+    text[4]["body"]["n"] = 2  # two samples: two choices in one body
     text_file = upload(client, tmp_path, text, "text.jsonl")
     created = client.batches.create(input_file_id=chat_file.id, endpoint="/v1/chat/completions",
                                     completion_window="24h", metadata={"team": "search"})  # fmt: skip
@@ -132,6 +133,9 @@ def test_batches_run_to_completion_with_the_openai_client(stack, client, tmp_pat
     out = jsonl(client, other.output_file_id)
     assert sorted(line["custom_id"] for line in out) == [f"cmpl-{i}" for i in range(5)]
     assert {line["response"]["body"]["object"] for line in out} == {"text_completion"}
+    bodies = {line["custom_id"]: line["response"]["body"] for line in out}
+    assert [len(bodies[f"cmpl-{i}"]["choices"]) for i in range(5)] == [1, 1, 1, 1, 2]
+    assert [c["index"] for c in bodies["cmpl-4"]["choices"]] == [0, 1]
 
 
 def test_batches_list_pages_newest_first(client, tmp_path):

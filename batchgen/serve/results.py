@@ -24,7 +24,7 @@ from batchgen.serve.files import FileStore, new_file_id
 from batchgen.serve.records import BatchRecord
 
 COLUMNS = ["index", "id", "text", "finish_reason", "error", "prompt_tokens",
-           "completion_tokens", "cached_tokens"]  # fmt: skip
+           "completion_tokens", "cached_tokens", "choices"]  # fmt: skip
 OK = (FinishReason.STOP.value, FinishReason.LENGTH.value)
 
 
@@ -46,16 +46,19 @@ def completion_body(batch: BatchRecord, row: dict[str, Any], created: int) -> di
     usage = {"prompt_tokens": prompt, "completion_tokens": completion,
              "total_tokens": prompt + completion,
              "prompt_tokens_details": {"cached_tokens": row["cached_tokens"] or 0}}  # fmt: skip
+    samples = row.get("choices") or [
+        {"index": 0, "text": row["text"], "finish_reason": row["finish_reason"]}
+    ]  # n > 1: every sample (logprobs are not carried over)
     if batch.endpoint == "/v1/completions":
-        choice: dict[str, Any] = {"text": row["text"], "index": 0, "logprobs": None,
-                                  "finish_reason": row["finish_reason"]}  # fmt: skip
+        choices = [{"text": c["text"], "index": c["index"], "logprobs": None,
+                    "finish_reason": c["finish_reason"]} for c in samples]  # fmt: skip
         return {"id": f"cmpl-{h}", "object": "text_completion", "created": created,
-                "model": batch.model, "choices": [choice], "usage": usage}  # fmt: skip
-    message = {"role": "assistant", "content": row["text"], "refusal": None}
-    choice = {"index": 0, "message": message, "logprobs": None,
-              "finish_reason": row["finish_reason"]}  # fmt: skip
+                "model": batch.model, "choices": choices, "usage": usage}  # fmt: skip
+    choices = [{"index": c["index"], "logprobs": None, "finish_reason": c["finish_reason"],
+                "message": {"role": "assistant", "content": c["text"], "refusal": None}}
+               for c in samples]  # fmt: skip
     return {"id": f"chatcmpl-{h}", "object": "chat.completion", "created": created,
-            "model": batch.model, "choices": [choice], "usage": usage,
+            "model": batch.model, "choices": choices, "usage": usage,
             "system_fingerprint": None}  # fmt: skip
 
 
