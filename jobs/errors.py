@@ -6,6 +6,12 @@ mistake is never a traceback. Messages say what is wrong and what to do.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchgen.jobs.lines import LineError
+
 
 class BatchgenError(Exception):
     """Base of every error the CLI reports as a one-line message."""
@@ -23,6 +29,10 @@ class InvalidInput(BatchgenError):
     """The prompts file has invalid lines; nothing was enqueued."""
 
     exit_code = 2
+
+    def __init__(self, message: str, line_errors: Sequence[LineError] = ()) -> None:
+        super().__init__(message)
+        self.line_errors = list(line_errors)  # the first invalid lines, for callers that list them
 
 
 class UnsafeName(UsageError):

@@ -18,6 +18,17 @@ Layout (prefix ``P``, default ``bg``, from ``BATCHGEN_PREFIX``)::
     P:{TAG}:job:ID:dead           stream  the job's dead-lettered requests, with reasons
     P:{TAG}:job:ID:finalizer      str   the finalize lease (holder, TTL)
 
+``batchgen serve`` (the OpenAI Files/Batches API and the dashboard) adds::
+
+    P:files                       zset  file id -> created_at (unix s)
+    P:file:ID                     hash  an uploaded or result file's metadata
+    P:batches                     zset  batch id -> created_at (newest first in lists)
+    P:batches:open                set   batches whose output files are not written yet
+    P:batch:ID                    hash  the batch record (its job has the same id)
+    P:batch:ID:lock               str   who validates or finishes the batch (TTL)
+    P:serve:series                zset  tok/s samples (JSON) by time, the last hour
+    P:serve:sampled:SLOT          str   taken by the server that samples SLOT (TTL)
+
 ``TAG`` is a short hash of the model's queue name. It is a Redis Cluster hash
 tag: a model's stream and all its jobs' keys share one slot, so the commit step
 (XACK + XDEL on the stream, done-marks and counters of the jobs in a batch) is
@@ -149,6 +160,36 @@ class Keys:
 
     def finalize_task_id(self, job_id: str) -> str:
         return f"{self.prefix}-finalize-{job_id}"
+
+    # -- batchgen serve ---------------------------------------------------------
+
+    @property
+    def files(self) -> str:
+        return f"{self.prefix}:files"
+
+    def file(self, file_id: str) -> str:
+        return f"{self.prefix}:file:{file_id}"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}:batches"
+
+    @property
+    def open_batches(self) -> str:
+        return f"{self.prefix}:batches:open"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_lock(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:lock"
+
+    @property
+    def series(self) -> str:
+        return f"{self.prefix}:serve:series"
+
+    def sampled(self, slot: int) -> str:
+        return f"{self.prefix}:serve:sampled:{slot}"
 
 
 def text(value: object) -> str:

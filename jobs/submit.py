@@ -122,7 +122,8 @@ def submit(
             raise InvalidInput(
                 f"{source_path}: {checked.error_count} invalid line(s); nothing was enqueued. "
                 f"Fix them, or pass --skip-invalid to submit only the valid lines.\n  {shown}"
-                + (f"\n  ... and {more} more" if more else "")
+                + (f"\n  ... and {more} more" if more else ""),
+                checked.errors,
             )
         if checked.total == 0:
             raise InvalidInput(f"{source_path}: no valid lines; nothing was enqueued")

@@ -7,6 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import batchgen
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,6 +37,13 @@ def test_wheel_has_only_batchgen_at_the_top(tmp_path: Path):
         f"batchgen-{batchgen.__version__}.dist-info/entry_points.txt"
     )
     assert b"batchgen = batchgen.cli:main" in entry_points
+    # the dashboard's files ship in the package (it never loads anything from a CDN)
+    static = REPO / "batchgen" / "serve" / "static"
+    assert sorted(p.name for p in static.iterdir()) == ["app.js", "index.html", "login.html",
+                                                        "style.css"]  # fmt: skip
+    for path in static.iterdir():
+        assert f"batchgen/serve/static/{path.name}" in names
+        assert "http://" not in path.read_text() and "https://" not in path.read_text()
 
 
 def test_editable_install_imports_from_the_repo(tmp_path: Path):
@@ -63,11 +72,12 @@ def test_generic_top_level_names_are_not_importable(tmp_path: Path):
         assert f"No module named '{name}'" in out.stderr
 
 
-def test_control_plane_imports_without_torch(tmp_path: Path):
-    # jobs/ must never import torch or the worker (docs/architecture.md)
+@pytest.mark.parametrize("part", ["jobs", "serve"])
+def test_control_plane_imports_without_torch(tmp_path: Path, part: str):
+    # jobs/ and serve/ must never import torch or the worker (docs/architecture.md)
     code = (
-        "import sys, pkgutil, importlib, batchgen.jobs\n"
-        "for m in pkgutil.walk_packages(batchgen.jobs.__path__, 'batchgen.jobs.'):\n"
+        f"import sys, pkgutil, importlib, batchgen.{part}\n"
+        f"for m in pkgutil.walk_packages(batchgen.{part}.__path__, 'batchgen.{part}.'):\n"
         "    importlib.import_module(m.name)\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('batchgen.worker'))\n"
         "print(bad)\n"

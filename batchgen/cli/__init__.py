@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "download": "batchgen.cli.download:download",
     "worker": "batchgen.cli.worker:worker",
     "run": "batchgen.cli.run:run",
+    "serve": "batchgen.cli.serve:serve",
 }
 
 

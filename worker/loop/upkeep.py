@@ -143,6 +143,7 @@ class Upkeep:
             "queue": self.queue_name,
             "tag": self.qk.tag,
             "host": socket.gethostname(),
+            "device": self.config.engine.device or "auto",
             "pid": os.getpid(),
             "supervisor": self.config.supervisor,
             "started_at": self.started_at,

@@ -1,0 +1,62 @@
+"""The data behind the dashboard (and the /api/ endpoints for scripts)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from batchgen.jobs.heartbeat import live_workers
+from batchgen.jobs.keys import Keys, text
+from batchgen.jobs.records import queue_of_job
+from batchgen.jobs.status import all_statuses, job_status
+from batchgen.serve.series import read_series
+
+MAX_JOBS = 200
+SHOWN_DEAD = 50
+
+
+def workers(conn: redis.Redis, keys: Keys, rates: dict[str, float]) -> list[dict[str, Any]]:
+    scored: Any = conn.zrange(keys.workers, 0, -1, withscores=True)
+    beats = {text(n): float(s) for n, s in scored}
+    out = []
+    for w in live_workers(conn, keys):
+        held = sum(int(n) for n in w.get("in_flight", {}).values())
+        out.append({"name": w["name"], "host": w.get("host"), "model": w.get("model"),
+                    "device": w.get("device"), "in_flight": held,
+                    "tokens_per_s": rates.get(w["name"], 0.0),
+                    "last_heartbeat": beats.get(w["name"]),
+                    "started_at": w.get("started_at")})  # fmt: skip
+    return sorted(out, key=lambda w: (w["host"] or "", w["name"]))
+
+
+def overview(conn: redis.Redis, keys: Keys) -> dict[str, Any]:
+    series = read_series(conn, keys)
+    rates = series[-1]["workers"] if series else {}
+    jobs = [s.to_dict() for s in reversed(all_statuses(conn, keys))][:MAX_JOBS]
+    return {"now": time.time(), "jobs": jobs, "workers": workers(conn, keys, rates),
+            "series": series}  # fmt: skip
+
+
+def job_detail(conn: redis.Redis, keys: Keys, job_id: str) -> dict[str, Any]:
+    """Status, plus dead letters and error rows with their reasons (the first few)."""
+    out = job_status(conn, keys, job_id).to_dict()
+    jk = queue_of_job(conn, keys, job_id).job(job_id)
+    dead = []
+    entries: Any = conn.xrange(jk.dead, "-", "+", count=SHOWN_DEAD)
+    for entry_id, fields in entries:
+        f = {text(k): text(v) for k, v in fields.items()}
+        dead.append({"entry": text(entry_id), "index": int(f.get("i") or 0),
+                     "reason": f.get("reason"), "deliveries": int(f.get("deliveries") or 0),
+                     "worker": f.get("worker")})  # fmt: skip
+    errors = []
+    for index, raw in conn.hscan_iter(jk.errors, count=SHOWN_DEAD):
+        row = json.loads(raw)
+        errors.append({"index": int(index), "id": row.get("id"), "error": row.get("error")})
+        if len(errors) >= SHOWN_DEAD:
+            break
+    out["dead_letters"] = dead
+    out["errors"] = sorted(errors, key=lambda e: e["index"])
+    return out

@@ -1,0 +1,146 @@
+"""A finished batch's output files from its job's ``result.parquet``: one OpenAI
+batch-output line per succeeded request in ``output_file_id``, the failed and
+cancelled ones in ``error_file_id``; read in record batches, written streaming."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from batchgen.jobs.lines import read_lines
+from batchgen.jobs.records import JobRecord
+from batchgen.jobs.result import RESULT
+from batchgen.jobs.rows import FinishReason
+from batchgen.jobs.storage import OutputDir
+from batchgen.serve.errors import APIError
+from batchgen.serve.files import FileStore, new_file_id
+from batchgen.serve.records import BatchRecord
+
+COLUMNS = ["index", "id", "text", "finish_reason", "error", "prompt_tokens",
+           "completion_tokens", "cached_tokens", "choices"]  # fmt: skip
+OK = (FinishReason.STOP.value, FinishReason.LENGTH.value)
+
+
+@dataclass(slots=True)
+class Outputs:
+    output_file_id: str
+    error_file_id: str
+    completed: int
+    failed: int
+
+
+def request_hash(batch_id: str, index: int) -> str:
+    return hashlib.blake2b(f"{batch_id}/{index}".encode(), digest_size=12).hexdigest()
+
+
+def completion_body(batch: BatchRecord, row: dict[str, Any], created: int) -> dict[str, Any]:
+    h = request_hash(batch.id, row["index"])
+    prompt, completion = row["prompt_tokens"] or 0, row["completion_tokens"] or 0
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+             "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": row["cached_tokens"] or 0}}  # fmt: skip
+    samples = row.get("choices") or [
+        {"index": 0, "text": row["text"], "finish_reason": row["finish_reason"]}
+    ]  # n > 1: every sample (logprobs are not carried over)
+    if batch.endpoint == "/v1/completions":
+        choices = [{"text": c["text"], "index": c["index"], "logprobs": None,
+                    "finish_reason": c["finish_reason"]} for c in samples]  # fmt: skip
+        return {"id": f"cmpl-{h}", "object": "text_completion", "created": created,
+                "model": batch.model, "choices": choices, "usage": usage}  # fmt: skip
+    choices = [{"index": c["index"], "logprobs": None, "finish_reason": c["finish_reason"],
+                "message": {"role": "assistant", "content": c["text"], "refusal": None}}
+               for c in samples]  # fmt: skip
+    return {"id": f"chatcmpl-{h}", "object": "chat.completion", "created": created,
+            "model": batch.model, "choices": choices, "usage": usage,
+            "system_fingerprint": None}  # fmt: skip
+
+
+def output_line(batch: BatchRecord, row: dict[str, Any], created: int) -> tuple[dict, bool]:
+    """(the line, whether the request succeeded)."""
+    h = request_hash(batch.id, row["index"])
+    line: dict[str, Any] = {"id": f"batch_req_{h}", "custom_id": row["id"]}
+    reason = row["finish_reason"]
+    if reason in OK:
+        body = completion_body(batch, row, created)
+        line |= {"response": {"status_code": 200, "request_id": f"req_{h}", "body": body},
+                 "error": None}  # fmt: skip
+        return line, True
+    if reason == FinishReason.CANCELLED.value:
+        code, message = (
+            ("batch_expired", "This request could not be executed before the completion "
+             "window expired.") if batch.expiring
+            else ("batch_cancelled", "This request was not executed: the batch was cancelled.")
+        )  # fmt: skip
+        line |= {"response": None, "error": {"code": code, "message": message}}
+        return line, False
+    error = {"message": row["error"] or "the request failed", "type": "server_error",
+             "param": None, "code": None}  # fmt: skip
+    line |= {"response": {"status_code": 500, "request_id": f"req_{h}",
+                          "body": {"error": error}}, "error": None}  # fmt: skip
+    return line, False
+
+
+def custom_ids(path: str) -> Iterator[str | None]:
+    """The custom_id of each request line of the input file, in order (row i is line i:
+    a batch's file has no invalid line), then None for ever."""
+    with open(path, "rb") as src:
+        for _, raw in read_lines(src):
+            try:
+                value = json.loads(raw) if isinstance(raw, bytes) else None
+            except ValueError:
+                value = None
+            yield value.get("custom_id") if isinstance(value, dict) else None
+    while True:
+        yield None
+
+
+def write_outputs(store: FileStore, batch: BatchRecord, job: JobRecord) -> Outputs:
+    """Write both files (an empty one is dropped) and register them.
+
+    Rows finalize made up for requests that never ran (cancelled) carry no id: their
+    custom_id is read from the input file, walked in step with the rows."""
+    with contextlib.ExitStack() as stack:
+        try:
+            ids = custom_ids(stack.enter_context(store.as_local_file(batch.input_file_id)))
+        except APIError:  # the input file was deleted meanwhile
+            ids = itertools.repeat(None)
+        return _write(store, batch, job, ids)
+
+
+def _write(store: FileStore, batch: BatchRecord, job: JobRecord,
+           ids: Iterator[str | None]) -> Outputs:  # fmt: skip
+    created = int(job.finished_at or job.created_at)
+    ok_id, err_id = new_file_id(), new_file_id()
+    counts, sizes = [0, 0], [0, 0]
+    src_dir = OutputDir.open(job.output)
+    with (
+        src_dir.open_input(RESULT) as src,
+        store.writing(ok_id) as ok_out,
+        store.writing(err_id) as err_out,
+    ):
+        sinks = (err_out, ok_out)
+        for record_batch in pq.ParquetFile(src).iter_batches(batch_size=4096, columns=COLUMNS):
+            for row in record_batch.to_pylist():
+                from_input = next(ids)  # advanced for every row: the input walks in step
+                row["id"] = row["id"] if row["id"] is not None else from_input
+                line, good = output_line(batch, row, created)
+                data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
+                sinks[good].write(data)
+                counts[good] += 1
+                sizes[good] += len(data)
+    kept = []
+    for which, file_id, label in ((1, ok_id, "output"), (0, err_id, "error")):
+        if counts[which]:
+            store.register(file_id, f"{batch.id}_{label}.jsonl", "batch_output", sizes[which])
+            kept.append(file_id)
+        else:
+            store.dir.delete_file(file_id)
+            kept.append("")
+    return Outputs(kept[0], kept[1], counts[1], counts[0])

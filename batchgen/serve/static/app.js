@@ -1,0 +1,204 @@
+// The batchgen dashboard: polls /api/overview, draws the tables and the tok/s chart.
+"use strict";
+
+const REFRESH_MS = Number(document.body.dataset.refreshMs) || 2000;
+const COLORS = ["#2f6fdb", "#2e9d5b", "#c98a12", "#8a4fd1", "#cc3d3d", "#168a95"];
+let selected = null;
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v;
+    else if (k.startsWith("data-")) node.setAttribute(k, v);
+    else node[k] = v;
+  }
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return node;
+}
+
+function fmtDuration(s) {
+  if (s === null || s === undefined) return "–";
+  s = Math.round(s);
+  if (s < 60) return s + "s";
+  if (s < 3600) return Math.floor(s / 60) + "m" + String(s % 60).padStart(2, "0") + "s";
+  return Math.floor(s / 3600) + "h" + String(Math.floor(s % 3600 / 60)).padStart(2, "0") + "m";
+}
+
+function fmtTime(t) {
+  return t ? new Date(t * 1000).toLocaleTimeString() : "–";
+}
+
+function percent(job) {
+  if (!job.total) return 100;
+  return Math.floor(100 * (job.done + job.failed) / job.total);
+}
+
+function progressBar(job) {
+  const pct = percent(job);
+  const bar = el("div", {class: "bar " + job.state, "data-pct": String(pct)},
+                 el("span"), el("em", {}, pct + "%"));
+  bar.firstChild.style.width = pct + "%";
+  return bar;
+}
+
+function renderJobs(jobs) {
+  const body = document.querySelector("#jobs tbody");
+  body.replaceChildren(...jobs.map((j) => {
+    const row = el("tr", {class: "job" + (j.job_id === selected ? " selected" : ""),
+                          "data-job": j.job_id},
+      el("td", {}, j.job_id), el("td", {title: j.model}, shortModel(j.model)),
+      el("td", {class: "state " + j.state}, j.state),
+      el("td", {class: "progress"}, progressBar(j)),
+      el("td", {class: "num"}, j.done), el("td", {class: "num"}, j.failed),
+      el("td", {class: "num"}, j.total), el("td", {class: "num"}, j.tokens_per_s.toFixed(1)),
+      el("td", {class: "num"}, fmtDuration(j.eta_s)), el("td", {}, fmtTime(j.created_at)));
+    row.addEventListener("click", () => { selected = j.job_id; refresh(); });
+    return row;
+  }));
+  document.getElementById("no-jobs").hidden = jobs.length > 0;
+}
+
+function shortModel(model) {
+  const parts = String(model || "").split("/");
+  return parts.length > 2 ? "…/" + parts.slice(-2).join("/") : model;
+}
+
+function renderWorkers(workers, now) {
+  const body = document.querySelector("#workers tbody");
+  body.replaceChildren(...workers.map((w) => el("tr", {"data-worker": w.name},
+    el("td", {}, w.host || "?"), el("td", {}, w.name), el("td", {title: w.model}, shortModel(w.model)),
+    el("td", {}, w.device || "?"), el("td", {class: "num"}, w.in_flight),
+    el("td", {class: "num"}, Number(w.tokens_per_s || 0).toFixed(1)),
+    el("td", {}, w.last_heartbeat ? fmtDuration(now - w.last_heartbeat) + " ago" : "–"))));
+  document.getElementById("no-workers").hidden = workers.length > 0;
+}
+
+function renderChart(series, jobs, now) {
+  const canvas = document.getElementById("chart");
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth, height = 200;
+  canvas.width = width * ratio;
+  canvas.height = height * ratio;
+  const ctx = canvas.getContext("2d");
+  ctx.scale(ratio, ratio);
+  ctx.clearRect(0, 0, width, height);
+  const pad = {l: 48, r: 10, t: 10, b: 22};
+  // the last hour at most, the last five minutes at least: a short run is not a spike
+  const span = Math.min(3600, Math.max(300, series.length ? now - series[0].t : 0));
+  const t0 = now - span;
+  const top = jobs.filter((j) => series.some((p) => p.jobs[j.job_id]))
+                  .slice(0, COLORS.length - 1);
+  const lines = [{name: "fleet", color: COLORS[0], value: (p) => p.fleet}].concat(
+    top.map((j, i) => ({name: j.job_id, color: COLORS[i + 1], value: (p) => p.jobs[j.job_id] || 0})));
+  const ymax = Math.max(1, ...series.map((p) => p.fleet)) * 1.1;
+  const x = (t) => pad.l + (width - pad.l - pad.r) * (t - t0) / span;
+  const y = (v) => height - pad.b - (height - pad.t - pad.b) * v / ymax;
+  ctx.strokeStyle = "#e3e6ec"; ctx.fillStyle = "#6b7385"; ctx.font = "11px system-ui, sans-serif";
+  ctx.lineWidth = 1;
+  for (let k = 0; k <= 4; k++) {
+    const v = ymax * k / 4;
+    ctx.beginPath(); ctx.moveTo(pad.l, y(v)); ctx.lineTo(width - pad.r, y(v)); ctx.stroke();
+    ctx.fillText(v.toFixed(v < 10 ? 1 : 0), 4, y(v) + 4);
+  }
+  for (let k = 4; k >= 0; k--) {
+    const ago = span * k / 4;
+    const label = k ? "-" + (ago >= 60 ? Math.round(ago / 60) + "m" : Math.round(ago) + "s") : "now";
+    ctx.fillText(label, x(now - ago) - (k ? 10 : 24), height - 6);
+  }
+  // runs of samples without a gap (the server was down, say): no line bridges a gap
+  const steps = series.slice(1).map((p, i) => p.t - series[i].t).sort((a, b) => a - b);
+  const gap = Math.max(15, 4 * (steps[Math.floor(steps.length / 2)] || 0));
+  const runs = [];
+  series.forEach((p, i) => {
+    if (!i || p.t - series[i - 1].t > gap) runs.push([]);
+    runs[runs.length - 1].push(p);
+  });
+  ctx.fillStyle = "rgba(47, 111, 219, 0.15)";
+  for (const run of runs) {  // the fleet as a shaded area, each job a dashed line over it
+    ctx.beginPath();
+    ctx.moveTo(x(run[0].t), y(0));
+    for (const p of run) ctx.lineTo(x(p.t), y(p.fleet));
+    ctx.lineTo(x(run[run.length - 1].t), y(0));
+    ctx.closePath();
+    ctx.fill();
+  }
+  for (const line of lines) {
+    ctx.strokeStyle = line.color; ctx.lineWidth = line.name === "fleet" ? 2.5 : 1.5;
+    ctx.setLineDash(line.name === "fleet" ? [] : [5, 3]);
+    for (const run of runs) {
+      ctx.beginPath();
+      run.forEach((p, i) => { const f = i ? "lineTo" : "moveTo"; ctx[f](x(p.t), y(line.value(p))); });
+      ctx.stroke();
+    }
+  }
+  ctx.setLineDash([]);
+  document.getElementById("legend").replaceChildren(...lines.map((l) =>
+    el("span", {}, Object.assign(el("i"), {style: "background:" + l.color}), l.name)));
+}
+
+async function getJSON(url, options) {
+  const response = await fetch(url, Object.assign({credentials: "same-origin"}, options));
+  if (response.status === 401) { window.location.reload(); throw new Error("signed out"); }
+  const data = await response.json();
+  if (!response.ok) throw new Error((data.error && data.error.message) || response.statusText);
+  return data;
+}
+
+async function renderDetail() {
+  const box = document.getElementById("detail");
+  if (!selected) { box.hidden = true; return; }
+  const d = await getJSON("/api/jobs/" + encodeURIComponent(selected));
+  const fields = [["state", d.state], ["model", d.model], ["done / failed / total",
+    `${d.done} / ${d.failed} / ${d.total}`], ["in flight", d.in_flight], ["queued", d.queued],
+    ["prompt tokens", d.prompt_tokens], ["completion tokens", d.completion_tokens],
+    ["cached tokens", d.cached_tokens], ["tok/s", d.tokens_per_s], ["ETA", fmtDuration(d.eta_s)],
+    ["output", d.output], ["started", fmtTime(d.started_at)], ["finished", fmtTime(d.finished_at)],
+    ["error", d.error || d.storage_error || "–"]];
+  const dl = el("dl");
+  for (const [k, v] of fields) dl.append(el("dt", {}, k), el("dd", {}, v === null ? "–" : v));
+  const parts = [el("h2", {}, "Job " + d.job_id), dl];
+  if (d.errors.length) {
+    parts.push(el("h2", {}, "Failed requests"), el("ul", {class: "reasons"},
+      ...d.errors.map((e) => el("li", {}, `#${e.index}${e.id ? " (" + e.id + ")" : ""}: ${e.error}`))));
+  }
+  if (d.dead_letters.length) {
+    parts.push(el("h2", {}, "Dead letters"), el("ul", {class: "reasons"},
+      ...d.dead_letters.map((e) => el("li", {}, `#${e.index} after ${e.deliveries} deliveries: ${e.reason}`))));
+  }
+  if (d.state === "queued" || d.state === "running") {
+    const button = el("button", {class: "danger", type: "button"}, "Cancel job");
+    button.addEventListener("click", async () => {
+      if (!window.confirm("Cancel job " + d.job_id + "? Finished rows are kept.")) return;
+      await getJSON("/api/jobs/" + encodeURIComponent(d.job_id) + "/cancel", {method: "POST"});
+      refresh();
+    });
+    parts.push(button);
+  }
+  const close = el("button", {type: "button", class: "link"}, "close");
+  close.addEventListener("click", () => { selected = null; refresh(); });
+  parts.push(" ", close);
+  box.replaceChildren(...parts);
+  box.hidden = false;
+}
+
+let timer = null;
+async function refresh() {
+  clearTimeout(timer);
+  const status = document.getElementById("updated");
+  try {
+    const data = await getJSON("/api/overview");
+    const running = data.jobs.filter((j) => j.state === "running" || j.state === "queued").length;
+    document.getElementById("summary").textContent =
+      `${data.jobs.length} jobs, ${running} active · ${data.workers.length} live workers`;
+    renderJobs(data.jobs);
+    renderWorkers(data.workers, data.now);
+    renderChart(data.series, data.jobs, data.now);
+    await renderDetail();
+    status.textContent = "updated " + new Date().toLocaleTimeString();
+  } catch (err) {
+    status.textContent = "refresh failed: " + err.message;
+  }
+  timer = setTimeout(refresh, REFRESH_MS);
+}
+
+refresh();

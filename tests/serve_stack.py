@@ -1,0 +1,85 @@
+"""Real processes for the ``batchgen serve`` tests: the server and CPU workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from batchgen.jobs.keys import Keys
+from batchgen.jobs.redis_server import free_port
+
+KEY = "sk-test-batchgen"
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@dataclass
+class Stack:
+    """A ``batchgen serve`` process (and the workers started with ``worker``)."""
+
+    redis_url: str
+    tmp: Path
+    env: dict[str, str] = field(default_factory=dict)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    port: int = 0
+    server: subprocess.Popen | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def serve(self, *args: str) -> subprocess.Popen:
+        self.port = free_port()
+        self.server = self._start("serve", "serve", "--port", str(self.port), "--files-dir",
+                                  str(self.tmp / "files"), "--output-root", str(self.tmp / "out"),
+                                  *args)  # fmt: skip
+        wait_for(self._up, 60, "batchgen serve to answer")
+        return self.server
+
+    def worker(self, model: Path, *args: str) -> subprocess.Popen:
+        proc = self._start(f"worker-{len(self.procs)}", "worker", "--model", str(model),
+                           "--device", "cpu", *args)  # fmt: skip
+        conn = redis.Redis.from_url(self.redis_url)
+        wait_for(lambda: conn.zcard(Keys("bg").workers) > 0, 120, "a worker heartbeat")
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()[-4000:]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def _start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115
+        env = {**os.environ, "BATCHGEN_REDIS_URL": self.redis_url, "OMP_NUM_THREADS": "1",
+               "BATCHGEN_HOME": str(self.tmp / "home"), "PYTHONUNBUFFERED": "1", **self.env}  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-m", "batchgen", *args], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def _up(self) -> bool:
+        assert self.server is not None and self.server.poll() is None, self.log("serve")
+        try:
+            with urllib.request.urlopen(self.base + "/", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False

@@ -1,0 +1,142 @@
+"""Uploads stream to the files store: a 150 MB upload sent slowly leaves the server's
+memory flat, and one over the limit gets 413 and leaves nothing behind."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+from openai import OpenAI
+
+from tests.serve_stack import KEY, Stack
+
+MB = 1 << 20
+BOUNDARY = "batchgen-test-boundary"
+
+
+@pytest.fixture
+def stack(redis_url: str, tmp_path: Path) -> Iterator[Stack]:
+    stack = Stack(redis_url, tmp_path)
+    try:
+        stack.serve("--api-key", KEY)
+        yield stack
+    finally:
+        stack.stop()
+
+
+class PeakRSS:
+    """The highest resident set size of a process, sampled every 5 ms in a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.process = psutil.Process(pid)
+        self.peak = self.process.memory_info().rss
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PeakRSS:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.005):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+
+def multipart(chunks: Iterator[bytes], name: str) -> Iterator[bytes]:
+    yield (f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+           f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+           "Content-Type: application/jsonl\r\n\r\n").encode()  # fmt: skip
+    yield from chunks
+    yield f"\r\n--{BOUNDARY}--\r\n".encode()
+
+
+def post_file(stack: Stack, body: Iterator[bytes], length: int | None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=120)
+    headers = {"Authorization": f"Bearer {KEY}",
+               "Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}  # fmt: skip
+    if length is not None:
+        headers["Content-Length"] = str(length)
+    conn.request("POST", "/v1/files", body=body, headers=headers,
+                 encode_chunked=length is None)  # fmt: skip
+    reply = conn.getresponse()
+    return reply.status, json.loads(reply.read())
+
+
+def stored(stack: Stack) -> list[str]:
+    return sorted(os.listdir(stack.tmp / "files"))
+
+
+def test_a_slow_150_mb_upload_streams_without_taking_memory(stack):
+    client = OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0)
+    client.files.create(file=("warm.jsonl", b'{"x": 1}\n'), purpose="batch")  # code paths loaded
+    assert stack.server is not None
+    digest = hashlib.sha256()
+    answered: list[float] = []
+    block = (b'{"custom_id": "x", "body": "' + b"y" * 993 + b'"}\n') * 1024  # 1 MiB of lines
+    assert len(block) == MB
+
+    def slow_chunks() -> Iterator[bytes]:
+        for i in range(150):
+            digest.update(block)
+            yield block
+            time.sleep(0.01)  # a slow client: the server holds what it received so far
+            if i == 75:  # half way: the server still answers other requests at once
+                start = time.monotonic()
+                request = urllib.request.Request(stack.base + "/v1/files",
+                                                 headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+                with urllib.request.urlopen(request, timeout=10) as reply:
+                    assert reply.status == 200
+                answered.append(time.monotonic() - start)
+
+    with PeakRSS(stack.server.pid) as rss:
+        baseline = rss.peak
+        status, obj = post_file(stack, multipart(slow_chunks(), "big.jsonl"), None)
+    assert status == 200, obj
+    assert (obj["bytes"], obj["filename"], obj["purpose"]) == (150 * MB, "big.jsonl", "batch")
+    path = stack.tmp / "files" / obj["id"]
+    assert path.stat().st_size == 150 * MB
+    with path.open("rb") as f:
+        assert hashlib.file_digest(f, "sha256").hexdigest() == digest.hexdigest()
+    grew = (rss.peak - baseline) / MB
+    print(
+        f"server RSS: {baseline / MB:.0f} MB before, peak {rss.peak / MB:.0f} MB during the upload"
+    )
+    assert grew < 40, f"the server's RSS grew by {grew:.0f} MB during a 150 MB upload"
+    assert answered and answered[0] < 2.0
+
+
+def test_an_upload_over_the_limit_is_413_and_leaves_nothing(stack, tmp_path):
+    client = OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0)
+    before = stored(stack)
+    big = tmp_path / "big.jsonl"
+    with big.open("wb") as f:
+        f.truncate(200 * MB + 1)  # one byte over the default limit (sparse: nothing to write)
+    assert stack.server is not None
+    with PeakRSS(stack.server.pid) as rss:
+        baseline = rss.peak
+        with pytest.raises(openai.APIStatusError) as caught, big.open("rb") as f:
+            client.files.create(file=f, purpose="batch")  # its Content-Length is over
+        # no Content-Length (chunked): refused once the file part passes the limit
+        status, body = post_file(stack, multipart(iter([b"z" * MB] * 201), "c.jsonl"), None)
+    assert caught.value.status_code == 413
+    assert caught.value.body["code"] == "file_too_large"  # type: ignore[index]
+    assert status == 413 and body["error"]["code"] == "file_too_large"
+    assert "over this server's limit of 209,715,200 bytes" in body["error"]["message"]
+    assert stored(stack) == before  # no file, no temp file
+    print(f"server RSS: {baseline / MB:.0f} MB before, peak {rss.peak / MB:.0f} MB during both")
+    assert (rss.peak - baseline) / MB < 40
+    assert client.files.list().data == []
