@@ -303,3 +303,52 @@ def test_the_dashboard_json_endpoints(stack, client, tmp_path):
     assert detail["state"] in ("cancelling", "cancelled") and detail["dead_letters"] == []
     assert detail["output"].endswith(batch.id)
     assert wait_done(client, batch.id).status == "cancelled"
+
+
+def test_logprobs_and_embeddings_render_as_openai_objects(stack, client, tmp_path):
+    model = str(stack.model)
+    chat = lines(model, 2, prefix="lp")
+    chat[0]["body"] |= {"logprobs": True, "top_logprobs": 2}
+    text = lines(model, 1, url="/v1/completions", prefix="tlp")
+    text[0]["body"]["logprobs"] = 3
+    embed = [{"custom_id": f"emb-{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": model, "input": f"text number {i}", "dimensions": 8}}
+             for i in range(3)]  # fmt: skip
+    batches = {}
+    for name, requests, endpoint in (("chat", chat, "/v1/chat/completions"),
+                                 ("text", text, "/v1/completions"),
+                                 ("embed", embed, "/v1/embeddings")):  # fmt: skip
+        f = upload(client, tmp_path, requests, f"{name}.jsonl")
+        batches[name] = client.batches.create(input_file_id=f.id, endpoint=endpoint,
+                                              completion_window="24h").id  # fmt: skip
+    done = {name: wait_done(client, bid) for name, bid in batches.items()}
+    assert {b.status for b in done.values()} == {"completed"}
+
+    def result(name: str) -> dict[str, Any]:
+        table = pq.read_table(done[name].metadata["batchgen_result"]).to_pylist()
+        return {row["id"]: row for row in table}
+
+    by_id = result("chat")
+    bodies = {line["custom_id"]: line["response"]["body"]
+              for line in jsonl(client, done["chat"].output_file_id)}  # fmt: skip
+    content = bodies["lp-0"]["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [t["token"] for t in by_id["lp-0"]["logprobs"]]
+    assert [c["logprob"] for c in content] == [t["logprob"] for t in by_id["lp-0"]["logprobs"]]
+    assert all(len(c["top_logprobs"]) == 2 and c["bytes"] == list(c["token"].encode())
+               for c in content)  # fmt: skip
+    assert bodies["lp-1"]["choices"][0]["logprobs"] is None
+
+    by_id = result("text")
+    body = jsonl(client, done["text"].output_file_id)[0]["response"]["body"]
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [t["token"] for t in by_id["tlp-0"]["logprobs"]]
+    assert [len(top) for top in logprobs["top_logprobs"]] == [3] * len(logprobs["tokens"])
+    assert "".join(logprobs["tokens"]).startswith(body["choices"][0]["text"][:1])
+
+    by_id = result("embed")
+    for line in jsonl(client, done["embed"].output_file_id):
+        body = line["response"]["body"]
+        assert body["object"] == "list" and body["data"][0]["object"] == "embedding"
+        assert body["data"][0]["embedding"] == by_id[line["custom_id"]]["embedding"]
+        assert len(body["data"][0]["embedding"]) == 8
+        assert body["usage"]["prompt_tokens"] == by_id[line["custom_id"]]["prompt_tokens"] > 0

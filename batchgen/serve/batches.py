@@ -35,7 +35,7 @@ from batchgen.serve.results import write_outputs
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 WINDOWS = {"24h": 24 * 3600}
 LOCK_S = 3600
 MAX_METADATA_KEYS = 16

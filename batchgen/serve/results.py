@@ -24,7 +24,7 @@ from batchgen.serve.files import FileStore, new_file_id
 from batchgen.serve.records import BatchRecord
 
 COLUMNS = ["index", "id", "text", "finish_reason", "error", "prompt_tokens",
-           "completion_tokens", "cached_tokens", "choices"]  # fmt: skip
+           "completion_tokens", "cached_tokens", "choices", "logprobs", "embedding"]  # fmt: skip
 OK = (FinishReason.STOP.value, FinishReason.LENGTH.value)
 
 
@@ -43,23 +43,56 @@ def request_hash(batch_id: str, index: int) -> str:
 def completion_body(batch: BatchRecord, row: dict[str, Any], created: int) -> dict[str, Any]:
     h = request_hash(batch.id, row["index"])
     prompt, completion = row["prompt_tokens"] or 0, row["completion_tokens"] or 0
+    if batch.endpoint == "/v1/embeddings":
+        return {"object": "list", "model": batch.model,
+                "data": [{"object": "embedding", "index": 0, "embedding": row["embedding"]}],
+                "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}  # fmt: skip
     usage = {"prompt_tokens": prompt, "completion_tokens": completion,
              "total_tokens": prompt + completion,
              "prompt_tokens_details": {"cached_tokens": row["cached_tokens"] or 0}}  # fmt: skip
     samples = row.get("choices") or [
-        {"index": 0, "text": row["text"], "finish_reason": row["finish_reason"]}
-    ]  # n > 1: every sample (logprobs are not carried over)
+        {"index": 0, "text": row["text"], "finish_reason": row["finish_reason"],
+         "logprobs": row.get("logprobs")}
+    ]  # n > 1: every sample  # fmt: skip
     if batch.endpoint == "/v1/completions":
-        choices = [{"text": c["text"], "index": c["index"], "logprobs": None,
+        choices = [{"text": c["text"], "index": c["index"],
+                    "logprobs": completion_logprobs(c.get("logprobs")),
                     "finish_reason": c["finish_reason"]} for c in samples]  # fmt: skip
         return {"id": f"cmpl-{h}", "object": "text_completion", "created": created,
                 "model": batch.model, "choices": choices, "usage": usage}  # fmt: skip
-    choices = [{"index": c["index"], "logprobs": None, "finish_reason": c["finish_reason"],
+    choices = [{"index": c["index"], "logprobs": chat_logprobs(c.get("logprobs")),
+                "finish_reason": c["finish_reason"],
                 "message": {"role": "assistant", "content": c["text"], "refusal": None}}
                for c in samples]  # fmt: skip
     return {"id": f"chatcmpl-{h}", "object": "chat.completion", "created": created,
             "model": batch.model, "choices": choices, "usage": usage,
             "system_fingerprint": None}  # fmt: skip
+
+
+def chat_logprobs(tokens: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The logprobs column as a chat.completion choice's ``logprobs``."""
+    if tokens is None:
+        return None
+
+    def entry(t: dict[str, Any]) -> dict[str, Any]:
+        return {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode())}
+
+    content = [entry(t) | {"top_logprobs": [entry(alt) for alt in t["top"]]} for t in tokens]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokens: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The logprobs column as a text_completion choice's ``logprobs``."""
+    if tokens is None:
+        return None
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t["token"])
+    return {"tokens": [t["token"] for t in tokens],
+            "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [{alt["token"]: alt["logprob"] for alt in t["top"]} for t in tokens],
+            "text_offset": offsets}  # fmt: skip
 
 
 def output_line(batch: BatchRecord, row: dict[str, Any], created: int) -> tuple[dict, bool]:
