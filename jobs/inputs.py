@@ -63,9 +63,12 @@ class _FieldError(Exception):
         self.at_key = at_key  # point at the key (unknown fields), not its value
 
 
-def parse_line(number: int, raw: bytes, defaults: dict[str, Any]) -> bytes | LineError:
+def parse_line(
+    number: int, raw: bytes, defaults: dict[str, Any], vocab_size: int | None = None
+) -> bytes | LineError:
     """The queue entry for one line's content (compact UTF-8 JSON), or what is wrong
-    with it."""
+    with it. ``vocab_size``: the model's, when known at submit (logit_bias ids are
+    checked against it; else the worker refuses an id outside it as an error row)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -80,7 +83,7 @@ def parse_line(number: int, raw: bytes, defaults: dict[str, Any]) -> bytes | Lin
             raise _FieldError((), "a line must be a JSON object")
         is_openai = bool(OPENAI_FIELDS & value.keys())
         kind = _openai if is_openai else _native
-        entry = kind(value, defaults, len(text))
+        entry = kind(value, defaults, len(text), vocab_size)
     except _FieldError as exc:
         column = jsonpos.value_position(text, exc.path, key=exc.at_key)
         return LineError(number, column, exc.message)
@@ -97,7 +100,9 @@ def _encode(entry: dict[str, Any]) -> str:
     return "".join(_C_ENCODER(entry, 0)) if _C_ENCODER else _ENCODER.encode(entry)
 
 
-def _native(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) -> dict[str, Any]:
+def _native(
+    value: dict[str, Any], defaults: dict[str, Any], line_chars: int, vocab_size: int | None
+) -> dict[str, Any]:
     if "task" in value or "input" in value:
         return _native_embedding(value, line_chars)
     _reject_unknown(value, NATIVE_FIELDS, ())
@@ -114,7 +119,7 @@ def _native(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) ->
     given = {k: v for k, v in value.items() if k in CHECKS}
     paths: dict[str, tuple[str, ...]] = {}
     _response_format(value, given, paths, ())
-    entry["s"] = _params(given, defaults, (), paths)
+    entry["s"] = _params(given, defaults, (), paths, vocab_size)
     if "metadata" in value:
         entry["md"] = _metadata(value["metadata"], ("metadata",), line_chars)
     return entry
@@ -142,7 +147,9 @@ def _native_embedding(value: dict[str, Any], line_chars: int) -> dict[str, Any]:
     return entry
 
 
-def _openai(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) -> dict[str, Any]:
+def _openai(
+    value: dict[str, Any], defaults: dict[str, Any], line_chars: int, vocab_size: int | None
+) -> dict[str, Any]:
     _reject_unknown(value, OPENAI_FIELDS, ())
     for name in ("custom_id", "method", "url", "body"):
         if name not in value:
@@ -182,7 +189,7 @@ def _openai(value: dict[str, Any], defaults: dict[str, Any], line_chars: int) ->
     }
     paths["logprobs"] = ("body", "top_logprobs" if "top_logprobs" in body else "logprobs")
     _response_format(body, params, paths, ("body",))
-    entry["s"] = _params(params, defaults, ("body",), paths)
+    entry["s"] = _params(params, defaults, ("body",), paths, vocab_size)
     if "metadata" in body:
         entry["md"] = _metadata(body["metadata"], ("body", "metadata"), line_chars)
     return entry
@@ -272,6 +279,7 @@ def _params(
     defaults: dict[str, Any],
     at: tuple[str, ...],
     paths: dict[str, tuple[str, ...]] | None = None,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     merged = dict(defaults)
     paths = paths or {}
@@ -280,6 +288,13 @@ def _params(
             merged[name] = CHECKS[name](name, value)  # params.check, one call less a field
         except ParamError as exc:
             raise _FieldError(paths.get(name, (*at, name)), str(exc)) from None
+    bias = merged.get("logit_bias")
+    if bias and vocab_size is not None:
+        outside = [token for token in bias if int(token) >= vocab_size]
+        if outside:
+            path = paths.get("logit_bias", (*at, "logit_bias"))
+            raise _FieldError(path, f"logit_bias token id {outside[0]} is outside the model's "
+                              f"vocabulary [0, {vocab_size})")  # fmt: skip
     if merged.get("structured_output"):
         try:
             check_together(merged)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from pathlib import Path
 
@@ -26,3 +27,13 @@ def fingerprint(model: str) -> str:
             if size < 100 << 20:
                 digest.update(f.read(size))  # tensor names, dtypes, shapes, offsets
     return "sha256:" + digest.hexdigest()
+
+
+def vocab_size(model: str) -> int | None:
+    """The vocabulary size in a local checkpoint's config.json; None when it cannot tell."""
+    config = Path(model).expanduser() / "config.json"
+    try:
+        value = json.loads(config.read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -38,6 +38,7 @@ from batchgen.jobs.errors import InvalidInput, JobConflict, RedisUnavailable
 from batchgen.jobs.inputs import MAX_LINE_BYTES, LineError
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys, queue_name, queue_tag, text
 from batchgen.jobs.lifecycle import CREATE, JobState, script
+from batchgen.jobs.modelinfo import vocab_size
 from batchgen.jobs.names import check_job_id
 from batchgen.jobs.ownership import claim, new_token
 from batchgen.jobs.records import JobRecord
@@ -115,7 +116,8 @@ def submit(
     job_id = check_job_id(job_id) if job_id else new_job_id()
     with SpoolDir() as spool_dir:
         local = local_copy(source_path, spool_dir)
-        checked = validate_file(local, defaults, spool_dir, max_line_bytes)
+        checked = validate_file(local, defaults, spool_dir, max_line_bytes,
+                                vocab_size=vocab_size(model))  # fmt: skip
         if checked.error_count and not skip_invalid:
             shown = "\n  ".join(str(e) for e in checked.errors)
             more = checked.error_count - len(checked.errors)

@@ -64,7 +64,7 @@ class Validation:
 
 def _validate_range(
     path: str, start: int, end: int, first_number: int, defaults: dict[str, Any],
-    max_line_bytes: int, spool: str,
+    max_line_bytes: int, spool: str, vocab_size: int | None = None,
 ) -> tuple[int, int, list[LineError]]:  # fmt: skip
     """(valid, invalid, first errors) of one range; entries written to ``spool``."""
     total = error_count = 0
@@ -76,10 +76,10 @@ def _validate_range(
             if isinstance(line, LineError):
                 entry: bytes | LineError = line
             elif _big_line_gate is None or len(line) <= BIG_LINE_BYTES:
-                entry = parse_line(number, line, defaults)
+                entry = parse_line(number, line, defaults, vocab_size)
             else:
                 with _big_line_gate:
-                    entry = parse_line(number, line, defaults)
+                    entry = parse_line(number, line, defaults, vocab_size)
             if isinstance(entry, LineError):
                 error_count += 1
                 if len(errors) < SHOWN_ERRORS:
@@ -133,13 +133,14 @@ def procs_for(size: int) -> int:
 
 def validate_file(
     path: str, defaults: dict[str, Any], spool_dir: Path, max_line_bytes: int = MAX_LINE_BYTES,
-    procs: int | None = None,
+    procs: int | None = None, vocab_size: int | None = None,
 ) -> Validation:  # fmt: skip
-    """Validate ``path`` into spool files under ``spool_dir`` (the caller removes it)."""
+    """Validate ``path`` into spool files under ``spool_dir`` (the caller removes it);
+    ``vocab_size``: the model's, when submit can read it (``parse_line``)."""
     procs = procs or procs_for(os.path.getsize(path))
     ranges = _ranges(path, procs)
     spools = [spool_dir / f"entries-{i:04d}" for i in range(len(ranges))]
-    jobs = [(path, s, e, n, defaults, max_line_bytes, str(spool))
+    jobs = [(path, s, e, n, defaults, max_line_bytes, str(spool), vocab_size)
             for (s, e, n), spool in zip(ranges, spools)]  # fmt: skip
     if len(jobs) <= 1:
         results = [_validate_range(*job) for job in jobs]

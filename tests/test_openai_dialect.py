@@ -324,3 +324,27 @@ def test_embedding_lines_become_embedding_entries(line, entry):
 )  # fmt: skip
 def test_bad_embedding_lines_are_refused(line, message):
     assert message in _error(line)
+
+
+def test_logit_bias_ids_are_checked_at_submit_when_the_model_is_at_hand(model, redis_url, tmp_path):
+    import redis
+
+    from batchgen.jobs.errors import InvalidInput
+    from batchgen.jobs.keys import Keys
+    from batchgen.jobs.submit import submit as submit_job
+
+    lines = [{"prompt": "a", "logit_bias": {"8191": 1}}, _chat(logit_bias={"5": 1, "8192": -3})]
+    path = write_jsonl(tmp_path / "p.jsonl", lines)
+    conn: Any = redis.Redis.from_url(redis_url)
+    before = conn.dbsize()
+    with pytest.raises(InvalidInput) as info:
+        submit_job(conn, Keys("bg-vocab"), source_path=str(path), model=str(model),
+                   defaults=dict(DEFAULTS), job_id="vocab", output=str(tmp_path / "out"))  # fmt: skip
+    column = json.dumps(lines[1]).index('"logit_bias": ') + len('"logit_bias": ') + 1
+    assert str(info.value).endswith(
+        f"  line 2, column {column}: logit_bias token id 8192 is outside the model's "
+        "vocabulary [0, 8192)"
+    )
+    assert conn.dbsize() == before
+    # a model named, not a local checkpoint: the worker decides (an error row)
+    assert not isinstance(parse_line(2, json.dumps(lines[1]).encode(), DEFAULTS), LineError)
