@@ -175,7 +175,7 @@ def test_an_invalid_input_file_fails_validation_with_its_line(stack, client, tmp
     assert [(e.line, e.code) for e in batch.errors.data] == [
         (2, "duplicate_custom_id"), (3, "mismatched_model")]  # fmt: skip
     with pytest.raises(openai.BadRequestError) as caught:
-        client.batches.create(input_file_id=batch.input_file_id, endpoint="/v1/embeddings",
+        client.batches.create(input_file_id=batch.input_file_id, endpoint="/v1/responses",
                               completion_window="24h")  # fmt: skip
     assert caught.value.body["param"] == "endpoint"  # type: ignore[index]
 
