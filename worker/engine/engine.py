@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from batchgen.worker.config import EngineConfig
+from batchgen.worker.engine.admission import Capacity, check_fits
 from batchgen.worker.engine.block_manager import BlockManager
 from batchgen.worker.engine.detokenizer import StopStringMatcher
 from batchgen.worker.engine.loading import EngineLimits, build_engine
@@ -77,6 +78,10 @@ class Engine:
             watermark_blocks=max(1, limits.num_kv_blocks // 100),
             embeds_read_prefix_cache=runner.pooling.reads_prefix_cache,
         )
+        self._capacity = Capacity(
+            runner.model.config.vocab_size, self.max_model_len,
+            self.block_manager.blocks_needed, self.block_manager.num_blocks,
+        )  # fmt: skip
         self.grammars = Grammars(tokenizer, runner.model.config.vocab_size, eos_token_ids)
         self._requests: dict[str, list[Request]] = {}  # id -> its samples (n of them)
         self._parked: list[Request] = []  # siblings waiting for the first sample's prompt
@@ -142,7 +147,7 @@ class Engine:
         else:
             prompt_ids = [int(t) for t in cast(Sequence[int], prompt)]
         resumed = [int(t) for t in resume_token_ids or ()]
-        self._check_fits(request_id, prompt_ids, resumed, params)
+        check_fits(self._capacity, request_id, prompt_ids, resumed, params)
         samples = []
         for i in range(params.n):
             req = Request(
@@ -211,7 +216,7 @@ class Engine:
         else:
             raise RequestRejected(request_id, "an embedding input is a string or token ids")
         params = _EMBED_PARAMS
-        self._check_fits(request_id, prompt_ids, [], params, generates=False)
+        check_fits(self._capacity, request_id, prompt_ids, [], params, generates=False)
         req = Request(
             request_id=request_id,
             token_ids=prompt_ids,
@@ -223,53 +228,6 @@ class Engine:
         )
         self._requests[request_id] = [req]
         self.scheduler.add(req)
-
-    def _check_fits(
-        self,
-        request_id: str,
-        prompt: list[int],
-        resumed: list[int],
-        params: SamplingParams,
-        generates: bool = True,
-    ) -> None:
-        if not prompt:
-            raise RequestRejected(request_id, "the prompt is empty")
-        vocab = self.runner.model.config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt + resumed):
-            raise RequestRejected(request_id, f"token ids must be in [0, {vocab})")
-        if not generates:
-            total = len(prompt)
-            if total > self.max_model_len:
-                raise RequestRejected(
-                    request_id,
-                    f"the input ({total} tokens) exceeds the model's context of "
-                    f"{self.max_model_len} tokens",
-                )
-        else:
-            total = len(prompt) + params.max_tokens
-            if total > self.max_model_len:
-                raise RequestRejected(
-                    request_id,
-                    f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
-                    f"{total} exceeds the model's context of {self.max_model_len} tokens",
-                )
-        blocks = self.block_manager.blocks_needed(total)
-        if blocks > self.block_manager.num_blocks:
-            raise RequestRejected(
-                request_id,
-                f"needs {blocks} KV blocks but the pool has {self.block_manager.num_blocks}; "
-                "give the engine more KV cache memory",
-            )
-        if generates and len(resumed) >= params.max_tokens:
-            raise RequestRejected(request_id, "resumed tokens already reach max_tokens")
-        if resumed and params.n > 1:
-            raise RequestRejected(request_id, "only a request with n = 1 resumes from tokens")
-        outside = [t for t, _ in params.bias_pairs if t >= vocab]
-        if outside:
-            raise RequestRejected(
-                request_id,
-                f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})",
-            )
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
