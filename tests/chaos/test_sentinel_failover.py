@@ -154,7 +154,9 @@ def test_sigkill_of_the_primary_mid_job_fails_over_and_loses_nothing(
 ):
     chaos = SentinelChaos(sentinels.url, model, tmp_path)
     try:
-        lines = prompt_lines(16, "sent", max_tokens=(32, 64))
+        # long enough that the first commit (every 2 s) cannot hold the whole job: with
+        # (32, 64) a fast machine finished all 16 rows before the first flush
+        lines = prompt_lines(16, "sent", max_tokens=(192, 256))
         out = chaos.submit("sent", lines)
         assert sentinels.master_port() == sentinels.primary.port
         worker = chaos.worker_cli("sup", "--claim-timeout", "2", "--max-num-seqs", "2")
