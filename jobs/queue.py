@@ -257,6 +257,8 @@ def hand_back(conn: redis.Redis, qk: QueueKeys, consumer: str, items: list[HandB
             extra["err"] = (item.error or d.last_error)[:1000]
         if item.row is not None:
             extra["row"] = item.row.to_dict()
+        elif d.finished is not None:  # handed back again before it reached a worker's sink
+            extra["row"] = d.finished
         record = qk.job(d.job_id).job
         touched.append(record)
         payload.append({"job_id": d.job_id, "record": record, "old": d.entry_id, "index": d.index,

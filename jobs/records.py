@@ -36,6 +36,7 @@ _STR_FIELDS = (
     "source_sha256",
     "error",
     "storage_error",
+    "refused",
     "last_id",
 )
 
@@ -65,6 +66,7 @@ class JobRecord:
     finished_at: float = 0.0
     error: str = ""
     storage_error: str = ""  # a worker cannot write the job's parts (rows kept, not charged)
+    refused: str = ""  # a worker holding other weights under the model's name would not run it
     last_id: str = ""  # newest stream id carrying one of its requests
     closed: bool = False  # finalize has frozen the committed parts
     retention_s: int = 0  # the finished job's Redis state expires after this (retention.py)

@@ -51,6 +51,7 @@ class JobStatus:
             "finished_at": r.finished_at or None,
             "error": r.error or None,
             "storage_error": r.storage_error or None,
+            "refused": r.refused or None,
             "finalize_attempts": r.finalize_attempts,
             "finalize_retry_at": r.finalize_retry_at or None,
             "submit_incomplete": not r.submitted,

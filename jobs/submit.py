@@ -38,7 +38,7 @@ from batchgen.jobs.errors import InvalidInput, JobConflict, RedisUnavailable
 from batchgen.jobs.inputs import MAX_LINE_BYTES, LineError
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys, queue_name, queue_tag, text
 from batchgen.jobs.lifecycle import CREATE, JobState, script
-from batchgen.jobs.modelinfo import vocab_size
+from batchgen.jobs.modelinfo import fingerprint, vocab_size
 from batchgen.jobs.names import check_job_id
 from batchgen.jobs.ownership import claim, new_token
 from batchgen.jobs.records import JobRecord
@@ -144,6 +144,7 @@ def submit(
             skipped=checked.error_count,
             created_at=time.time(),
             retention_s=retention.default() if retention_s is None else retention_s,
+            model_fingerprint=fingerprint(model),  # "" for an HF id: the first worker sets it
         )
         resumed, start = _create(conn, keys, qk, record)
         position = start
@@ -245,6 +246,15 @@ def _resume(existing: JobRecord, record: JobRecord) -> tuple[bool, int]:
         )
     if existing.state in (JobState.CANCELLING, JobState.CANCELLED):
         raise JobConflict(f"job {job_id!r} was cancelled; submit under another --job-id")
+    if existing.model_fingerprint and record.model_fingerprint not in (
+        "",
+        existing.model_fingerprint,
+    ):
+        raise JobConflict(
+            f"job {job_id!r} was submitted for other weights of {record.model} "
+            f"({existing.model_fingerprint[:19]}, now {record.model_fingerprint[:19]}); "
+            "choose another --job-id"
+        )
     claim(OutputDir.open(existing.output), job_id, existing.output_token)
     return True, existing.enqueued
 

@@ -32,6 +32,8 @@ def _render(s) -> str:
         lines.append(f"error      {d['error']}")
     if d["storage_error"]:
         lines.append(f"storage    {d['storage_error']}")
+    if d["refused"]:
+        lines.append(f"refused    {d['refused']}")
     return "\n".join(lines)
 
 

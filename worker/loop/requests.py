@@ -12,6 +12,7 @@ here; the queue loop (runner.py) does the Redis steps around it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -29,6 +30,7 @@ from batchgen.worker.loop.upkeep import JobInfo
 
 log = logging.getLogger(__name__)
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+REFUSED_PAUSE_S = 1.0  # no reads this long after handing back a refused job's requests
 
 
 class Requests:
@@ -54,6 +56,7 @@ class Requests:
         self.isolation = Isolation()
         self.cancelled: set[str] = set()  # jobs whose requests this worker no longer runs
         self.cancel_seen: dict[str, int] = {}  # job -> unix ms this worker applied its cancel
+        self.read_paused_until = 0.0  # monotonic: after refusing a job's requests
         self.rejections: tuple[type[BaseException], ...] = (*api.rejected, ValueError)
 
     def held(self) -> tuple[str, ...]:
@@ -72,11 +75,15 @@ class Requests:
 
     def admit(self, deliveries: list[Delivery]) -> None:
         suspects: list[Delivery] = []
+        refused: list[Delivery] = []
         for d in deliveries:
             job = self.job(d.job_id)
             if job is None or d.job_id in self.cancelled:
                 self.sink.drop([d.entry_id])
                 self.count("dropped", 1)
+                continue
+            if job.refused:
+                refused.append(d)
                 continue
             if d.failed_attempts > self.config.max_attempts:
                 last = f"; last error: {d.last_error}" if d.last_error else ""
@@ -92,6 +99,18 @@ class Requests:
             self.start(d, job.output)
         if suspects:
             self._isolate(suspects)
+        if refused:
+            self._refuse(refused)
+
+    def _refuse(self, deliveries: list[Delivery]) -> None:
+        """Requests of a job submitted for other weights: back to the stream, uncharged,
+        for a worker that holds them; this one pauses its reads so it does not spin on them."""
+        items = [HandBack(d, list(d.resume), ran=False) for d in deliveries]
+        try:
+            self.count("refused", self.hand_back(items))
+        except REDIS_DOWN as exc:  # still pending here: reclaimed once the claim times out
+            log.warning("could not hand back a refused job's requests (%s)", exc)
+        self.read_paused_until = time.monotonic() + REFUSED_PAUSE_S
 
     def _isolate(self, suspects: list[Delivery]) -> None:
         """Keep one suspect to run alone; hand the others back as they came."""

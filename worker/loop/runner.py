@@ -133,7 +133,8 @@ class QueueLoop:
         if requests.isolation.waiting and not requests.flights and not self.stopping:
             requests.start_alone()
         capacity = requests.capacity()
-        if capacity > 0 and not self.stopping and time.monotonic() >= self._backoff_until:
+        paused_until = max(self._backoff_until, requests.read_paused_until)
+        if capacity > 0 and not self.stopping and time.monotonic() >= paused_until:
             idle = not self.engine.has_unfinished() and self.sink.empty
             block = self.config.block_ms if idle else None
             try:

@@ -37,6 +37,7 @@ _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 @dataclass(slots=True)
 class JobInfo:
     output: str
+    refused: str = ""  # why this worker will not run the job's requests (other weights)
 
 
 @dataclass(slots=True)
@@ -87,13 +88,35 @@ class Upkeep:
             recreate_group(self.conn, self.qk)
 
     def job(self, job_id: str) -> JobInfo | None:
+        """The job's output, and whether this worker holds the weights it was submitted
+        for (the job's fingerprint, set at submit or else by the first worker)."""
         if job_id not in self.jobs:
-            conn, jk = self.conn, self.qk.job(job_id)
-            output = conn.hget(jk.job, "output")
-            self.jobs[job_id] = JobInfo(text(output)) if output is not None else None
-            if output is not None and self.fingerprint:
-                conn.hsetnx(jk.job, "model_fingerprint", self.fingerprint)
+            jk = self.qk.job(job_id)
+            pipe = self.conn.pipeline(transaction=False)
+            pipe.hget(jk.job, "output")
+            if self.fingerprint:
+                pipe.hsetnx(jk.job, "model_fingerprint", self.fingerprint)
+            pipe.hget(jk.job, "model_fingerprint")
+            output, *_, expected = pipe.execute()
+            if output is None:
+                self.jobs[job_id] = None
+                return None
+            self.jobs[job_id] = JobInfo(text(output), self._refusal(job_id, text(expected)))
         return self.jobs[job_id]
+
+    def _refusal(self, job_id: str, expected: str) -> str:
+        """Why this worker must not run the job (it holds other weights under the same
+        name), said on the job for status; "" when it may."""
+        if not self.fingerprint or not expected or expected == self.fingerprint:
+            return ""
+        reason = (
+            f"worker {self.config.name} on {socket.gethostname()} holds other weights for "
+            f"{self.config.model} (fingerprint {self.fingerprint}; the job was submitted for "
+            f"{expected}): it leaves the job's requests to workers that hold those"
+        )
+        log.error("refusing job %s: %s", job_id, reason)
+        self.conn.hset(self.qk.job(job_id).job, "refused", reason)
+        return reason
 
     def reclaim(self) -> None:
         capacity = self.loop.capacity()
