@@ -196,6 +196,7 @@ def retried(first: World) -> World:
     w.seen["status_reopened"] = w.cli("status", "main").stdout
     w.seen["resume"] = w.retry("main", "--input", str(moved))
     w.seen["again_while_running"] = w.retry("main", "--input", str(moved))
+    w.seen["result_while_running"] = w.result("main")
     w.seen["status_running"] = json.loads(w.cli("status", "main", "--json").stdout)
     w.seen["cx_errors_only"] = w.retry("cx")
     w.seen["cx_all_failed"] = w.retry("cx", "--all-failed")
@@ -239,9 +240,14 @@ def test_refusals(first: World) -> None:
         "batchgen: error: job 'waiting' is queued (0/3 rows); only a finished job "
         "(completed or cancelled) can be retried\n"
     )
-    out = w.cli("retry", "nope")
+    assert w.cli("delete", "waiting", "--force").returncode == 0
+    out = w.cli("retry", "waiting")
     assert out.returncode == 1
-    assert out.stderr.startswith("batchgen: error: no job 'nope' in this Redis: it was deleted")
+    assert out.stderr == (
+        "batchgen: error: no job 'waiting' in this Redis: it was deleted, or its state expired "
+        "after its retention (submit --retention), and a retry needs it; submit the input again "
+        "as a new job\n"
+    )
     # a file that no longer holds the job's requests is refused; the job stays as it was
     changed = w.tmp / "changed.jsonl"
     changed.write_text("".join(json.dumps(line) + "\n" for line in MAIN[:5]))
@@ -327,6 +333,7 @@ def test_a_retry_killed_halfway_goes_on_when_run_again(retried: World) -> None:
         w["resume"].stdout
         == "main: went on with retry 1: queued 2 more row(s); the job is running\n"
     )
+    assert w["result_while_running"].equals(w["main_1"])  # the previous result stays till then
     again = w["again_while_running"]
     assert again.returncode == 1
     assert "job 'main' is running (4/6 rows); only a finished job" in again.stderr
