@@ -16,6 +16,7 @@ spot); a SIGCONT lets it go on from there. Only the fault tests set it. Points:
 - ``before_finalize_commit``: the final file is written, the job not marked
 - ``after_retry_parts``: a retry wrote the kept rows' parts, the job is untouched
 - ``after_retry_reopen``: a retry re-opened the job, none of its rows is queued
+- ``after_retry_chunk``: a chunk of a retry's rows is queued (``:N``: the N-th)
 
 With ``BATCHGEN_TEST_CRASH_ONCE=PATH`` the crash happens once across all the
 processes that share the setting: in the one that creates PATH first (a fault

@@ -14,7 +14,8 @@ row per input:
    with ``input_path`` (``--input``) and checked the same way.
 3. The kept rows are written back from ``result.parquet`` as parts
    (carryover.py).
-4. One atomic step (``REOPEN_JOB``) records those parts, sets the kept
+4. Entries a cancel left in the stream are deleted (they would run beside
+   the retried ones). One atomic step (``REOPEN_JOB``) records those parts, sets the kept
    indices' done-marks and the counters to the kept rows', drops the old error
    rows, and moves the job back to running (lifecycle ``REOPEN``): open again,
    in the active set, no expiry, its retry counters bumped.
@@ -45,6 +46,7 @@ import redis
 
 from batchgen.jobs.carryover import PART_ROWS, carry_over, retried_mask
 from batchgen.jobs.crashpoints import CrashPlan
+from batchgen.jobs.delete import delete_entries
 from batchgen.jobs.errors import JobConflict, JobNotFound, JobNotReady, UsageError
 from batchgen.jobs.finalize import FinalizeSettings, finalize
 from batchgen.jobs.keys import Keys, QueueKeys, text
@@ -208,6 +210,8 @@ def _retry(
         requests = _requests(record, input_path, spool)
         kept = carry_over(out, job_id, round_, retried, part_rows)
         crash.reached("after_retry_parts")
+        if conn.sismember(qk.cancelled, job_id):  # entries its cancel left must not run too
+            delete_entries(conn, qk, job_id)
         jk = qk.job(job_id)
         counts = {"done": kept.done, "failed": kept.failed, **kept.tokens, "kept": kept.rows,
                   "retried": rows}  # fmt: skip
@@ -249,6 +253,7 @@ def _requests(record: JobRecord, input_path: str | None, spool: Path) -> Validat
 def _enqueue_rest(conn: redis.Redis, qk: QueueKeys, record: JobRecord, requests: Validation) -> int:
     """Append the inputs at or past the job's retry cursor that have no done-mark; how many."""
     jk = qk.job(record.id)
+    crash = CrashPlan.from_env()
     raw = conn.get(jk.done)
     marks = np.unpackbits(np.frombuffer(raw if isinstance(raw, bytes) else b"", np.uint8))
     marks = np.pad(marks[: record.total], (0, max(record.total - len(marks), 0)))
@@ -267,6 +272,7 @@ def _enqueue_rest(conn: redis.Redis, qk: QueueKeys, record: JobRecord, requests:
         ))  # fmt: skip
         if status != "ok":
             raise JobConflict(_stopped(record.id, status))
+        crash.reached("after_retry_chunk")
         cursor, queued = following, queued + len(items) // 2
         if final:
             return queued

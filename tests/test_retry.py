@@ -32,10 +32,11 @@ from batchgen.jobs.carryover import carry_over, retried_mask
 from batchgen.jobs.crashpoints import CRASH_EXIT_CODE
 from batchgen.jobs.keys import Keys, QueueKeys
 from batchgen.jobs.lifecycle import REOPEN, JobState, script
-from batchgen.jobs.records import JobRecord, load_job
+from batchgen.jobs.records import JobRecord, load_job, queue_of_job
 from batchgen.jobs.redis_server import RedisServer
 from batchgen.jobs.rows import SCHEMA, FinishReason, Row, to_table
 from batchgen.jobs.storage import OutputDir
+from batchgen.jobs.submit import CHUNK_ENTRIES
 from tests.chaos.harness import wait_until
 
 KEYS = Keys("bg")
@@ -87,7 +88,8 @@ class World:
         before the next starts."""
         out = self.cli("retry", job_id, *args, BATCHGEN_FINALIZE_LEASE_S="1", **env)
         if out.returncode == CRASH_EXIT_CODE:
-            wait_until(lambda: not self.conn.exists(self.qk.job(job_id).finalizer), 10,
+            lease = queue_of_job(self.conn, KEYS, job_id).job(job_id).finalizer
+            wait_until(lambda: not self.conn.exists(lease), 10,
                        "the killed retry's lease to lapse")  # fmt: skip
         return out
 
@@ -350,6 +352,39 @@ def test_all_failed_reruns_the_cancelled_rows(retried: World, reference) -> None
     assert [r["token_ids"] for r in got] == reference["cx"]
     assert all(r["finish_reason"] in ("stop", "length") for r in got)
     assert retried.record("cx").state == JobState.COMPLETED
+
+
+def test_a_retry_killed_between_chunks_queues_each_row_once(world: World) -> None:
+    """A cancelled job that no worker ever served: its requests are all still in the stream.
+    ``--all-failed`` deletes those, queues the first chunk, is killed; run again, it queues
+    the rest: every input exactly once, at its own index, with its own request."""
+    n = CHUNK_ENTRIES + 300
+    lines = [{"id": f"b{i}", "prompt": f"p{i}"} for i in range(n)]
+    world.submit("bulk", lines, model="bulk-model")
+    assert world.cli("cancel", "bulk").returncode == 0
+    assert world.cli("finalize", "bulk").returncode == 0
+    stream = KEYS.queue_for_model("bulk-model").stream
+    assert world.conn.xlen(stream) == n  # no worker dropped them
+    out = world.retry("bulk", "--all-failed", BATCHGEN_TEST_CRASH_AT="after_retry_chunk:1")
+    assert out.returncode == CRASH_EXIT_CODE, out.stderr
+    record = world.record("bulk")
+    assert (record.state, record.retry_cursor, record.enqueued) == (
+        JobState.RUNNING,
+        CHUNK_ENTRIES,
+        CHUNK_ENTRIES,
+    )
+    assert world.conn.xlen(stream) == CHUNK_ENTRIES
+    out = world.retry("bulk")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "bulk: went on with retry 1: queued 300 more row(s); the job is running\n"
+    entries = world.conn.xrange(stream)
+    assert [int(fields[b"i"]) for _, fields in entries] == list(range(n))
+    assert [json.loads(fields[b"r"])["id"] for _, fields in entries] == [
+        line["id"] for line in lines
+    ]
+    record = world.record("bulk")
+    assert (record.enqueued, record.retry_cursor, record.retried) == (n, n, n)
+    assert record.last_id == entries[-1][0].decode() and not record.retry_incomplete
 
 
 def test_kept_rows_are_written_back_in_bounded_parts(tmp_path: Path) -> None:
