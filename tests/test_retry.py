@@ -200,7 +200,7 @@ def retried(first: World) -> World:
     w.seen["again_while_running"] = w.retry("main", "--input", str(moved))
     w.seen["result_while_running"] = w.result("main")
     w.seen["status_running"] = json.loads(w.cli("status", "main", "--json").stdout)
-    w.seen["cx_errors_only"] = w.retry("cx")
+    w.seen["cx_errors_only"] = w.retry("cx", "--errors-only")
     w.seen["cx_all_failed"] = w.retry("cx", "--all-failed")
     w.burst_worker()
     w.seen["main_2"], w.seen["cx_2"] = w.result("main"), w.result("cx")
@@ -385,6 +385,26 @@ def test_a_retry_killed_between_chunks_queues_each_row_once(world: World) -> Non
     record = world.record("bulk")
     assert (record.enqueued, record.retry_cursor, record.retried) == (n, n, n)
     assert record.last_id == entries[-1][0].decode() and not record.retry_incomplete
+
+
+def test_a_clean_up_a_killed_finalizer_left_is_finished_first(world: World) -> None:
+    """Finalize killed after marking the job cancelled, before its clean-up: the job is
+    finished but still active. The retry finishes the clean-up, then re-opens it."""
+    world.submit("tidy", CX[:2], model="tidy-model")
+    assert world.cli("cancel", "tidy").returncode == 0
+    out = world.cli("finalize", "tidy", BATCHGEN_TEST_CRASH_AT="after_finalize_commit",
+                    BATCHGEN_FINALIZE_LEASE_S="1")  # fmt: skip
+    assert out.returncode == CRASH_EXIT_CODE, out.stderr
+    qk = KEYS.queue_for_model("tidy-model")
+    assert world.record("tidy").state == JobState.CANCELLED
+    assert world.conn.sismember(qk.active, "tidy") and not world.conn.zscore(qk.expiring, "tidy")
+    wait_until(lambda: not world.conn.exists(qk.job("tidy").finalizer), 10, "the lease to lapse")
+    out = world.retry("tidy", "--all-failed")
+    assert out.stdout == "tidy: retry 1: queued 2 row(s) again; the job is running\n", out.stderr
+    record = world.record("tidy")
+    assert (record.state, record.enqueued, record.retry_cursor) == (JobState.RUNNING, 2, 2)
+    assert world.conn.sismember(qk.active, "tidy") and not world.conn.zscore(qk.expiring, "tidy")
+    assert [int(f[b"i"]) for _, f in world.conn.xrange(qk.stream)] == [0, 1]
 
 
 def test_kept_rows_are_written_back_in_bounded_parts(tmp_path: Path) -> None:
