@@ -53,9 +53,10 @@ from batchgen.jobs.keys import Keys, QueueKeys, text
 from batchgen.jobs.lease import Lease, LeaseHeld
 from batchgen.jobs.lifecycle import script
 from batchgen.jobs.modelinfo import vocab_size
-from batchgen.jobs.params import job_defaults
+from batchgen.jobs.params import ParamError, job_defaults
 from batchgen.jobs.records import JobRecord, load_job, queue_of_job
 from batchgen.jobs.rows import FinishReason
+from batchgen.jobs.sentinel import replicated
 from batchgen.jobs.sources import local_copy
 from batchgen.jobs.storage import OutputDir
 from batchgen.jobs.submit import CHUNK_BYTES, CHUNK_ENTRIES
@@ -239,7 +240,10 @@ def _requests(record: JobRecord, input_path: str | None, spool: Path) -> Validat
         raise UsageError(f"the job's input cannot be read: {exc}{hint}") from None
     # The record keeps the defaults with sorted keys; an entry lists them in the order
     # submit had them, which job_defaults gives (every caller of submit builds them so).
-    defaults = job_defaults(record.defaults)
+    try:
+        defaults = job_defaults(record.defaults)
+    except ParamError as exc:  # a record written by another version, say
+        raise JobConflict(f"job {record.id!r} has defaults this version refuses: {exc}") from None
     checked = validate_file(local, defaults, spool, vocab_size=vocab_size(record.model))
     if checked.sha256 != record.source_sha256 or checked.total != record.total:
         raise JobConflict(
@@ -275,6 +279,7 @@ def _enqueue_rest(conn: redis.Redis, qk: QueueKeys, record: JobRecord, requests:
         crash.reached("after_retry_chunk")
         cursor, queued = following, queued + len(items) // 2
         if final:
+            replicated(conn)  # through Sentinel: on a replica before the retry says so
             return queued
 
 
