@@ -112,7 +112,14 @@ def _write_part(out: OutputDir, job_id: str, round_: int, table: pa.Table, c: Ca
 def _batches(out: OutputDir, columns: list[str]) -> Iterator[pa.RecordBatch]:
     try:
         with out.open_input(RESULT) as src:
-            yield from pq.ParquetFile(src).iter_batches(batch_size=_BATCH_ROWS, columns=columns)
+            result = pq.ParquetFile(src)
+            missing = [c for c in columns if c not in result.schema_arrow.names]
+            if missing:  # pyarrow would leave them out silently
+                raise OutputError(
+                    f"{out.uri}/{RESULT} has no column {', '.join(missing)} (written by another "
+                    "batchgen version?); nothing was retried"
+                )
+            yield from result.iter_batches(batch_size=_BATCH_ROWS, columns=columns)
     except (OSError, pa.ArrowInvalid) as exc:
         raise OutputError(f"cannot read the job's {RESULT} in {out.uri}: {exc}") from exc
 

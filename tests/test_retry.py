@@ -30,6 +30,7 @@ import redis
 
 from batchgen.jobs.carryover import carry_over, retried_mask
 from batchgen.jobs.crashpoints import CRASH_EXIT_CODE
+from batchgen.jobs.errors import OutputError
 from batchgen.jobs.keys import Keys, QueueKeys
 from batchgen.jobs.lifecycle import REOPEN, JobState, script
 from batchgen.jobs.records import JobRecord, load_job, queue_of_job
@@ -432,8 +433,11 @@ def test_kept_rows_are_written_back_in_bounded_parts(tmp_path: Path) -> None:
         "completion_tokens": 15,
         "cached_tokens": 0,
     }
-    with pytest.raises(Exception, match="does not hold one row per input"):
+    with pytest.raises(OutputError, match="does not hold one row per input"):
         retried_mask(out, 8, frozenset({"error"}))
+    pq.write_table(table.drop_columns(["worker"]), tmp_path / "result.parquet")
+    with pytest.raises(OutputError, match=r"result\.parquet has no column worker"):
+        carry_over(out, "j", 2, errors)
 
 
 REOPEN_TEST = script(
