@@ -10,11 +10,11 @@
     completed, cancelled ──retry (REOPEN)──▶ running
 
 ``JobState`` is stored in Redis as its value. Every script that moves a job
-(submit's create, commit, dead-letter, cancel, the lost-entry check, finalize)
-starts with ``LUA_PRELUDE``: the state names as Lua constants taken from the
-enum, the table of allowed moves taken from ``MOVES``, and the helpers that make
-the moves (``move`` refuses one the table does not allow). No script spells a
-state name itself.
+(submit's create, commit, dead-letter, cancel, the lost-entry check, finalize,
+retry's re-open) starts with ``LUA_PRELUDE``: the state names as Lua constants
+taken from the enum, the table of allowed moves taken from ``MOVES``, and the
+helpers that make the moves (``move`` refuses one the table does not allow). No
+script spells a state name itself.
 
 ``MOVES`` are the moves of a job's run; a finished job has none, so it is
 ``terminal`` (finalize cleans it up, its state expires). Only ``batchgen
