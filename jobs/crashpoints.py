@@ -14,6 +14,10 @@ spot); a SIGCONT lets it go on from there. Only the fault tests set it. Points:
   step, so there is no point between them)
 - ``before_hand_back``: SIGTERM drain has the in-flight outputs, Redis not told
 - ``before_finalize_commit``: the final file is written, the job not marked
+- ``after_finalize_commit``: the job is marked finished, its clean-up not done
+- ``after_retry_parts``: a retry wrote the kept rows' parts, the job is untouched
+- ``after_retry_reopen``: a retry re-opened the job, none of its rows is queued
+- ``after_retry_chunk``: a chunk of a retry's rows is queued (``:N``: the N-th)
 
 With ``BATCHGEN_TEST_CRASH_ONCE=PATH`` the crash happens once across all the
 processes that share the setting: in the one that creates PATH first (a fault

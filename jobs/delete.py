@@ -64,7 +64,7 @@ def delete(
         with Lease(conn, jk.finalizer, 60, f"batchgen delete {job_id}"):
             if outputs and record is not None:
                 report.files = _delete_outputs(record)
-            report.entries = _delete_entries(conn, qk, job_id)
+            report.entries = delete_entries(conn, qk, job_id)
             task = keys.finalize_task_id(job_id)
             with contextlib.suppress(NoSuchJobError):
                 Job.fetch(task, connection=conn, serializer=JSONSerializer).delete()
@@ -83,7 +83,7 @@ def delete(
     return report
 
 
-def _delete_entries(conn: redis.Redis, qk: QueueKeys, job_id: str) -> int:
+def delete_entries(conn: redis.Redis, qk: QueueKeys, job_id: str) -> int:
     """Ack and delete the job's entries in the model's stream (scanned in batches)."""
     removed = 0
     start = "-"

@@ -95,6 +95,7 @@ def finalize(
         state = JobState(text(raw))
         if state.needs_finalize:
             state = _write(conn, keys, qk, job_id, settings)
+            CrashPlan.from_env().reached("after_finalize_commit")
         if state.terminal:
             _clean_up(conn, qk, job_id)
         return state.value

@@ -7,12 +7,20 @@
       └──cancel──▶ cancelling ◀──cancel── running
                       └──finalize──▶ cancelled
 
+    completed, cancelled ──retry (REOPEN)──▶ running
+
 ``JobState`` is stored in Redis as its value. Every script that moves a job
-(submit's create, commit, dead-letter, cancel, the lost-entry check, finalize)
-starts with ``LUA_PRELUDE``: the state names as Lua constants taken from the
-enum, the table of allowed moves taken from ``MOVES``, and the helpers that make
-the moves (``move`` refuses one the table does not allow). No script spells a
-state name itself.
+(submit's create, commit, dead-letter, cancel, the lost-entry check, finalize,
+retry's re-open) starts with ``LUA_PRELUDE``: the state names as Lua constants
+taken from the enum, the table of allowed moves taken from ``MOVES``, and the
+helpers that make the moves (``move`` refuses one the table does not allow). No
+script spells a state name itself.
+
+``MOVES`` are the moves of a job's run; a finished job has none, so it is
+``terminal`` (finalize cleans it up, its state expires). Only ``batchgen
+retry`` (retry.py) leads out of one again, by the moves in ``REOPEN`` and the
+prelude's ``reopen``: the job goes back to ``running`` with its retried rows
+missing, and is finalized again once they have rows.
 
 The job record's ``closed`` flag is set by finalize when it starts: from then
 on the set of committed parts is frozen and later commits are discarded.
@@ -39,7 +47,7 @@ class JobState(str, enum.Enum):
 
     @property
     def terminal(self) -> bool:
-        """No move leads out of it."""
+        """No move of a run leads out of it (only a retry's ``REOPEN``)."""
         return not MOVES[self]
 
     @property
@@ -64,6 +72,12 @@ MOVES: dict[JobState, frozenset[JobState]] = {
 # What finalize turns a state into (FINAL in Lua).
 FINAL_STATE = {JobState.FINALIZING: JobState.COMPLETED, JobState.CANCELLING: JobState.CANCELLED}
 
+# The moves out of a finished job: ``batchgen retry`` re-opens it (REOPEN in Lua).
+REOPEN: dict[JobState, JobState] = {
+    JobState.COMPLETED: JobState.RUNNING,
+    JobState.CANCELLED: JobState.RUNNING,
+}
+
 
 def _lua_tables() -> str:
     states = ", ".join(f"{s.name} = '{s.value}'" for s in JobState)
@@ -72,7 +86,11 @@ def _lua_tables() -> str:
         for src, dsts in MOVES.items()
     )
     final = ", ".join(f"{src.value} = '{dst.value}'" for src, dst in FINAL_STATE.items())
-    return f"local S = {{{states}}}\nlocal MOVES = {{{moves}}}\nlocal FINAL = {{{final}}}\n"
+    reopen = ", ".join(f"{src.value} = '{dst.value}'" for src, dst in REOPEN.items())
+    return (
+        f"local S = {{{states}}}\nlocal MOVES = {{{moves}}}\nlocal FINAL = {{{final}}}\n"
+        f"local REOPEN = {{{reopen}}}\n"
+    )
 
 
 LUA_PRELUDE = (
@@ -85,6 +103,14 @@ local function move(job, from, to, ...)
     error('batchgen: job ' .. job .. ' cannot move from ' .. tostring(from) .. ' to ' .. to)
   end
   redis.call('HSET', job, 'state', to, ...)
+end
+
+-- Move a finished job (a record key) back to where a retry starts it; only REOPEN's moves.
+local function reopen(job, from, ...)
+  if not REOPEN[from] then
+    error('batchgen: job ' .. job .. ' cannot be reopened from ' .. tostring(from))
+  end
+  redis.call('HSET', job, 'state', REOPEN[from], ...)
 end
 
 -- 'missing' (no record), 'closed' (finalize froze its parts) or 'live'

@@ -24,6 +24,9 @@ _INT_FIELDS = (
     "cached_tokens",
     "finalize_attempts",
     "retention_s",
+    "retried",
+    "retry_rounds",
+    "retry_cursor",
 )
 _FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "finalize_retry_at")
 _STR_FIELDS = (
@@ -73,6 +76,14 @@ class JobRecord:
     finalize_attempts: int = 0  # failed finalize runs (a killed finalizer is not one)
     finalize_retry_at: float = 0.0  # after a failed finalize: when the workers retry it
     model_fingerprint: str = ""
+    retried: int = 0  # rows re-queued by `batchgen retry`, all rounds together (retry.py)
+    retry_rounds: int = 0  # retries that re-opened the job
+    retry_cursor: int = 0  # the input index the current retry enqueues from next
+
+    @property
+    def retry_incomplete(self) -> bool:
+        """A retry re-opened the job but was stopped before it queued every retried row."""
+        return self.state.live and self.retry_rounds > 0 and self.retry_cursor < self.total
 
     @property
     def submitted(self) -> bool:

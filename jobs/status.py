@@ -55,6 +55,9 @@ class JobStatus:
             "finalize_attempts": r.finalize_attempts,
             "finalize_retry_at": r.finalize_retry_at or None,
             "submit_incomplete": not r.submitted,
+            "retried": r.retried,  # rows re-queued by `batchgen retry`, every round
+            "retry_rounds": r.retry_rounds,
+            "retry_incomplete": r.retry_incomplete,
         }
 
 

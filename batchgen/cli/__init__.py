@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "cancel": "batchgen.cli.cancel:cancel",
     "delete": "batchgen.cli.delete:delete",
     "finalize": "batchgen.cli.finalize:finalize",
+    "retry": "batchgen.cli.retry:retry",
     "download": "batchgen.cli.download:download",
     "worker": "batchgen.cli.worker:worker",
     "run": "batchgen.cli.run:run",

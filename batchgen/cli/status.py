@@ -14,9 +14,13 @@ from batchgen.cli._common import connect, duration, handles_errors, progress_bar
 
 def _render(s) -> str:
     d = s.to_dict()
+    if d["retry_incomplete"]:
+        note = f"  [retry incomplete: `batchgen retry {d['job_id']}` queues the rest]"
+    else:
+        note = "  [submit incomplete]" if d["submit_incomplete"] else ""
     lines = [
         f"job        {d['job_id']}  ({d['model']})",
-        f"state      {d['state']}" + ("  [submit incomplete]" if d["submit_incomplete"] else ""),
+        f"state      {d['state']}" + note,
         f"progress   {progress_bar(d['done'] + d['failed'], d['total'])}",
         f"requests   done {d['done']}, failed {d['failed']}, in flight {d['in_flight']}, "
         f"queued {d['queued']} (skipped invalid lines: {d['skipped_invalid']})",
@@ -28,6 +32,8 @@ def _render(s) -> str:
         f"output     {d['output']}",
         f"created    {datetime.fromtimestamp(d['created_at']).isoformat(timespec='seconds')}",
     ]
+    if d["retry_rounds"]:
+        lines.append(f"retried    {d['retried']} rows in {d['retry_rounds']} retry round(s)")
     if d["error"]:
         lines.append(f"error      {d['error']}")
     if d["storage_error"]:
