@@ -37,6 +37,7 @@ _STR_FIELDS = (
     "error",
     "storage_error",
     "last_id",
+    "cache",
 )
 
 
@@ -71,6 +72,7 @@ class JobRecord:
     finalize_attempts: int = 0  # failed finalize runs (a killed finalizer is not one)
     finalize_retry_at: float = 0.0  # after a failed finalize: when the workers retry it
     model_fingerprint: str = ""
+    cache: str = ""  # the result cache's location (cache.py) when submitted with --cache
 
     @property
     def submitted(self) -> bool:

@@ -49,6 +49,8 @@ SCHEMA = pa.schema(
         pa.field("logprobs", LOGPROBS),  # the first sample's, when asked; else null
         pa.field("choices", CHOICES),  # every sample when n > 1; else null
         pa.field("embedding", pa.list_(pa.float32())),  # embedding lines only; else null
+        pa.field("cached", pa.bool_(), nullable=False),  # served by the result cache (cache.py)
+        pa.field("cache_source", pa.string()),  # the job a cached row was first generated for
     ]
 )
 
@@ -74,6 +76,8 @@ class Row:
     logprobs: list[dict] | None = None
     choices: list[dict] | None = None
     embedding: list[float] | None = None
+    cached: bool = False
+    cache_source: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -110,6 +114,8 @@ def to_table(rows: Sequence[Row]) -> pa.Table:
         columns["logprobs"].append(row.logprobs)
         columns["choices"].append(row.choices)
         columns["embedding"].append(row.embedding)
+        columns["cached"].append(row.cached)
+        columns["cache_source"].append(row.cache_source)
     return pa.Table.from_pydict(columns, schema=SCHEMA)
 
 

@@ -112,6 +112,7 @@ def submit(
     progress: Callable[[int, int], None] | None = None,
     wait_s: float = 0.0,
     retention_s: int | None = None,
+    cache: str = "",
 ) -> SubmitResult:
     job_id = check_job_id(job_id) if job_id else new_job_id()
     with SpoolDir() as spool_dir:
@@ -144,6 +145,7 @@ def submit(
             skipped=checked.error_count,
             created_at=time.time(),
             retention_s=retention.default() if retention_s is None else retention_s,
+            cache=cache,
         )
         resumed, start = _create(conn, keys, qk, record)
         position = start

@@ -37,6 +37,7 @@ _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 @dataclass(slots=True)
 class JobInfo:
     output: str
+    cache: str = ""  # the result cache's location when the job uses it
 
 
 @dataclass(slots=True)
@@ -89,8 +90,8 @@ class Upkeep:
     def job(self, job_id: str) -> JobInfo | None:
         if job_id not in self.jobs:
             conn, jk = self.conn, self.qk.job(job_id)
-            output = conn.hget(jk.job, "output")
-            self.jobs[job_id] = JobInfo(text(output)) if output is not None else None
+            output, cache = conn.hmget(jk.job, ["output", "cache"])
+            self.jobs[job_id] = JobInfo(text(output), text(cache)) if output is not None else None
             if output is not None and self.fingerprint:
                 conn.hsetnx(jk.job, "model_fingerprint", self.fingerprint)
         return self.jobs[job_id]
