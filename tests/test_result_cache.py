@@ -71,12 +71,13 @@ def cache_dir(tmp_path: Path) -> Path:
 
 
 def run_job(
-    conn, engines, model: Path, tmp_path: Path, prompts: list[str], job_id: str,
+    conn, engines, model: Path, tmp_path: Path, prompts: list[Any], job_id: str,
     cache: str, **defaults: Any,
 ) -> tuple[dict[str, list], dict[str, int]]:  # fmt: skip
     """Submit ``prompts`` as ``job_id``, run it on a fresh loop; (result columns, counters)."""
     src = tmp_path / f"{job_id}.jsonl"
-    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    lines = [p if isinstance(p, dict) else {"prompt": p} for p in prompts]
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / f"out-{job_id}"
     submit(conn, KEYS, source_path=str(src), model=str(model), output=str(out),
            defaults={**DEFAULTS, "max_tokens": 6, **defaults}, job_id=job_id, cache=cache)  # fmt: skip
@@ -297,3 +298,37 @@ def test_the_default_location_is_under_batchgen_home_with_the_embedded_redis(tmp
     monkeypatch.setenv("BATCHGEN_CACHE", "ftp://x/y")
     with pytest.raises(UsageError, match="BATCHGEN_CACHE"):
         location(embedded_redis=False)
+
+
+def test_a_hit_keeps_its_file_from_eviction(conn, cache_dir, monkeypatch):
+    cache = ResultCache(conn, KEYS, str(cache_dir))
+    row = Row(index=0, token_ids=[1, 2], text="ab", finish_reason=FinishReason.STOP)
+    cache.store("j1", "w", [("k1", row)])
+    (first,) = cache_files(cache_dir)
+    monkeypatch.setenv("BATCHGEN_CACHE_MAX_BYTES", str(first.stat().st_size * 5 // 2))
+    cache.store("j2", "w", [("k2", row)])
+    time.sleep(0.01)
+    assert set(cache.lookup(["k1"])) == {"k1"}  # k1's file is now the most recently used
+    cache.store("j3", "w", [("k3", row)])  # over the limit: k2's file goes, not k1's
+    assert set(cache.lookup(["k1", "k2", "k3"])) == {"k1", "k3"}
+    assert first.exists() and len(cache_files(cache_dir)) == 2
+    assert cache.stats().evicted == 1
+
+
+def test_an_unwritable_cache_location_never_fails_the_job(conn, engines, model, tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    result, counters = run_job(conn, engines, model, tmp_path, OLD[:3], "A", str(blocked / "c"))
+    assert set(result["finish_reason"]) <= {"stop", "length"} and result["cached"] == [False] * 3
+    assert counters["rows_ok"] == 3 and counters.get("cache_stored", 0) == 0
+
+
+def test_embedding_lines_are_neither_looked_up_nor_stored(
+    conn, engines, model, tmp_path, cache_dir
+):
+    lines = [{"input": "embed me", "task": "embed"}, OLD[0]]
+    for job in ("A", "B"):
+        result, counters = run_job(conn, engines, model, tmp_path, lines, job, str(cache_dir))
+        assert result["embedding"][0] is not None and result["cached"][0] is False
+    assert counters["cache_hits"] == 1 and counters["cache_misses"] == 0  # the prompt only
+    assert ResultCache(conn, KEYS, str(cache_dir)).stats().stored == 1
