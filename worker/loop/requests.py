@@ -3,7 +3,8 @@
 Entries come in (``admit``): a job that is gone or cancelled is dropped, an
 entry delivered more than ``max_attempts`` times is dead-lettered, a request
 on its last chance is isolated (isolation.py), the rest start in the engine;
-a request that cannot run becomes an error row. Finished outputs become rows
+a request that cannot run becomes an error row; one of a job that uses the
+result cache may be served from it (caching.py). Finished outputs become rows
 in the sink. Cancels, entries another worker took over, a failed engine step
 (bisection) and a shutdown or storage hand-back all change the in-flight set
 here; the queue loop (runner.py) does the Redis steps around it.
