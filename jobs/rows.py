@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 
 class FinishReason(str, enum.Enum):
@@ -117,6 +118,16 @@ def to_table(rows: Sequence[Row]) -> pa.Table:
         columns["cached"].append(row.cached)
         columns["cache_source"].append(row.cache_source)
     return pa.Table.from_pydict(columns, schema=SCHEMA)
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """A part read with ``schema=SCHEMA``: one written before the ``cached`` column existed
+    has it null, which a non-null column cannot be written with; such rows were generated."""
+    cached = table.column("cached")
+    if cached.null_count == 0:
+        return table
+    filled = pc.fill_null(cached, False)
+    return table.set_column(table.schema.get_field_index("cached"), SCHEMA.field("cached"), filled)
 
 
 def from_dict(data: dict) -> Row:

@@ -3,6 +3,7 @@ toy checkpoint in an in-process queue loop, real Parquet cache files."""
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import time
@@ -24,7 +25,9 @@ from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.modelinfo import fingerprint
 from batchgen.jobs.params import DEFAULTS
 from batchgen.jobs.records import load_job
-from batchgen.jobs.rows import FinishReason, Row
+from batchgen.jobs.result import PartRecord, read_window
+from batchgen.jobs.rows import SCHEMA, FinishReason, Row, to_table
+from batchgen.jobs.storage import OutputDir
 from batchgen.jobs.submit import submit
 from batchgen.worker.config import EngineConfig
 from batchgen.worker.loop import LoopConfig, QueueLoop
@@ -332,3 +335,17 @@ def test_embedding_lines_are_neither_looked_up_nor_stored(
         assert result["embedding"][0] is not None and result["cached"][0] is False
     assert counters["cache_hits"] == 1 and counters["cache_misses"] == 0  # the prompt only
     assert ResultCache(conn, KEYS, str(cache_dir)).stats().stored == 1
+
+
+def test_a_part_written_before_the_cache_columns_existed_still_finalizes(tmp_path):
+    rows = [Row(index=i, text="x", finish_reason=FinishReason.STOP) for i in range(2)]
+    old = to_table(rows).drop_columns(["cached", "cache_source"])
+    sink = io.BytesIO()
+    pq.write_table(old, sink)
+    out = OutputDir.open(str(tmp_path))
+    out.write_atomic(("old.parquet",), sink.getvalue())
+    table = read_window(out, [PartRecord("old.parquet", 2, 0, 1)], 0, 2, {})
+    with pq.ParquetWriter(tmp_path / "result.parquet", SCHEMA) as writer:
+        writer.write_table(table)  # a null in the non-null column would raise here
+    result = pq.read_table(tmp_path / "result.parquet").to_pydict()
+    assert result["cached"] == [False, False] and result["cache_source"] == [None, None]
