@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -349,3 +352,30 @@ def test_a_part_written_before_the_cache_columns_existed_still_finalizes(tmp_pat
         writer.write_table(table)  # a null in the non-null column would raise here
     result = pq.read_table(tmp_path / "result.parquet").to_pydict()
     assert result["cached"] == [False, False] and result["cache_source"] == [None, None]
+
+
+@pytest.mark.slow  # ~35 s on 2 busy cores: two worker processes start and load the model
+def test_the_cli_and_a_worker_process_serve_a_second_job_from_the_cache(
+    model, redis_url, tmp_path, cache_dir
+):
+    env = {**os.environ, "BATCHGEN_REDIS_URL": redis_url, "BATCHGEN_CACHE": str(cache_dir),
+           "BATCHGEN_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}  # fmt: skip
+
+    def batchgen(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "batchgen", *args], env=env, text=True,
+                              capture_output=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    for job, prompts in (("A", OLD[:3]), ("B", OLD[:3] + NEW[:1])):
+        src = tmp_path / f"{job}.jsonl"
+        src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        batchgen("submit", str(src), "--model", str(model), "--job-id", job, "--cache",
+                 "--max-tokens", "6", "--output", str(tmp_path / f"out-{job}"))  # fmt: skip
+        batchgen("worker", "--model", str(model), "--device", "cpu", "--burst")
+    a = pq.read_table(tmp_path / "out-A" / "result.parquet").to_pydict()
+    b = pq.read_table(tmp_path / "out-B" / "result.parquet").to_pydict()
+    assert b["cached"] == [True] * 3 + [False] and b["cache_source"] == ["A"] * 3 + [None]
+    assert b["token_ids"][:3] == a["token_ids"]
+    stats = json.loads(batchgen("cache", "stats", "--json"))
+    assert (stats["entries"], stats["hits"], stats["misses"]) == (4, 3, 4)
