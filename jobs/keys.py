@@ -29,6 +29,15 @@ Layout (prefix ``P``, default ``bg``, from ``BATCHGEN_PREFIX``)::
     P:serve:series                zset  tok/s samples (JSON) by time, the last hour
     P:serve:sampled:SLOT          str   taken by the server that samples SLOT (TTL)
 
+The result cache (cache.py) keeps one index per cache location ``URI``::
+
+    P:{cache-H}:index             hash  content key -> "FILE ROW" (a row of a cache file)
+    P:{cache-H}:files             zset  cache file -> last used (unix s): LRU eviction order
+    P:{cache-H}:meta              hash  cache file -> {bytes, job, keys} JSON
+    P:{cache-H}:stats             hash  bytes, entries stored, hits, misses, evicted
+
+``H`` is a short hash of the location's URI; the four keys share its hash tag.
+
 ``TAG`` is a short hash of the model's queue name. It is a Redis Cluster hash
 tag: a model's stream and all its jobs' keys share one slot, so the commit step
 (XACK + XDEL on the stream, done-marks and counters of the jobs in a batch) is
@@ -125,6 +134,19 @@ class QueueKeys:
 
 
 @dataclass(slots=True, frozen=True)
+class CacheKeys:
+    """One result cache location's index (cache.py)."""
+
+    index: str
+    files: str
+    meta: str
+    stats: str
+
+    def all(self) -> tuple[str, ...]:
+        return (self.index, self.files, self.meta, self.stats)
+
+
+@dataclass(slots=True, frozen=True)
 class Keys:
     prefix: str = DEFAULT_PREFIX
 
@@ -160,6 +182,10 @@ class Keys:
 
     def finalize_task_id(self, job_id: str) -> str:
         return f"{self.prefix}-finalize-{job_id}"
+
+    def cache(self, uri: str) -> CacheKeys:
+        base = f"{self.prefix}:{{cache-{queue_tag(uri)}}}"
+        return CacheKeys(f"{base}:index", f"{base}:files", f"{base}:meta", f"{base}:stats")
 
     # -- batchgen serve ---------------------------------------------------------
 

@@ -41,6 +41,7 @@ _STR_FIELDS = (
     "storage_error",
     "refused",
     "last_id",
+    "cache",
 )
 
 
@@ -76,6 +77,7 @@ class JobRecord:
     finalize_attempts: int = 0  # failed finalize runs (a killed finalizer is not one)
     finalize_retry_at: float = 0.0  # after a failed finalize: when the workers retry it
     model_fingerprint: str = ""
+    cache: str = ""  # the result cache's location (cache.py) when submitted with --cache
     retried: int = 0  # rows re-queued by `batchgen retry`, all rounds together (retry.py)
     retry_rounds: int = 0  # retries that re-opened the job
     retry_cursor: int = 0  # the input index the current retry enqueues from next

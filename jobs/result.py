@@ -23,7 +23,7 @@ import batchgen
 from batchgen.jobs.keys import QueueKeys, text, text_hash
 from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.records import JobRecord
-from batchgen.jobs.rows import SCHEMA, FinishReason, Row, from_dict, to_table
+from batchgen.jobs.rows import SCHEMA, FinishReason, Row, conform, from_dict, to_table
 from batchgen.jobs.storage import OutputDir
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def read_window(
         if part.hi < lo or part.lo >= hi:
             continue
         with out.open_input(*part.name.split("/")) as src:
-            table = pq.read_table(src, schema=SCHEMA)
+            table = conform(pq.read_table(src, schema=SCHEMA))
         index = table.column("index")
         keep = pc.and_(pc.greater_equal(index, lo), pc.less(index, hi))
         if part.lost:

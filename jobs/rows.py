@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 
 class FinishReason(str, enum.Enum):
@@ -49,6 +50,8 @@ SCHEMA = pa.schema(
         pa.field("logprobs", LOGPROBS),  # the first sample's, when asked; else null
         pa.field("choices", CHOICES),  # every sample when n > 1; else null
         pa.field("embedding", pa.list_(pa.float32())),  # embedding lines only; else null
+        pa.field("cached", pa.bool_(), nullable=False),  # served by the result cache (cache.py)
+        pa.field("cache_source", pa.string()),  # the job a cached row was first generated for
     ]
 )
 
@@ -74,6 +77,8 @@ class Row:
     logprobs: list[dict] | None = None
     choices: list[dict] | None = None
     embedding: list[float] | None = None
+    cached: bool = False
+    cache_source: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -110,7 +115,19 @@ def to_table(rows: Sequence[Row]) -> pa.Table:
         columns["logprobs"].append(row.logprobs)
         columns["choices"].append(row.choices)
         columns["embedding"].append(row.embedding)
+        columns["cached"].append(row.cached)
+        columns["cache_source"].append(row.cache_source)
     return pa.Table.from_pydict(columns, schema=SCHEMA)
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """A part read with ``schema=SCHEMA``: one written before the ``cached`` column existed
+    has it null, which a non-null column cannot be written with; such rows were generated."""
+    cached = table.column("cached")
+    if cached.null_count == 0:
+        return table
+    filled = pc.fill_null(cached, False)
+    return table.set_column(table.schema.get_field_index("cached"), SCHEMA.field("cached"), filled)
 
 
 def from_dict(data: dict) -> Row:

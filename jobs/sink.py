@@ -69,6 +69,7 @@ class FlushResult:
     commit: CommitResult | None  # None: nothing to commit, or Redis failed (kept for a retry)
     redis_failed: bool = False
     recovered: list[str] = field(default_factory=list)  # jobs whose output works again
+    parts: list[PartCommit] = field(default_factory=list)  # committed now (result cache)
 
 
 @dataclass(slots=True)
@@ -172,10 +173,11 @@ class PartSink:
         for part in self.written:
             if part.job_id in refused:  # finalized (or gone) meanwhile: the part is an orphan
                 self._delete_part(part)
+        parts = [part for part in self.written if part.job_id not in refused]
         self.written.clear()
         self.drops.clear()
         self.oldest = time.monotonic() if self.buffers else None
-        return FlushResult(result, recovered=recovered)
+        return FlushResult(result, recovered=recovered, parts=parts)
 
     def _delete_part(self, part: PartCommit) -> None:
         try:

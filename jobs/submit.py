@@ -112,6 +112,7 @@ def submit(
     progress: Callable[[int, int], None] | None = None,
     wait_s: float = 0.0,
     retention_s: int | None = None,
+    cache: str = "",
 ) -> SubmitResult:
     job_id = check_job_id(job_id) if job_id else new_job_id()
     with SpoolDir() as spool_dir:
@@ -145,6 +146,7 @@ def submit(
             created_at=time.time(),
             retention_s=retention.default() if retention_s is None else retention_s,
             model_fingerprint=fingerprint(model),  # "" for an HF id: the first worker sets it
+            cache=cache,
         )
         resumed, start = _create(conn, keys, qk, record)
         position = start

@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "worker": "batchgen.cli.worker:worker",
     "run": "batchgen.cli.run:run",
     "serve": "batchgen.cli.serve:serve",
+    "cache": "batchgen.cli.cache:cache",
 }
 
 

@@ -36,6 +36,14 @@ from batchgen.cli._common import (
     help="Keep the finished job's Redis state this long (7d, 36h, ...); the outputs stay. "
     "Default $BATCHGEN_RETENTION, else 7d.",
 )
+@click.option(
+    "--cache",
+    "use_cache",
+    is_flag=True,
+    help="Serve rows a job generated before from the result cache, and store new ones "
+    "(greedy or seeded requests only). Where: $BATCHGEN_CACHE (folder or s3://...), default "
+    "$BATCHGEN_HOME/cache with the embedded Redis; required with a shared Redis.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print {job_id, total, ...} as JSON.")
 @redis_option
 @handles_errors
@@ -47,6 +55,7 @@ def submit(
     job_id: str | None,
     skip_invalid: bool,
     retention: str | None,
+    use_cache: bool,
     as_json: bool,
     redis_url: str | None,
 ) -> None:
@@ -59,6 +68,7 @@ def submit(
     ({"custom_id", "method", "url", "body"}). Flags set job defaults; a line's own
     fields override them. Unknown fields are errors (except body.model/body.user).
     """
+    from batchgen.jobs import cache
     from batchgen.jobs import retention as keep
     from batchgen.jobs.connection import wait_from_env
     from batchgen.jobs.names import check_job_id, job_output_dir
@@ -69,9 +79,11 @@ def submit(
     retention_s = keep.parse(retention) if retention else keep.default()
     conn, keys, target = connect(redis_url)
     out_uri = job_output_dir(output, job_id, target.embedded)
+    cache_uri = cache.location(target.embedded) if use_cache else ""
     result = run_submit(
         conn, keys, source_path=prompts, model=model, output=out_uri, defaults=defaults,
         job_id=job_id, skip_invalid=skip_invalid, wait_s=wait_from_env(), retention_s=retention_s,
+        cache=cache_uri,
     )  # fmt: skip
     if result.skipped:
         click.echo(f"skipped {result.skipped} invalid line(s):", err=True)

@@ -111,3 +111,29 @@ def error_row(delivery: Delivery, error: str, worker: str, prompt_tokens: int = 
         metadata=_metadata(delivery),
         structured=_structured(delivery),
     )
+
+
+def cached_row(delivery: Delivery, values: dict, source_job: str, worker: str) -> Row:
+    """The row of a request served by the result cache: the generated values (and token
+    counts) of the original row, this request's own id, index, metadata and timing."""
+    return Row(
+        index=delivery.index,
+        id=delivery.request.get("id"),
+        text=values["text"],
+        token_ids=list(values["token_ids"]),
+        finish_reason=FinishReason(values["finish_reason"]),
+        prompt_tokens=values["prompt_tokens"],
+        completion_tokens=values["completion_tokens"],
+        cached_tokens=values["cached_tokens"],
+        attempts=delivery.attempts,
+        preemptions=delivery.preemptions,
+        worker=worker,
+        queued_at=delivery.queued_at,
+        finished_at=now_ms(),
+        metadata=_metadata(delivery),
+        structured=values["structured"],
+        logprobs=values["logprobs"],
+        choices=values["choices"],
+        cached=True,
+        cache_source=source_job,
+    )

@@ -3,7 +3,8 @@
 Entries come in (``admit``): a job that is gone or cancelled is dropped, an
 entry delivered more than ``max_attempts`` times is dead-lettered, a request
 on its last chance is isolated (isolation.py), the rest start in the engine;
-a request that cannot run becomes an error row. Finished outputs become rows
+a request that cannot run becomes an error row; one of a job that uses the
+result cache may be served from it (caching.py). Finished outputs become rows
 in the sink. Cancels, entries another worker took over, a failed engine step
 (bisection) and a shutdown or storage hand-back all change the in-flight set
 here; the queue loop (runner.py) does the Redis steps around it.
@@ -22,6 +23,7 @@ import redis
 from batchgen.jobs.queue import Delivery, HandBack
 from batchgen.jobs.rows import from_dict
 from batchgen.jobs.sink import PartSink
+from batchgen.worker.loop.caching import LoopCache
 from batchgen.worker.loop.config import LoopConfig
 from batchgen.worker.loop.engine_api import EngineAPI
 from batchgen.worker.loop.flight import Flight, error_row, now_ms, output_row, resumable
@@ -43,7 +45,9 @@ class Requests:
         dead_letter: Callable[[Delivery, str], None],
         hand_back: Callable[[list[HandBack]], int],  # raises while Redis is down
         count: Callable[[str, int], None],
+        cache: LoopCache,
     ) -> None:
+        self.cache = cache
         self.api = api
         self.engine = api.engine
         self.sink = sink
@@ -76,6 +80,7 @@ class Requests:
     def admit(self, deliveries: list[Delivery]) -> None:
         suspects: list[Delivery] = []
         refused: list[Delivery] = []
+        ready: list[tuple[Delivery, JobInfo]] = []
         for d in deliveries:
             job = self.job(d.job_id)
             if job is None or d.job_id in self.cancelled:
@@ -96,7 +101,8 @@ class Requests:
             if 1 < d.failed_attempts == self.config.max_attempts:
                 suspects.append(d)  # its last chance: alone, so it fails by itself
                 continue
-            self.start(d, job.output)
+            ready.append((d, job))
+        self.start_all(ready)
         if suspects:
             self._isolate(suspects)
         if refused:
@@ -130,7 +136,7 @@ class Requests:
             if job is None or d.job_id in self.cancelled:
                 self.sink.drop([d.entry_id])
                 continue
-            self.start(d, job.output)
+            self.start_all([(d, job)], cached=False)  # alone: it runs in the engine
             if d.entry_id in self.flights:
                 self.isolation.started(d.entry_id)
 
@@ -162,38 +168,60 @@ class Requests:
         self.count("bisections", 1)
         return True
 
-    def start(self, d: Delivery, output: str) -> None:
+    def start_all(self, items: list[tuple[Delivery, JobInfo]], cached: bool = True) -> None:
+        """Start each in the engine, or serve it from the result cache (``cached``: look up
+        the requests of jobs that use it, all at once)."""
+        ready = []
+        for d, job in items:
+            prepared = self._prepare(d, job.output)
+            if prepared is not None:
+                ready.append((d, job, *prepared))
+        lookups = [(job.cache, d, ids) for d, job, _, ids in ready if job.cache and cached]
+        hits = self.cache.lookup(lookups) if lookups else {}
+        for d, job, params, token_ids in ready:
+            row = hits.get(d.entry_id)
+            if row is not None:
+                self.sink.add(d, job.output, row)
+                self.count("rows_cached", 1)
+                continue
+            try:
+                self.engine.add_request(
+                    d.entry_id, token_ids, params, resume_token_ids=d.resume or None
+                )
+            except self.rejections as exc:
+                self.cache.forget(d.entry_id)
+                reason = getattr(exc, "reason", None) or str(exc)
+                self.error(d, job.output, f"request rejected: {reason}", len(token_ids))
+                continue
+            self.flights[d.entry_id] = Flight(d, job.output, len(token_ids))
+
+    def _prepare(self, d: Delivery, output: str) -> tuple[Any, list[int]] | None:
+        """(sampling params, prompt token ids) of a request to run; None when it was
+        dealt with here (a carried row, an embedding, an error row)."""
         if d.finished is not None:  # made before its storage failed: only its part is missing
             self.sink.add(d, output, from_dict(d.finished))
             self.count("rows_carried", 1)
-            return
+            return None
         if "e" in d.request:
-            return self._start_embedding(d, output)
+            self._start_embedding(d, output)
+            return None
         try:
             params = self.api.sampling_params(**d.request["s"])
         except (TypeError, ValueError) as exc:
-            return self.error(d, output, f"invalid sampling parameters: {exc}")
+            self.error(d, output, f"invalid sampling parameters: {exc}")
+            return None
         prompt = d.request["p"] if "p" in d.request else d.request["m"]
         try:
             token_ids = self.engine.encode(prompt)
         except Exception as exc:  # a tokenizer or chat-template failure fails this row only
-            return self.error(d, output, f"cannot tokenize the prompt: {exc}")
+            self.error(d, output, f"cannot tokenize the prompt: {exc}")
+            return None
         limit = self.engine.max_model_len
         if len(token_ids) >= limit:
-            return self.error(
-                d,
-                output,
-                f"prompt is {len(token_ids)} tokens; the model's context is {limit} tokens",
-                len(token_ids),
-            )
-        try:
-            self.engine.add_request(
-                d.entry_id, token_ids, params, resume_token_ids=d.resume or None
-            )
-        except self.rejections as exc:
-            reason = getattr(exc, "reason", None) or str(exc)
-            return self.error(d, output, f"request rejected: {reason}", len(token_ids))
-        self.flights[d.entry_id] = Flight(d, output, len(token_ids))
+            message = f"prompt is {len(token_ids)} tokens; the model's context is {limit} tokens"
+            self.error(d, output, message, len(token_ids))
+            return None
+        return params, token_ids
 
     def _start_embedding(self, d: Delivery, output: str) -> None:
         """An embedding entry: no sampling, no partial tokens (a hand-back restarts it)."""
@@ -215,6 +243,7 @@ class Requests:
         if flight is None:
             return  # aborted meanwhile (cancelled, or claimed by another worker)
         row = output_row(flight, out, self.config.name, self.engine.token_text)
+        self.cache.finished(out.request_id, row)
         self.sink.add(flight.delivery, flight.output, row)
         self.count("rows_error" if row.failed else "rows_ok", 1)
         self.count("prompt_tokens", row.prompt_tokens)
@@ -222,6 +251,7 @@ class Requests:
 
     def abort(self, entry_id: str) -> None:
         self.isolation.forget(entry_id)
+        self.cache.forget(entry_id)
         if self.flights.pop(entry_id, None) is not None:
             self.engine.abort(entry_id)
 

@@ -32,6 +32,7 @@ from batchgen.jobs.queue import Delivery, HandBack, hand_back, read_new
 from batchgen.jobs.sink import PartSink
 from batchgen.jobs.submit import ensure_group
 from batchgen.jobs.tasks import enqueue_finalize
+from batchgen.worker.loop.caching import LoopCache, numerics
 from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig
 from batchgen.worker.loop.engine_api import EngineAPI
 from batchgen.worker.loop.keeper import Keeper
@@ -83,6 +84,14 @@ class QueueLoop:
             dead_letter=self.upkeep.dead_letter,
             hand_back=lambda items: hand_back(conn, self.qk, config.name, items),
             count=self._count,
+            cache=LoopCache(
+                conn,
+                self.keys,
+                self.upkeep.fingerprint,
+                numerics(self.engine, config),
+                config.name,
+                self._count,
+            ),
         )
         self.keeper = Keeper(conn, self.keys, self.qk, config)
         self.stopping = False
@@ -231,6 +240,7 @@ class QueueLoop:
         if result is None:
             return True
         self._count("commits")
+        self.requests.cache.store(flushed.parts, self.requests.held)
         self._count("rows_lost_to_duplicates", result.lost)
         for job_id in result.missing:
             log.error("job %s is gone from Redis (state lost?); dropped its rows", job_id)

@@ -37,6 +37,7 @@ _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 @dataclass(slots=True)
 class JobInfo:
     output: str
+    cache: str = ""  # the result cache's location when the job uses it
     refused: str = ""  # why this worker will not run the job's requests (other weights)
 
 
@@ -93,15 +94,16 @@ class Upkeep:
         if job_id not in self.jobs:
             jk = self.qk.job(job_id)
             pipe = self.conn.pipeline(transaction=False)
-            pipe.hget(jk.job, "output")
+            pipe.hmget(jk.job, ["output", "cache"])
             if self.fingerprint:
                 pipe.hsetnx(jk.job, "model_fingerprint", self.fingerprint)
             pipe.hget(jk.job, "model_fingerprint")
-            output, *_, expected = pipe.execute()
+            (output, cache), *_, expected = pipe.execute()
             if output is None:
                 self.jobs[job_id] = None
                 return None
-            self.jobs[job_id] = JobInfo(text(output), self._refusal(job_id, text(expected)))
+            refused = self._refusal(job_id, text(expected))
+            self.jobs[job_id] = JobInfo(text(output), text(cache), refused)
         return self.jobs[job_id]
 
     def _refusal(self, job_id: str, expected: str) -> str:
