@@ -37,6 +37,7 @@ _STR_FIELDS = (
     "error",
     "storage_error",
     "last_id",
+    "input_format",
 )
 
 
@@ -71,6 +72,8 @@ class JobRecord:
     finalize_attempts: int = 0  # failed finalize runs (a killed finalizer is not one)
     finalize_retry_at: float = 0.0  # after a failed finalize: when the workers retry it
     model_fingerprint: str = ""
+    input_format: str = ""  # "jsonl", "parquet" or "csv" (sources.py); "" before tables
+    kept_columns: list[str] = field(default_factory=list)  # input columns in the result (kept.py)
 
     @property
     def submitted(self) -> bool:
@@ -86,6 +89,7 @@ class JobRecord:
         out["state"] = self.state.value
         out["defaults"] = json.dumps(self.defaults, sort_keys=True)
         out["closed"] = "1" if self.closed else "0"
+        out["kept_columns"] = json.dumps(self.kept_columns)
         if self.model_fingerprint:  # else left for the first worker to set (HSETNX)
             out["model_fingerprint"] = self.model_fingerprint
         return out
@@ -102,6 +106,7 @@ class JobRecord:
             setattr(record, name, data.get(name, ""))
         record.defaults = json.loads(data.get("defaults") or "{}")
         record.closed = data.get("closed") == "1"
+        record.kept_columns = json.loads(data.get("kept_columns") or "[]")
         record.model_fingerprint = data.get("model_fingerprint", "")
         return record
 
@@ -114,6 +119,8 @@ class JobRecord:
             "defaults": self.defaults,
             "source": self.source,
             "source_sha256": self.source_sha256,
+            "input_format": self.input_format or "jsonl",
+            "kept_columns": self.kept_columns,
             "output": self.output,
         }
 

@@ -1,4 +1,4 @@
-"""``batchgen submit``: validate a JSONL file of prompts and queue it as a job."""
+"""``batchgen submit``: validate a JSONL file or a table of prompts and queue it as a job."""
 
 from __future__ import annotations
 
@@ -27,6 +27,37 @@ from batchgen.cli._common import (
     "required with a shared Redis.",
 )
 @sampling_options
+@click.option(
+    "--prompt-column",
+    metavar="COL",
+    default=None,
+    help="Table input: the column holding each row's prompt.",
+)
+@click.option(
+    "--messages-column",
+    metavar="COL",
+    default=None,
+    help="Table input: the column holding each row's chat, a list of {role, content}.",
+)
+@click.option(
+    "--template",
+    default=None,
+    help='Table input: the prompt made from columns, e.g. "Summarise: {title}\\n{body}" '
+    "({{ and }} for literal braces; values are inserted as they are).",
+)
+@click.option(
+    "--id-column",
+    metavar="COL",
+    default=None,
+    help="Table input: the column holding each row's id (default: the row number).",
+)
+@click.option(
+    "--keep-columns",
+    metavar="A,B|all",
+    default=None,
+    help="Table input: columns to put in result.parquet beside the generation "
+    "columns, with their types ('all': every column).",
+)
 @click.option("--job-id", default=None, help="Name the job; re-submitting it never enqueues twice.")
 @click.option("--skip-invalid", is_flag=True, help="Queue the valid lines; report the others.")
 @click.option(
@@ -44,27 +75,41 @@ def submit(
     model: str,
     output: str | None,
     defaults: dict[str, Any],
+    prompt_column: str | None,
+    messages_column: str | None,
+    template: str | None,
+    id_column: str | None,
+    keep_columns: str | None,
     job_id: str | None,
     skip_invalid: bool,
     retention: str | None,
     as_json: bool,
     redis_url: str | None,
 ) -> None:
-    """Validate PROMPTS (JSONL: a local path, or a URI such as s3://bucket/p.jsonl, with
-    credentials from the AWS_* environment) and queue one request per line; print the job id.
+    """Validate PROMPTS and queue one request per line or row; print the job id.
 
-    Every line is checked before anything is queued; an invalid line stops the
-    submit with its line and column, unless --skip-invalid. Lines are native
-    ({"prompt" | "messages", "id", sampling fields, "metadata"}) or OpenAI batch
-    ({"custom_id", "method", "url", "body"}). Flags set job defaults; a line's own
-    fields override them. Unknown fields are errors (except body.model/body.user).
+    PROMPTS is a local path or a URI such as s3://bucket/p.jsonl (credentials from the
+    AWS_* environment): JSONL (.jsonl, .jsonl.gz, .jsonl.zst), Parquet (.parquet), CSV
+    (.csv), or a folder of Parquet or CSV files.
+
+    Every line or row is checked before anything is queued; an invalid one stops the
+    submit with its line and column (a table: its row and column), unless
+    --skip-invalid. Lines are native ({"prompt" | "messages", "id", sampling fields,
+    "metadata"}) or OpenAI batch ({"custom_id", "method", "url", "body"}); unknown
+    fields are errors (except body.model/body.user). A table's prompt comes from
+    --prompt-column, --messages-column or --template, and its columns named as
+    sampling fields (max_tokens, temperature, seed, ...) set them per row. Flags set
+    job defaults; a line's or row's own fields override them.
     """
     from batchgen.jobs import retention as keep
     from batchgen.jobs.connection import wait_from_env
     from batchgen.jobs.names import check_job_id, job_output_dir
     from batchgen.jobs.submit import new_job_id
     from batchgen.jobs.submit import submit as run_submit
+    from batchgen.jobs.tables import TableSpec
 
+    table = TableSpec(prompt_column, messages_column, template, id_column,
+                      _keep_columns(keep_columns))  # fmt: skip
     job_id = check_job_id(job_id) if job_id else new_job_id()
     retention_s = keep.parse(retention) if retention else keep.default()
     conn, keys, target = connect(redis_url)
@@ -72,9 +117,10 @@ def submit(
     result = run_submit(
         conn, keys, source_path=prompts, model=model, output=out_uri, defaults=defaults,
         job_id=job_id, skip_invalid=skip_invalid, wait_s=wait_from_env(), retention_s=retention_s,
+        table=table,
     )  # fmt: skip
     if result.skipped:
-        click.echo(f"skipped {result.skipped} invalid line(s):", err=True)
+        click.echo(f"skipped {result.skipped} invalid {result.unit}(s):", err=True)
         for error in result.errors:
             click.echo(f"  {error}", err=True)
         if result.skipped > len(result.errors):
@@ -86,3 +132,16 @@ def submit(
         }))  # fmt: skip
     else:
         click.echo(result.job_id)
+
+
+def _keep_columns(value: str | None) -> tuple[str, ...]:
+    from batchgen.jobs.errors import UsageError
+
+    if value is None:
+        return ()
+    names = tuple(name.strip() for name in value.split(","))
+    if not all(names):
+        raise UsageError(f"--keep-columns {value!r}: an empty column name")
+    if "all" in names and len(names) > 1:
+        raise UsageError("--keep-columns: 'all' keeps every column; give it alone")
+    return names
