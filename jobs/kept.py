@@ -34,12 +34,12 @@ def result_names(columns: list[str]) -> list[str]:
     """Each kept column's name in the result."""
     taken = set(SCHEMA.names)
     out = [PREFIX + c if c in taken else c for c in columns]
-    clash = [n for n in out if n in taken or out.count(n) > 1]
-    if clash:
-        raise UsageError(
-            f"--keep-columns: {clash[0]!r} is a result column and so is {PREFIX}{clash[0]!r} "
-            "(or the input has both); rename one in the input"
-        )
+    for column, name in zip(columns, out):
+        if name in taken or out.count(name) > 1:
+            raise UsageError(
+                f"--keep-columns: column {column!r} would come back as {name!r}, a name the "
+                "result already has; rename one of them in the input"
+            )
     return out
 
 

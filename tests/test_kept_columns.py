@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batchgen.jobs.errors import OutputError
 from batchgen.jobs.kept import KEPT, SnapshotWriter, publish
 from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.records import JobRecord
@@ -108,3 +109,7 @@ def test_join_is_windowed_across_row_groups_and_finalizing_twice_is_the_same(tmp
     assert got.column("w").to_pylist() == [f"w{i}" for i in range(n)]
     assert got.column("text").to_pylist() == [f"g{i}" for i in range(n)]
     assert got.schema.field("k").type == pa.int32()
+    # without its snapshot, finalize fails naming it: never a result without the columns
+    (tmp_path / "out" / KEPT).unlink()
+    with pytest.raises(OutputError, match=f"cannot read .*{KEPT}"):
+        write_result(out, record, parts, {})

@@ -83,20 +83,39 @@ def test_csv_folder_in_name_order_with_row_numbers_as_ids(redis_url, tmp_path):
         ("0", "a1"), ("1", "c1"), ("2", "c2")]  # fmt: skip
 
 
-def test_messages_column(redis_url, tmp_path):
+def test_messages_column_with_names_and_a_logit_bias_map(redis_url, tmp_path):
+    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("name", pa.string())])
     chat = pa.array(
-        [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-         [{"role": "user", "content": "Bye"}]],
-        pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])),
+        [[{"role": "system", "content": "Be brief.", "name": None},
+          {"role": "user", "content": "Hi", "name": "ann"}],
+         [{"role": "user", "content": "Bye", "name": None}]],
+        pa.list_(message),
     )  # fmt: skip
-    pq.write_table(pa.table({"chat": chat, "n": [1, 2]}), tmp_path / "c.parquet")
+    bias = pa.array([[(5, 1.5)], None], pa.map_(pa.int64(), pa.float64()))
+    pq.write_table(pa.table({"chat": chat, "n": [1, 2], "logit_bias": bias}),
+                   tmp_path / "c.parquet")  # fmt: skip
     run(rconn(redis_url), tmp_path / "c.parquet", tmp_path,
         table=TableSpec(messages_column="chat"))  # fmt: skip
     assert entries(rconn(redis_url)) == [
         {"id": "0", "m": [{"role": "system", "content": "Be brief."},
-                          {"role": "user", "content": "Hi"}], "s": {**DEFAULTS, "n": 1}},
+                          {"role": "user", "content": "Hi", "name": "ann"}],
+         "s": {**DEFAULTS, "n": 1, "logit_bias": {"5": 1.5}}},
         {"id": "1", "m": [{"role": "user", "content": "Bye"}], "s": {**DEFAULTS, "n": 2}},
     ]  # fmt: skip
+
+
+def test_template_values_other_than_strings(redis_url, tmp_path):
+    import datetime as dt
+
+    table = pa.table({
+        "k": pa.array([7], pa.int32()), "x": [0.25], "tags": [["a", "b"]],
+        "at": pa.array([dt.datetime(2024, 5, 6, 7, 8, 9)], pa.timestamp("s")),
+        "day": pa.array([dt.date(2024, 5, 6)], pa.date32()),
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "v.parquet")
+    run(rconn(redis_url), tmp_path / "v.parquet", tmp_path,
+        table=TableSpec(template="{k}|{x}|{tags}|{at}|{day}"))  # fmt: skip
+    assert entries(rconn(redis_url))[0]["p"] == '7|0.25|["a", "b"]|2024-05-06T07:08:09|2024-05-06'
 
 
 def test_bad_values_name_their_row_and_column_and_nothing_is_queued(redis_url, tmp_path):
@@ -182,6 +201,14 @@ def test_resubmit_is_resumed_and_other_kept_columns_are_another_job(redis_url, t
     other = TableSpec(prompt_column="title", keep_columns=("doc", "body"))
     with pytest.raises(JobConflict, match="different input or flags"):
         run(conn, tmp_path / "docs.parquet", tmp_path, table=other)
+
+
+def test_kept_names_that_clash_with_result_columns():
+    from batchgen.jobs.kept import result_names
+
+    assert result_names(["text", "doc", "id"]) == ["input_text", "doc", "input_id"]
+    with pytest.raises(UsageError, match="column 'text' would come back as 'input_text'"):
+        result_names(["text", "input_text"])
 
 
 def test_template_syntax():
