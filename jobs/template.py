@@ -1,10 +1,13 @@
 """``--template "Summarise: {title}\\n{body}"``: a prompt made of literal text and
 column values.
 
-The only syntax is ``{name}`` (a column, any characters but braces) and ``{{`` /
-``}}`` for literal braces. Values are inserted as they are, never evaluated or
-formatted: no ``str.format`` attribute, index or conversion syntax exists here,
-so ``{a.b}`` or ``{a[0]}`` simply name a column called that.
+The only syntax is ``{name}`` (a column, any characters but braces), ``{{`` /
+``}}`` for literal braces, and in the template's own text ``\\n``, ``\\t`` and
+``\\\\`` for a newline, a tab and a backslash (a shell's double quotes pass
+``"{title}\\n{body}"`` on as a backslash and an n). Values are inserted as they
+are, never evaluated or formatted: no ``str.format`` attribute, index or
+conversion syntax exists here, so ``{a.b}`` or ``{a[0]}`` simply name a column
+called that.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchgen.jobs.errors import UsageError
+
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +45,10 @@ def parse(text: str) -> Template:
     i, n = 0, len(text)
     while i < n:
         char = text[i]
-        if char == "{" and text.startswith("{{", i):
+        if char == "\\" and text[i + 1 : i + 2] in _ESCAPES:
+            literal.append(_ESCAPES[text[i + 1]])
+            i += 2
+        elif char == "{" and text.startswith("{{", i):
             literal.append("{")
             i += 2
         elif char == "}" and text.startswith("}}", i):

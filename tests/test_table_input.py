@@ -215,6 +215,9 @@ def test_template_syntax():
     template = parse("{{literal}} {a.b} and {c[0]}}}")
     assert template.columns == ["a.b", "c[0]"]
     assert template.render({"a.b": "{c[0]}", "c[0]": "x"}) == "{literal} {c[0]} and x}"
+    # the template's own \n, \t, \\ (as a shell passes them); other backslashes stay
+    escaped = parse(r"{a}\n{b}\t\\n \q")
+    assert escaped.render({"a": "A\\n", "b": "B"}) == "A\\n\nB\t\\n \\q"
     for bad, message in (("{open", "not closed"), ("a } b", "single '}'"), ("{}", "empty {}"),
                          ("no columns", "names no column")):  # fmt: skip
         with pytest.raises(UsageError, match=message):

@@ -43,7 +43,7 @@ from batchgen.cli._common import (
     "--template",
     default=None,
     help='Table input: the prompt made from columns, e.g. "Summarise: {title}\\n{body}" '
-    "({{ and }} for literal braces; values are inserted as they are).",
+    "(\\n: a newline; {{ and }}: literal braces; values are inserted as they are).",
 )
 @click.option(
     "--id-column",
