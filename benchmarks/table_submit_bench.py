@@ -10,7 +10,9 @@ Writes a folder of Parquet files (``--files`` parts; an id, a title, a body of
 child process against a private redis-server (AOF everysec, as in production),
 and reports the child's peak RSS (the kernel's high-water mark of the largest
 process: submit or a validator) and the peak of the RSS summed over submit and
-its validator processes (sampled). Prints a table
+its validator processes (sampled), and the CPU seconds spent by submit, its
+validators and redis-server: a rate per CPU second that other load on the
+machine changes far less than the wall-clock rate. Prints a table
 and, last, one JSON object. Target (issue 14): >= 50k rows/s, peak RSS < 1 GiB.
 """
 
@@ -83,9 +85,9 @@ def _schema() -> pa.Schema:
 
 def submit_once(
     folder: Path, url: str, out: Path, keep: str | None
-) -> tuple[float, float, float, str]:
+) -> tuple[float, float, float, float, str]:
     """(wall seconds, peak RSS MiB of the submit process, peak RSS MiB summed over it and
-    its validator processes (sampled every 50 ms), its stdout)."""
+    its validator processes (sampled every 50 ms), their CPU seconds, its stdout)."""
     args = [sys.executable, "-m", "batchgen", "submit", str(folder), "--model", "bench",
             "--output", str(out), "--template", TEMPLATE, "--id-column", "doc_id",
             "--redis", url, "--json"]  # fmt: skip
@@ -107,8 +109,9 @@ def submit_once(
     stdout, stderr = proc.communicate()
     if proc.returncode != 0:
         raise SystemExit(f"submit failed: {stderr}")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return wall, peak, tree_peak / (1 << 20), stdout
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # submit and its validators
+    cpu = usage.ru_utime + usage.ru_stime
+    return wall, usage.ru_maxrss / 1024, tree_peak / (1 << 20), cpu, stdout
 
 
 def main() -> None:
@@ -123,10 +126,19 @@ def main() -> None:
         size = write_folder(root / "input", args.rows, args.files, args.body_chars)
         server = RedisServer(root / "redis")
         server.start()
+        redis_cpu_s = 0.0
         try:
-            wall, rss, tree, stdout = submit_once(
+            redis_cpu = psutil.Process(server.process.pid).cpu_times() if server.process else None
+            wall, rss, tree, cpu, stdout = submit_once(
                 root / "input", server.url, root / "out", args.keep
             )
+            if server.process:
+                after = psutil.Process(server.process.pid).cpu_times()
+                redis_cpu_s = (
+                    after.user
+                    + after.system
+                    - (redis_cpu.user + redis_cpu.system if redis_cpu else 0)
+                )
         finally:
             server.kill()
     result = json.loads(stdout)
@@ -135,7 +147,9 @@ def main() -> None:
         "rows": args.rows, "input_mb": round(size / 1e6, 1), "files": args.files,
         "keep_columns": args.keep, "wall_s": round(wall, 2),
         "rows_per_s": round(args.rows / wall), "peak_rss_mib": round(rss, 1),
-        "peak_rss_tree_mib": round(tree, 1), "cpus": os.cpu_count(),
+        "peak_rss_tree_mib": round(tree, 1), "submit_cpu_s": round(cpu, 2),
+        "redis_cpu_s": round(redis_cpu_s, 2),
+        "rows_per_cpu_s": round(args.rows / (cpu + redis_cpu_s)), "cpus": os.cpu_count(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }  # fmt: skip
     for name, value in report.items():
