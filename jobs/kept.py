@@ -19,6 +19,7 @@ import bisect
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.jobs.errors import UsageError
@@ -109,6 +110,20 @@ class Snapshot:
         size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
         self.bytes_per_row = size // max(meta.num_rows, 1)
         self.schema = self.file.schema_arrow
+
+    def window_rows(self, window_bytes: int, max_rows: int) -> int:
+        """The most indices a window may span so that its kept rows fit the budget too."""
+        return max(1, min(max_rows, window_bytes // max(self.bytes_per_row, 1)))
+
+    def join(self, table: pa.Table, lo: int, hi: int) -> pa.Table:
+        """``table`` (rows of indices in [lo, hi), sorted; some may be missing, as in a
+        partial download) with the kept columns of its rows appended."""
+        kept = self.read(lo, hi)
+        if table.num_rows != hi - lo:
+            kept = kept.take(pc.subtract(table.column("index"), lo))
+        for column, values in zip(self.schema, kept.columns):
+            table = table.append_column(column, values)
+        return table
 
     def read(self, lo: int, hi: int) -> pa.Table:
         """Rows lo..hi-1 (the indices of a finalize window)."""

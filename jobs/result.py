@@ -166,13 +166,12 @@ def write_result(
     schema, max_rows = SCHEMA, WINDOW_ROWS
     if kept is not None:  # its rows count against the window's memory too
         schema = pa.schema([*SCHEMA, *kept.schema])
-        max_rows = max(1, min(WINDOW_ROWS, window_bytes // max(kept.bytes_per_row, 1)))
+        max_rows = kept.window_rows(window_bytes, WINDOW_ROWS)
     with out.writing(RESULT) as sink, pq.ParquetWriter(sink, schema, compression="zstd") as writer:
         for lo, hi in plan_windows(parts, record.total, window_bytes, max_rows):
             table, filled = _fill(read_window(out, parts, lo, hi, errors), lo, hi, cancelled)
             if kept is not None:
-                for column, values in zip(kept.schema, kept.read(lo, hi).columns):
-                    table = table.append_column(column, values)
+                table = kept.join(table, lo, hi)
             counts.filled += filled
             counts.rows += table.num_rows
             for item in pc.value_counts(table.column("finish_reason")).to_pylist():

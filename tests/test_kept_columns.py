@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.jobs.errors import OutputError
-from batchgen.jobs.kept import KEPT, SnapshotWriter, publish
+from batchgen.jobs.kept import KEPT, Snapshot, SnapshotWriter, publish
 from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.records import JobRecord
 from batchgen.jobs.result import PartRecord, write_result
@@ -109,6 +109,9 @@ def test_join_is_windowed_across_row_groups_and_finalizing_twice_is_the_same(tmp
     assert got.column("w").to_pylist() == [f"w{i}" for i in range(n)]
     assert got.column("text").to_pylist() == [f"g{i}" for i in range(n)]
     assert got.schema.field("k").type == pa.int32()
+    # a partial download's window lacks rows: the kept rows are those of its indices
+    sparse = Snapshot(out).join(to_table([rows[1], rows[4], rows[8]]), 0, 10)
+    assert sparse.column("k").to_pylist() == [1, 4, 8]
     # without its snapshot, finalize fails naming it: never a result without the columns
     (tmp_path / "out" / KEPT).unlink()
     with pytest.raises(OutputError, match=f"cannot read .*{KEPT}"):
