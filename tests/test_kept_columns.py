@@ -116,3 +116,21 @@ def test_join_is_windowed_across_row_groups_and_finalizing_twice_is_the_same(tmp
     (tmp_path / "out" / KEPT).unlink()
     with pytest.raises(OutputError, match=f"cannot read .*{KEPT}"):
         write_result(out, record, parts, {})
+
+
+def test_run_takes_a_csv_with_a_template_and_kept_columns(model, env, tmp_path):
+    (tmp_path / "q.csv").write_text("topic,n_words,tag\ncats,3,a\ndogs,5,\n")
+    out = batchgen(env, "run", str(tmp_path / "q.csv"), "--model", str(model), "-o",
+                   str(tmp_path / "run.parquet"), "--device", "cpu", "--max-tokens", "2",
+                   "--template", r"Write {n_words} words on {topic}\n", "--keep-columns",
+                   "topic,tag", "--job-output", str(tmp_path / "run-job"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = pq.read_table(tmp_path / "run.parquet")
+    assert rows.schema.names[-2:] == ["topic", "tag"]
+    assert rows.column("topic").to_pylist() == ["cats", "dogs"]
+    assert rows.column("tag").to_pylist() == ["a", ""]  # pyarrow reads an empty field as ""
+    assert rows.column("completion_tokens").to_pylist() == [2, 2]
+    bad = batchgen(env, "run", str(tmp_path / "q.csv"), "--model", str(model), "-o",
+                   str(tmp_path / "x.parquet"), "--template", "{topic}", "--keep-columns", "a,")  # fmt: skip
+    assert (bad.returncode, bad.stderr.count("\n")) == (2, 1), bad.stderr
+    assert "--keep-columns 'a,': an empty column name" in bad.stderr

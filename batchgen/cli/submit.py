@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -12,7 +12,11 @@ from batchgen.cli._common import (
     handles_errors,
     redis_option,
     sampling_options,
+    table_options,
 )
+
+if TYPE_CHECKING:
+    from batchgen.jobs.tables import TableSpec
 
 
 @click.command("submit")
@@ -27,37 +31,7 @@ from batchgen.cli._common import (
     "required with a shared Redis.",
 )
 @sampling_options
-@click.option(
-    "--prompt-column",
-    metavar="COL",
-    default=None,
-    help="Table input: the column holding each row's prompt.",
-)
-@click.option(
-    "--messages-column",
-    metavar="COL",
-    default=None,
-    help="Table input: the column holding each row's chat, a list of {role, content}.",
-)
-@click.option(
-    "--template",
-    default=None,
-    help='Table input: the prompt made from columns, e.g. "Summarise: {title}\\n{body}" '
-    "(\\n: a newline; {{ and }}: literal braces; values are inserted as they are).",
-)
-@click.option(
-    "--id-column",
-    metavar="COL",
-    default=None,
-    help="Table input: the column holding each row's id (default: the row number).",
-)
-@click.option(
-    "--keep-columns",
-    metavar="A,B|all",
-    default=None,
-    help="Table input: columns to put in result.parquet beside the generation "
-    "columns, with their types ('all': every column).",
-)
+@table_options
 @click.option("--job-id", default=None, help="Name the job; re-submitting it never enqueues twice.")
 @click.option("--skip-invalid", is_flag=True, help="Queue the valid lines; report the others.")
 @click.option(
@@ -75,11 +49,7 @@ def submit(
     model: str,
     output: str | None,
     defaults: dict[str, Any],
-    prompt_column: str | None,
-    messages_column: str | None,
-    template: str | None,
-    id_column: str | None,
-    keep_columns: str | None,
+    table: TableSpec,
     job_id: str | None,
     skip_invalid: bool,
     retention: str | None,
@@ -106,10 +76,7 @@ def submit(
     from batchgen.jobs.names import check_job_id, job_output_dir
     from batchgen.jobs.submit import new_job_id
     from batchgen.jobs.submit import submit as run_submit
-    from batchgen.jobs.tables import TableSpec
 
-    table = TableSpec(prompt_column, messages_column, template, id_column,
-                      _keep_columns(keep_columns))  # fmt: skip
     job_id = check_job_id(job_id) if job_id else new_job_id()
     retention_s = keep.parse(retention) if retention else keep.default()
     conn, keys, target = connect(redis_url)
@@ -132,16 +99,3 @@ def submit(
         }))  # fmt: skip
     else:
         click.echo(result.job_id)
-
-
-def _keep_columns(value: str | None) -> tuple[str, ...]:
-    from batchgen.jobs.errors import UsageError
-
-    if value is None:
-        return ()
-    names = tuple(name.strip() for name in value.split(","))
-    if not all(names):
-        raise UsageError(f"--keep-columns {value!r}: an empty column name")
-    if "all" in names and len(names) > 1:
-        raise UsageError("--keep-columns: 'all' keeps every column; give it alone")
-    return names
