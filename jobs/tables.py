@@ -66,7 +66,12 @@ def open_dataset(found: Input) -> ds.Dataset:
     try:
         return ds.dataset(found.files, filesystem=found.fs, format=fmt)
     except (OSError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-        raise UsageError(f"cannot read the input as {found.format}: {exc}") from exc
+        raise UsageError(f"cannot read the input as {found.format}: {_one_line(exc)}") from exc
+
+
+def _one_line(exc: Exception) -> str:
+    """pyarrow's message on one line (the CLI prints errors as one)."""
+    return " ".join(str(exc).split())
 
 
 @dataclass(slots=True)
@@ -179,7 +184,7 @@ def _ranges(dataset: ds.Dataset, fmt: str, procs: int | None) -> list[_Range]:
                 groups.append((number, g, meta.row_group(g).num_rows))
                 size += meta.row_group(g).total_byte_size
     except (OSError, pa.ArrowInvalid) as exc:
-        raise UsageError(f"cannot read the input as parquet: {exc}") from exc
+        raise UsageError(f"cannot read the input as parquet: {_one_line(exc)}") from exc
     procs = min(procs or procs_for(size), len(groups))
     if procs <= 1:
         return [(0, None)]
@@ -247,7 +252,7 @@ def _batches(
             part = fragments[number].subset(row_group_ids=groups)
             yield from part.to_batches(schema=dataset.schema, **options)
     except (OSError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-        raise UsageError(f"cannot read the input as {fmt}: {exc}") from exc
+        raise UsageError(f"cannot read the input as {fmt}: {_one_line(exc)}") from exc
 
 
 def _entries(

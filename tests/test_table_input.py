@@ -257,7 +257,12 @@ def test_cli_format_errors(redis_url, tmp_path):
     pq.write_table(docs(), mixed / "a.parquet")
     pacsv.write_csv(docs(), mixed / "b.csv")
     (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    (tmp_path / "bad.csv").write_text("title,body\n1,2\n3\n")
     cases = [
+        (tmp_path / "bad.parquet", ["--prompt-column", "title"], "cannot read the input as "
+                                                                  "parquet: "),
+        (tmp_path / "bad.csv", ["--prompt-column", "title"], "Expected 2 columns, got 1"),
         (tmp_path / "p.txt", [], "cannot tell the format of"),
         (mixed, ["--prompt-column", "title"], "must hold Parquet files or CSV files only, not "
                                               "csv and parquet"),
