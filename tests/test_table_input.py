@@ -161,7 +161,7 @@ def test_s3_parquet_folder_and_file(redis_url, tmp_path, s3_endpoint, monkeypatc
     for name, rows in (("part-1.parquet", ["s3 b"]), ("part-0.parquet", ["s3 a"])):
         with fs.open_output_stream(f"batchgen-test/tables/{name}") as out:
             pq.write_table(pa.table({"text": rows}), out)
-    uri = f"s3://batchgen-test/tables?endpoint_override={s3_endpoint}&scheme=http"
+    uri = f"s3://batchgen-test/tables/?endpoint_override={s3_endpoint}&scheme=http"
     run(rconn(redis_url), uri, tmp_path, table=TableSpec(prompt_column="text"))
     assert [e["p"] for e in entries(rconn(redis_url))] == ["s3 a", "s3 b"]
     # a single object, the endpoint from AWS_ENDPOINT_URL
