@@ -5,7 +5,7 @@ finalize lease), its entries in the model's stream (queued or held by a
 worker: acked and deleted; a worker holding one finds it gone and drops it),
 its place in the queue's sets and the job index, and its finalize task (rq's
 keys and registries). Outputs: the files batchgen wrote in the job's output
-directory (result, manifest, marker, ``parts/JOB/``), and the directory if
+directory (result, manifest, marker, kept columns, ``parts/JOB/``), and the directory if
 nothing else is left in it.
 
 A job that still runs (or is being finalized) is refused unless ``force``:
@@ -27,6 +27,7 @@ from rq.serializers import JSONSerializer
 
 from batchgen.jobs.cancel import cancel
 from batchgen.jobs.errors import JobConflict
+from batchgen.jobs.kept import KEPT
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys, text
 from batchgen.jobs.lease import Lease, LeaseHeld
 from batchgen.jobs.ownership import MARKER
@@ -106,7 +107,7 @@ def _delete_outputs(record: JobRecord) -> int:
     """The files batchgen wrote for the job; the directory too if it is left empty."""
     out = OutputDir.open(record.output)
     removed = out.delete_temp_files()
-    for name in (RESULT, MANIFEST, MARKER):
+    for name in (RESULT, MANIFEST, KEPT, MARKER):
         if out.exists(name):
             out.delete_file(name)
             removed += 1

@@ -2,7 +2,8 @@
 
 Only files the manifest lists are served, each a plain name inside the job's
 output directory. ``partial`` writes the rows committed so far (in input order,
-without filling the missing ones) from a snapshot of the committed parts.
+without filling the missing ones) from a snapshot of the committed parts, with
+the job's kept columns (kept.py) as the final file has them.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import os
 import uuid
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import redis
 
 from batchgen.jobs.errors import JobNotReady, OutputError
+from batchgen.jobs.kept import Snapshot
 from batchgen.jobs.keys import Keys
 from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.names import check_file_name
@@ -24,6 +27,7 @@ from batchgen.jobs.result import (
     MANIFEST,
     RESULT,
     WINDOW_BYTES,
+    WINDOW_ROWS,
     committed_parts,
     error_rows,
     plan_windows,
@@ -64,12 +68,17 @@ def download(
     qk = queue_of_job(conn, keys, job_id)
     parts, errors = committed_parts(conn, qk, job_id), error_rows(conn, qk, job_id)
     rows = 0
+    kept = Snapshot(out) if record.kept_columns else None
+    schema = pa.schema([*SCHEMA, *kept.schema]) if kept is not None else SCHEMA
+    max_rows = kept.window_rows(WINDOW_BYTES, WINDOW_ROWS) if kept is not None else WINDOW_ROWS
     with (
         _atomic_local(target) as tmp,
-        pq.ParquetWriter(tmp, SCHEMA, compression="zstd") as writer,
+        pq.ParquetWriter(tmp, schema, compression="zstd") as writer,
     ):
-        for lo, hi in plan_windows(parts, record.total, WINDOW_BYTES):
+        for lo, hi in plan_windows(parts, record.total, WINDOW_BYTES, max_rows):
             table = read_window(out, parts, lo, hi, errors)
+            if kept is not None:
+                table = kept.join(table, lo, hi)
             rows += table.num_rows
             writer.write_table(table)
     return target, rows

@@ -55,7 +55,10 @@ _C_ENCODER = c_make_encoder and c_make_encoder(
 )
 
 
-class _FieldError(Exception):
+class FieldError(Exception):
+    """What is wrong with a request's field; ``path`` leads to it (keys and list
+    positions), which a line turns into a column and a table row into a column name."""
+
     def __init__(self, path: tuple[str | int, ...], message: str, at_key: bool = False) -> None:
         super().__init__(message)
         self.path = path
@@ -80,11 +83,11 @@ def parse_line(
         return LineError(number, exc.column, exc.message)
     try:
         if not isinstance(value, dict):
-            raise _FieldError((), "a line must be a JSON object")
+            raise FieldError((), "a line must be a JSON object")
         is_openai = bool(OPENAI_FIELDS & value.keys())
         kind = _openai if is_openai else _native
         entry = kind(value, defaults, len(text), vocab_size)
-    except _FieldError as exc:
+    except FieldError as exc:
         column = jsonpos.value_position(text, exc.path, key=exc.at_key)
         return LineError(number, column, exc.message)
     del text  # encoding holds up to three copies of the prompt; the text need not be a fourth
@@ -100,6 +103,14 @@ def _encode(entry: dict[str, Any]) -> str:
     return "".join(_C_ENCODER(entry, 0)) if _C_ENCODER else _ENCODER.encode(entry)
 
 
+def native_entry(
+    value: dict[str, Any], defaults: dict[str, Any], vocab_size: int | None = None
+) -> bytes:
+    """The queue entry for a native request given as values (a table row's), with
+    the checks a native line gets; FieldError, whose path names the field."""
+    return _encode(_native(value, defaults, 0, vocab_size)).encode("utf-8")
+
+
 def _native(
     value: dict[str, Any], defaults: dict[str, Any], line_chars: int, vocab_size: int | None
 ) -> dict[str, Any]:
@@ -111,7 +122,7 @@ def _native(
         entry["id"] = _row_id(value["id"], ("id",))
     has_prompt, has_messages = "prompt" in value, "messages" in value
     if has_prompt == has_messages:
-        raise _FieldError((), 'give exactly one of "prompt" or "messages"')
+        raise FieldError((), 'give exactly one of "prompt" or "messages"')
     if has_prompt:
         entry["p"] = _prompt(value["prompt"], ("prompt",))
     else:
@@ -129,17 +140,17 @@ def _native_embedding(value: dict[str, Any], line_chars: int) -> dict[str, Any]:
     """``{"input", "task": "embed", "dimensions"?, "id"?, "metadata"?}``."""
     _reject_unknown(value, EMBED_FIELDS, ())
     if value.get("task") != "embed":
-        raise _FieldError(
+        raise FieldError(
             ("task",) if "task" in value else (), 'an "input" line needs "task": "embed"'
         )
     if "input" not in value:
-        raise _FieldError((), '"task": "embed" needs "input"')
+        raise FieldError((), '"task": "embed" needs "input"')
     try:
         entry: dict[str, Any] = {"e": embedding_input(value["input"])}
         if "dimensions" in value:
             entry["dim"] = embedding_dimensions(value["dimensions"])
     except EmbeddingError as exc:
-        raise _FieldError((exc.field,), exc.message) from None
+        raise FieldError((exc.field,), exc.message) from None
     if "id" in value:
         entry["id"] = _row_id(value["id"], ("id",))
     if "metadata" in value:
@@ -153,29 +164,29 @@ def _openai(
     _reject_unknown(value, OPENAI_FIELDS, ())
     for name in ("custom_id", "method", "url", "body"):
         if name not in value:
-            raise _FieldError((), f'OpenAI batch line without "{name}"')
+            raise FieldError((), f'OpenAI batch line without "{name}"')
     entry: dict[str, Any] = {"id": _row_id(value["custom_id"], ("custom_id",), text_only=True)}
     if value["method"] != "POST":
         shown = json.dumps(value["method"])[:60]  # a method name, unless hostile
-        raise _FieldError(("method",), f'method must be "POST", got {shown}')
+        raise FieldError(("method",), f'method must be "POST", got {shown}')
     kind = URLS.get(value["url"]) if isinstance(value["url"], str) else None
     if kind is None:
-        raise _FieldError(("url",), f"url must be one of {', '.join(URLS)}")
+        raise FieldError(("url",), f"url must be one of {', '.join(URLS)}")
     body = value["body"]
     if not isinstance(body, dict):
-        raise _FieldError(("body",), "body must be an object")
+        raise FieldError(("body",), "body must be an object")
     if kind == "input":
         _reject_unknown(body, EMBEDDING_BODY_FIELDS, ("body",))
         try:
             return {**entry, **embedding_body(body)}
         except EmbeddingError as exc:
-            raise _FieldError(("body", exc.field), exc.message) from None
+            raise FieldError(("body", exc.field), exc.message) from None
     _reject_unknown(body, BODY_FIELDS, ("body",))
     other = "prompt" if kind == "messages" else "messages"
     if other in body:
-        raise _FieldError(("body", other), f"{value['url']} takes body.{kind}, not body.{other}")
+        raise FieldError(("body", other), f"{value['url']} takes body.{kind}, not body.{other}")
     if kind not in body:
-        raise _FieldError(("body",), f"{value['url']} needs body.{kind}")
+        raise FieldError(("body",), f"{value['url']} needs body.{kind}")
     if kind == "prompt":
         entry["p"] = _prompt(body["prompt"], ("body", "prompt"))
     else:
@@ -183,7 +194,7 @@ def _openai(
     try:
         params = body_params(body, chat=kind == "messages")
     except BodyError as exc:
-        raise _FieldError(("body", exc.field), exc.message, exc.at_key) from None
+        raise FieldError(("body", exc.field), exc.message, exc.at_key) from None
     paths: dict[str, tuple[str, ...]] = {
         name: ("body", key) for key, name in PARAMS.items() if key in body
     }
@@ -204,7 +215,7 @@ def _reject_unknown(value: dict[str, Any], allowed: frozenset[str], at: tuple[st
             close = difflib.get_close_matches(key, sorted(allowed), n=1) if len(key) < 64 else []
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             where = strictjson.clip(".".join((*at, key)))
-            raise _FieldError((*at, key), f"unknown field {where}{hint}", at_key=True)
+            raise FieldError((*at, key), f"unknown field {where}{hint}", at_key=True)
 
 
 def _row_id(value: Any, path: tuple[str, ...], text_only: bool = False) -> str:
@@ -212,50 +223,50 @@ def _row_id(value: Any, path: tuple[str, ...], text_only: bool = False) -> str:
         return str(value)
     if not isinstance(value, str) or not value:
         kind = "a non-empty string" if text_only else "a non-empty string or an integer"
-        raise _FieldError(path, f"{path[-1]} must be {kind}")
+        raise FieldError(path, f"{path[-1]} must be {kind}")
     if len(value) > MAX_ID_CHARS:
-        raise _FieldError(path, f"{path[-1]} is longer than {MAX_ID_CHARS} characters")
+        raise FieldError(path, f"{path[-1]} is longer than {MAX_ID_CHARS} characters")
     return value
 
 
 def _prompt(value: Any, path: tuple[str, ...]) -> str:
     if isinstance(value, list):
-        raise _FieldError(path, "prompt must be one string (one prompt per line)")
+        raise FieldError(path, "prompt must be one string (one prompt per line)")
     if not isinstance(value, str):
-        raise _FieldError(path, "prompt must be a string")
+        raise FieldError(path, "prompt must be a string")
     if not value:
-        raise _FieldError(path, "prompt is empty")
+        raise FieldError(path, "prompt is empty")
     return value
 
 
 def _messages(value: Any, path: tuple[str, ...]) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
-        raise _FieldError(path, "messages must be a non-empty list of {role, content} objects")
+        raise FieldError(path, "messages must be a non-empty list of {role, content} objects")
     if len(value) > MAX_MESSAGES:
-        raise _FieldError(path, f"more than {MAX_MESSAGES} messages")
+        raise FieldError(path, f"more than {MAX_MESSAGES} messages")
     out = []
     for i, message in enumerate(value):
         at: tuple[str | int, ...] = (*path, i)
         if not isinstance(message, dict):
-            raise _FieldError(at, "each message must be an object with role and content")
+            raise FieldError(at, "each message must be an object with role and content")
         for key in message:
             if key not in ("role", "content", "name"):
-                raise _FieldError(
+                raise FieldError(
                     (*at, key), f"unknown message field {strictjson.clip(key)}", at_key=True
                 )
         role = message.get("role")
         if role not in ROLES:
-            raise _FieldError((*at, "role"), f"role must be one of {', '.join(ROLES)}")
+            raise FieldError((*at, "role"), f"role must be one of {', '.join(ROLES)}")
         if "content" not in message:
-            raise _FieldError(at, "message without content")
+            raise FieldError(at, "message without content")
         normalized = {"role": role, "content": _content(message["content"], (*at, "content"))}
         if "name" in message:
             if not isinstance(message["name"], str):
-                raise _FieldError((*at, "name"), "name must be a string")
+                raise FieldError((*at, "name"), "name must be a string")
             normalized["name"] = message["name"]
         out.append(normalized)
     if not any(m["content"] for m in out):
-        raise _FieldError(path, "every message is empty")
+        raise FieldError(path, "every message is empty")
     return out
 
 
@@ -266,12 +277,12 @@ def _content(value: Any, path: tuple[str | int, ...]) -> str:
         texts = []
         for i, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise _FieldError((*path, i), 'only {"type": "text"} content parts are supported')
+                raise FieldError((*path, i), 'only {"type": "text"} content parts are supported')
             if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
-                raise _FieldError((*path, i), 'a text part is {"type": "text", "text": "..."}')
+                raise FieldError((*path, i), 'a text part is {"type": "text", "text": "..."}')
             texts.append(part["text"])
         return "".join(texts)
-    raise _FieldError(path, "content must be a string or a list of text parts")
+    raise FieldError(path, "content must be a string or a list of text parts")
 
 
 def _params(
@@ -287,20 +298,20 @@ def _params(
         try:
             merged[name] = CHECKS[name](name, value)  # params.check, one call less a field
         except ParamError as exc:
-            raise _FieldError(paths.get(name, (*at, name)), str(exc)) from None
+            raise FieldError(paths.get(name, (*at, name)), str(exc)) from None
     bias = merged.get("logit_bias")
     if bias and vocab_size is not None:
         outside = [token for token in bias if int(token) >= vocab_size]
         if outside:
             path = paths.get("logit_bias", (*at, "logit_bias"))
-            raise _FieldError(path, f"logit_bias token id {outside[0]} is outside the model's "
+            raise FieldError(path, f"logit_bias token id {outside[0]} is outside the model's "
                               f"vocabulary [0, {vocab_size})")  # fmt: skip
     if merged.get("structured_output"):
         try:
             check_together(merged)
         except ParamError as exc:
             path = paths.get("structured_output", (*at, "structured_output"))
-            raise _FieldError(path if "structured_output" in given else at, str(exc)) from None
+            raise FieldError(path if "structured_output" in given else at, str(exc)) from None
     return merged
 
 
@@ -313,20 +324,20 @@ def _response_format(
         return
     path = (*at, "response_format")
     if "structured_output" in value:
-        raise _FieldError(path, "give response_format or structured_output, not both")
+        raise FieldError(path, "give response_format or structured_output, not both")
     try:
         given["structured_output"] = from_response_format(value["response_format"])
     except ParamError as exc:
-        raise _FieldError(path, str(exc)) from None
+        raise FieldError(path, str(exc)) from None
     paths["structured_output"] = path
 
 
 def _metadata(value: Any, path: tuple[str, ...], line_chars: int) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise _FieldError(path, "metadata must be an object")
+        raise FieldError(path, "metadata must be an object")
     if line_chars * 4 < MAX_METADATA_BYTES:
         return value  # re-serialized, it cannot outgrow this short a line much
     size = len(_ENCODER.encode(value).encode("utf-8", "surrogatepass"))
     if size > MAX_METADATA_BYTES:
-        raise _FieldError(path, f"metadata is {size:,} bytes; at most {MAX_METADATA_BYTES:,}")
+        raise FieldError(path, f"metadata is {size:,} bytes; at most {MAX_METADATA_BYTES:,}")
     return value

@@ -24,6 +24,22 @@ class LineError:
         return f"line {self.line}, column {self.column}: {self.message}"
 
 
+@dataclass(slots=True)
+class RowError:
+    """A table row's error (tables.py): its 0-based row and the column at fault."""
+
+    row: int
+    column: str | None  # None: the row as a whole (a template's prompt)
+    message: str
+
+    def __str__(self) -> str:
+        where = f", column {self.column}" if self.column is not None else ""
+        return f"row {self.row}{where}: {self.message}"
+
+
+InputError = LineError | RowError
+
+
 def read_lines(
     stream: BinaryIO,
     max_line_bytes: int = MAX_LINE_BYTES,

@@ -42,6 +42,8 @@ _STR_FIELDS = (
     "refused",
     "last_id",
     "cache",
+    "input_format",
+    "table",
 )
 
 
@@ -81,6 +83,9 @@ class JobRecord:
     retried: int = 0  # rows re-queued by `batchgen retry`, all rounds together (retry.py)
     retry_rounds: int = 0  # retries that re-opened the job
     retry_cursor: int = 0  # the input index the current retry enqueues from next
+    input_format: str = ""  # "jsonl", "parquet" or "csv" (sources.py); "" before tables
+    table: str = ""  # a table input's flags, TableSpec.to_json (tables.py); "" for JSONL
+    kept_columns: list[str] = field(default_factory=list)  # input columns in the result (kept.py)
 
     @property
     def retry_incomplete(self) -> bool:
@@ -101,6 +106,7 @@ class JobRecord:
         out["state"] = self.state.value
         out["defaults"] = json.dumps(self.defaults, sort_keys=True)
         out["closed"] = "1" if self.closed else "0"
+        out["kept_columns"] = json.dumps(self.kept_columns)
         if self.model_fingerprint:  # else left for the first worker to set (HSETNX)
             out["model_fingerprint"] = self.model_fingerprint
         return out
@@ -117,6 +123,7 @@ class JobRecord:
             setattr(record, name, data.get(name, ""))
         record.defaults = json.loads(data.get("defaults") or "{}")
         record.closed = data.get("closed") == "1"
+        record.kept_columns = json.loads(data.get("kept_columns") or "[]")
         record.model_fingerprint = data.get("model_fingerprint", "")
         return record
 
@@ -129,6 +136,8 @@ class JobRecord:
             "defaults": self.defaults,
             "source": self.source,
             "source_sha256": self.source_sha256,
+            "input_format": self.input_format or "jsonl",
+            "kept_columns": self.kept_columns,
             "output": self.output,
         }
 

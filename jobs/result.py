@@ -3,7 +3,8 @@
 Only committed parts are read, minus the indices each part's commit record
 says it lost, plus the dead-letter error rows; an index without a row is
 filled (``cancelled`` for a cancelled job, else a ``lost`` error row). Rows are
-read in index windows so memory stays bounded for huge jobs.
+read in index windows so memory stays bounded for huge jobs. A job's kept input
+columns (kept.py) are joined on, window by window, after the generation columns.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pyarrow.parquet as pq
 import redis
 
 import batchgen
+from batchgen.jobs.kept import Snapshot
 from batchgen.jobs.keys import QueueKeys, text, text_hash
 from batchgen.jobs.lifecycle import JobState
 from batchgen.jobs.records import JobRecord
@@ -160,9 +162,16 @@ def write_result(
     """Stream the result into ``out``: window by window (``plan_windows``), never whole."""
     cancelled = record.state == JobState.CANCELLING
     counts = Counts()
-    with out.writing(RESULT) as sink, pq.ParquetWriter(sink, SCHEMA, compression="zstd") as writer:
-        for lo, hi in plan_windows(parts, record.total, window_bytes):
+    kept = Snapshot(out) if record.kept_columns else None
+    schema, max_rows = SCHEMA, WINDOW_ROWS
+    if kept is not None:  # its rows count against the window's memory too
+        schema = pa.schema([*SCHEMA, *kept.schema])
+        max_rows = kept.window_rows(window_bytes, WINDOW_ROWS)
+    with out.writing(RESULT) as sink, pq.ParquetWriter(sink, schema, compression="zstd") as writer:
+        for lo, hi in plan_windows(parts, record.total, window_bytes, max_rows):
             table, filled = _fill(read_window(out, parts, lo, hi, errors), lo, hi, cancelled)
+            if kept is not None:
+                table = kept.join(table, lo, hi)
             counts.filled += filled
             counts.rows += table.num_rows
             for item in pc.value_counts(table.column("finish_reason")).to_pylist():
@@ -197,5 +206,5 @@ def manifest(record: JobRecord, counts: Counts, finished_at: float) -> dict[str,
             "finished_at": finished_at,
             "wall_s": round(finished_at - record.created_at, 3),
         },
-        "columns": SCHEMA.names,
+        "columns": [*SCHEMA.names, *record.kept_columns],
     }

@@ -52,15 +52,16 @@ from batchgen.jobs.finalize import FinalizeSettings, finalize
 from batchgen.jobs.keys import Keys, QueueKeys, text
 from batchgen.jobs.lease import Lease, LeaseHeld
 from batchgen.jobs.lifecycle import script
+from batchgen.jobs.lines import MAX_LINE_BYTES
 from batchgen.jobs.modelinfo import vocab_size
 from batchgen.jobs.params import ParamError, job_defaults
 from batchgen.jobs.records import JobRecord, load_job, queue_of_job
 from batchgen.jobs.rows import FinishReason
 from batchgen.jobs.sentinel import replicated
-from batchgen.jobs.sources import local_copy
 from batchgen.jobs.storage import OutputDir
-from batchgen.jobs.submit import CHUNK_BYTES, CHUNK_ENTRIES
-from batchgen.jobs.validate import SpoolDir, Validation, validate_file
+from batchgen.jobs.submit import CHUNK_BYTES, CHUNK_ENTRIES, validate_input
+from batchgen.jobs.tables import TableSpec
+from batchgen.jobs.validate import SpoolDir, Validation
 
 ERRORS = frozenset({FinishReason.ERROR.value})
 ALL_FAILED = frozenset({FinishReason.ERROR.value, FinishReason.CANCELLED.value})
@@ -234,17 +235,19 @@ def _requests(record: JobRecord, input_path: str | None, spool: Path) -> Validat
     """The job's requests, validated again as submit did; refused unless they are the same."""
     path = input_path or record.source
     hint = "" if input_path else "; if it moved, pass a copy with --input PATH"
-    try:
-        local = local_copy(path, spool)
-    except UsageError as exc:
-        raise UsageError(f"the job's input cannot be read: {exc}{hint}") from None
     # The record keeps the defaults with sorted keys; an entry lists them in the order
     # submit had them, which job_defaults gives (every caller of submit builds them so).
     try:
         defaults = job_defaults(record.defaults)
     except ParamError as exc:  # a record written by another version, say
         raise JobConflict(f"job {record.id!r} has defaults this version refuses: {exc}") from None
-    checked = validate_file(local, defaults, spool, vocab_size=vocab_size(record.model))
+    try:  # read as submit read it: the same format, and a table's same flags
+        checked, _, _ = validate_input(
+            path, record.input_format or None, TableSpec.from_json(record.table), defaults,
+            spool, MAX_LINE_BYTES, vocab_size(record.model),
+        )  # fmt: skip
+    except UsageError as exc:
+        raise UsageError(f"the job's input cannot be read: {exc}{hint}") from None
     if checked.sha256 != record.source_sha256 or checked.total != record.total:
         raise JobConflict(
             f"{path} does not hold job {record.id!r}'s requests any more ({checked.total} valid "

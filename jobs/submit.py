@@ -1,7 +1,7 @@
-"""submit: validate the whole file, create the job, append its requests to the stream.
+"""submit: validate the whole input, create the job, append its requests to the stream.
 
-Pass 1 (validate.py) parses and validates every line into spool files of
-ready entries, in parallel for big files (nothing touches Redis before the
+Pass 1 (validate.py for JSONL, tables.py for Parquet and CSV) makes every line
+or row into spool files of ready entries, in parallel for big files (nothing touches Redis before the
 whole file is known good, unless ``skip_invalid``). Pass 2 appends the spool in chunks, each chunk one Lua call
 that XADDs its entries and advances the job's ``enqueued`` counter atomically,
 and only if ``enqueued`` still equals the chunk's start. So:
@@ -28,24 +28,27 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis
 
-from batchgen.jobs import retention
+from batchgen.jobs import kept, retention
 from batchgen.jobs.connection import describe_connection_error, is_oom, queue_full
-from batchgen.jobs.errors import InvalidInput, JobConflict, RedisUnavailable
-from batchgen.jobs.inputs import MAX_LINE_BYTES, LineError
+from batchgen.jobs.errors import InvalidInput, JobConflict, RedisUnavailable, UsageError
+from batchgen.jobs.inputs import MAX_LINE_BYTES
 from batchgen.jobs.keys import GROUP, Keys, QueueKeys, queue_name, queue_tag, text
 from batchgen.jobs.lifecycle import CREATE, JobState, script
+from batchgen.jobs.lines import InputError, LineError
 from batchgen.jobs.modelinfo import fingerprint, vocab_size
 from batchgen.jobs.names import check_job_id
 from batchgen.jobs.ownership import claim, new_token
 from batchgen.jobs.records import JobRecord
 from batchgen.jobs.sentinel import replicated
-from batchgen.jobs.sources import local_copy
+from batchgen.jobs.sources import local_copy, locate
 from batchgen.jobs.storage import OutputDir
-from batchgen.jobs.validate import SpoolDir, validate_file
+from batchgen.jobs.tables import TableSpec, validate_table
+from batchgen.jobs.validate import SpoolDir, Validation, validate_file
 
 CHUNK_ENTRIES = 2000
 CHUNK_BYTES = 4 << 20
@@ -80,9 +83,10 @@ class SubmitResult:
     job_id: str
     total: int
     skipped: int
-    errors: list[LineError]  # the first invalid lines (skip_invalid)
+    errors: list[InputError]  # the first invalid lines or rows (skip_invalid)
     enqueued_now: int  # entries this call appended
     resumed: bool  # the job existed (an interrupted or repeated submit)
+    unit: str = "line"  # what the input holds: lines (JSONL) or rows (a table)
 
 
 def new_job_id() -> str:
@@ -113,23 +117,29 @@ def submit(
     wait_s: float = 0.0,
     retention_s: int | None = None,
     cache: str = "",
+    table: TableSpec | None = None,
+    input_format: str | None = None,
 ) -> SubmitResult:
+    """``table``: how a Parquet or CSV input's rows become requests (tables.py);
+    ``input_format``: "jsonl", "parquet" or "csv" when the name does not say."""
     job_id = check_job_id(job_id) if job_id else new_job_id()
     with SpoolDir() as spool_dir:
-        local = local_copy(source_path, spool_dir)
-        checked = validate_file(local, defaults, spool_dir, max_line_bytes,
-                                vocab_size=vocab_size(model))  # fmt: skip
+        checked, kept_names, fmt = validate_input(
+            source_path, input_format, table, defaults, spool_dir, max_line_bytes,
+            vocab_size(model),
+        )  # fmt: skip
+        unit = "line" if fmt == "jsonl" else "row"
         if checked.error_count and not skip_invalid:
             shown = "\n  ".join(str(e) for e in checked.errors)
             more = checked.error_count - len(checked.errors)
             raise InvalidInput(
-                f"{source_path}: {checked.error_count} invalid line(s); nothing was enqueued. "
-                f"Fix them, or pass --skip-invalid to submit only the valid lines.\n  {shown}"
+                f"{source_path}: {checked.error_count} invalid {unit}(s); nothing was enqueued. "
+                f"Fix them, or pass --skip-invalid to submit only the valid {unit}s.\n  {shown}"
                 + (f"\n  ... and {more} more" if more else ""),
-                checked.errors,
+                [e for e in checked.errors if isinstance(e, LineError)],
             )
         if checked.total == 0:
-            raise InvalidInput(f"{source_path}: no valid lines; nothing was enqueued")
+            raise InvalidInput(f"{source_path}: no valid {unit}s; nothing was enqueued")
         name = queue_name(model)
         qk = keys.queue(queue_tag(name))
         record = JobRecord(
@@ -147,8 +157,13 @@ def submit(
             retention_s=retention.default() if retention_s is None else retention_s,
             model_fingerprint=fingerprint(model),  # "" for an HF id: the first worker sets it
             cache=cache,
+            input_format=fmt,
+            kept_columns=kept_names,
+            table=table.to_json() if table else "",
         )
         resumed, start = _create(conn, keys, qk, record)
+        if kept_names:  # before any entry: finalize needs it once they all ran
+            kept.publish(spool_dir, OutputDir.open(record.output))
         position = start
         while True:
             try:
@@ -170,8 +185,28 @@ def submit(
         replicated(conn)  # through Sentinel: every chunk on a replica before we say so
         appended = position - start
     return SubmitResult(
-        job_id, checked.total, checked.error_count, checked.errors, appended, resumed
+        job_id, checked.total, checked.error_count, checked.errors, appended, resumed, unit
     )
+
+
+def validate_input(
+    source: str, input_format: str | None, table: TableSpec | None, defaults: dict[str, Any],
+    spool_dir: Path, max_line_bytes: int, vocab: int | None,
+) -> tuple[Validation[Any], list[str], str]:  # fmt: skip
+    """Pass 1 for either kind of input, submit's and retry's: (validation, kept
+    columns, format)."""
+    found = locate(source, input_format)
+    if found.format == "jsonl":
+        if table is not None and table.given:
+            raise UsageError(
+                "--prompt-column, --messages-column, --template, --id-column and "
+                "--keep-columns read a Parquet or CSV input; a JSONL line names its own fields"
+            )
+        local = local_copy(source, found, spool_dir)
+        lines = validate_file(local, defaults, spool_dir, max_line_bytes, vocab_size=vocab)
+        return lines, [], found.format
+    rows, kept_names = validate_table(found, table or TableSpec(), defaults, spool_dir, vocab)
+    return rows, kept_names, found.format
 
 
 def _enqueued_after_outage(

@@ -31,10 +31,10 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from batchgen.jobs.inputs import parse_line
-from batchgen.jobs.lines import MAX_LINE_BYTES, LineError, read_lines
+from batchgen.jobs.lines import MAX_LINE_BYTES, InputError, LineError, read_lines
 
 SHOWN_ERRORS = 20
 PARALLEL_MIN_BYTES = 32 << 20  # below this, one process is quicker than starting more
@@ -46,11 +46,14 @@ _big_line_gate: Any = None
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
+E = TypeVar("E", bound=InputError)
+
+
 @dataclass(slots=True)
-class Validation:
+class Validation(Generic[E]):
     total: int = 0  # valid lines
     error_count: int = 0
-    errors: list[LineError] = field(default_factory=list)  # the first SHOWN_ERRORS
+    errors: list[E] = field(default_factory=list)  # the first SHOWN_ERRORS
     sha256: str = ""  # of the spooled entries, in order: the job's fingerprint
     spools: list[Path] = field(default_factory=list)  # entry files, in input order
 
@@ -134,7 +137,7 @@ def procs_for(size: int) -> int:
 def validate_file(
     path: str, defaults: dict[str, Any], spool_dir: Path, max_line_bytes: int = MAX_LINE_BYTES,
     procs: int | None = None, vocab_size: int | None = None,
-) -> Validation:  # fmt: skip
+) -> Validation[LineError]:  # fmt: skip
     """Validate ``path`` into spool files under ``spool_dir`` (the caller removes it);
     ``vocab_size``: the model's, when submit can read it (``parse_line``)."""
     procs = procs or procs_for(os.path.getsize(path))
@@ -155,7 +158,7 @@ def validate_file(
                 results = list(pool.map(_validate_range, *zip(*jobs)))
         finally:
             gc.unfreeze()
-    result = Validation(spools=spools)
+    result = Validation[LineError](spools=spools)
     digest = hashlib.sha256()
     for (total, error_count, errors), spool in zip(results, spools):
         result.total += total

@@ -457,3 +457,24 @@ def test_only_a_finished_job_can_be_reopened(src: JobState, world: World) -> Non
     else:
         with pytest.raises(redis.ResponseError, match=f"cannot be reopened from {src.value}"):
             REOPEN_TEST(conn, job="t:job")
+
+
+def test_a_table_job_is_read_again_with_its_own_flags(world: World) -> None:
+    """A Parquet job (template, id column, kept column) cancelled before it ran: the retry
+    reads the table again with the flags the job recorded and queues the very requests."""
+    path = world.tmp / "docs.parquet"
+    pq.write_table(pa.table({"doc": ["d0", "d1", "d2"], "title": ["a", "b", "c"],
+                             "max_tokens": [3, None, 5]}), path)  # fmt: skip
+    flags = ["--template", "Title: {title}\\nEnd", "--id-column", "doc", "--keep-columns", "doc"]
+    out = world.cli("submit", str(path), "--model", "table-model", "--job-id", "tbl",
+                    "--output", str(world.output("tbl")), *flags)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert world.record("tbl").table  # the flags, kept for the retry
+    stream = KEYS.queue_for_model("table-model").stream
+    submitted = [(f[b"i"], f[b"r"]) for _, f in world.conn.xrange(stream)]
+    assert json.loads(submitted[0][1])["p"] == "Title: a\nEnd"
+    assert world.cli("cancel", "tbl").returncode == 0
+    assert world.cli("finalize", "tbl").returncode == 0
+    out = world.retry("tbl", "--all-failed")
+    assert out.stdout == "tbl: retry 1: queued 3 row(s) again; the job is running\n", out.stderr
+    assert [(f[b"i"], f[b"r"]) for _, f in world.conn.xrange(stream)] == submitted

@@ -84,6 +84,55 @@ def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def table_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """How a Parquet or CSV input's rows become requests; the command receives them as
+    one ``table`` (``jobs.tables.TableSpec``)."""
+    options = [
+        click.option("--prompt-column", metavar="COL", default=None,
+                     help="Table input: the column holding each row's prompt."),
+        click.option("--messages-column", metavar="COL", default=None,
+                     help="Table input: the column holding each row's chat, a list of "
+                     "{role, content}."),
+        click.option("--template", default=None,
+                     help='Table input: the prompt made from columns, e.g. "Summarise: '
+                     '{title}\\n{body}" (\\n: a newline; {{ and }}: literal braces; values '
+                     "are inserted as they are)."),
+        click.option("--id-column", metavar="COL", default=None,
+                     help="Table input: the column holding each row's id (default: the row "
+                     "number)."),
+        click.option("--keep-columns", metavar="A,B|all", default=None,
+                     help="Table input: columns to put in result.parquet after the "
+                     "generation columns, with their types ('all': every column)."),
+    ]  # fmt: skip
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from batchgen.jobs.tables import TableSpec
+
+        names = ("prompt_column", "messages_column", "template", "id_column")
+        flags = {name: kwargs.pop(name) for name in names}
+        with user_errors():
+            keep = _keep_columns(kwargs.pop("keep_columns"))
+        return func(*args, table=TableSpec(**flags, keep_columns=keep), **kwargs)
+
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
+def _keep_columns(value: str | None) -> tuple[str, ...]:
+    from batchgen.jobs.errors import UsageError
+
+    if value is None:
+        return ()
+    names = tuple(name.strip() for name in value.split(","))
+    if not all(names):
+        raise UsageError(f"--keep-columns {value!r}: an empty column name")
+    if "all" in names and len(names) > 1:
+        raise UsageError("--keep-columns: 'all' keeps every column; give it alone")
+    return names
+
+
 def job_defaults(flags: dict[str, Any]) -> dict[str, Any]:
     from batchgen.jobs.params import ParamError, check_together, job_defaults
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -14,11 +14,15 @@ from batchgen.cli._common import (
     progress_bar,
     redis_option,
     sampling_options,
+    table_options,
 )
+
+if TYPE_CHECKING:
+    from batchgen.jobs.tables import TableSpec
 
 
 @click.command("run")
-@click.argument("prompts", type=click.Path(dir_okay=False))
+@click.argument("prompts")
 @click.option("--model", required=True, help="Model path (HF checkpoint directory).")
 @click.option("-o", "--output", "dest", required=True, help="Parquet file to write.")
 @click.option(
@@ -30,6 +34,7 @@ from batchgen.cli._common import (
     "other workers may take the job's requests.",
 )
 @sampling_options
+@table_options
 @click.option("--device", default=None, help="cpu, cuda, ... (default: the engine's choice).")
 @click.option("--max-num-seqs", type=int, default=256, show_default=True)
 @click.option("--num-kv-blocks", type=int, default=None)
@@ -39,10 +44,11 @@ from batchgen.cli._common import (
 @handles_errors
 def run(
     prompts: str, model: str, dest: str, job_output: str | None, defaults: dict[str, Any],
-    device: str | None, max_num_seqs: int, num_kv_blocks: int | None, job_id: str | None,
+    table: TableSpec, device: str | None, max_num_seqs: int, num_kv_blocks: int | None, job_id: str | None,
     skip_invalid: bool, redis_url: str | None,
 ) -> None:  # fmt: skip
-    """Generate for every line of PROMPTS and write OUTPUT, all in this process.
+    """Generate for every line (or table row) of PROMPTS and write OUTPUT, all in this
+    process. PROMPTS is what submit takes: JSONL, Parquet, CSV or a folder of them.
 
     Uses the embedded Redis (or --redis) exactly like submit + worker +
     download would, so the rows are the same; a progress bar shows on stderr.
@@ -68,7 +74,7 @@ def run(
     result = submit(
         conn, keys, source_path=prompts, model=model,
         output=job_output_dir(job_output, job_id, target.embedded), defaults=defaults,
-        job_id=job_id, skip_invalid=skip_invalid,
+        job_id=job_id, skip_invalid=skip_invalid, table=table,
     )  # fmt: skip
     for error in result.errors:
         click.echo(f"skipped {error}", err=True)

@@ -1,9 +1,9 @@
-"""``batchgen submit``: validate a JSONL file of prompts and queue it as a job."""
+"""``batchgen submit``: validate a JSONL file or a table of prompts and queue it as a job."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -12,7 +12,11 @@ from batchgen.cli._common import (
     handles_errors,
     redis_option,
     sampling_options,
+    table_options,
 )
+
+if TYPE_CHECKING:
+    from batchgen.jobs.tables import TableSpec
 
 
 @click.command("submit")
@@ -27,6 +31,7 @@ from batchgen.cli._common import (
     "required with a shared Redis.",
 )
 @sampling_options
+@table_options
 @click.option("--job-id", default=None, help="Name the job; re-submitting it never enqueues twice.")
 @click.option("--skip-invalid", is_flag=True, help="Queue the valid lines; report the others.")
 @click.option(
@@ -52,6 +57,7 @@ def submit(
     model: str,
     output: str | None,
     defaults: dict[str, Any],
+    table: TableSpec,
     job_id: str | None,
     skip_invalid: bool,
     retention: str | None,
@@ -59,14 +65,20 @@ def submit(
     as_json: bool,
     redis_url: str | None,
 ) -> None:
-    """Validate PROMPTS (JSONL: a local path, or a URI such as s3://bucket/p.jsonl, with
-    credentials from the AWS_* environment) and queue one request per line; print the job id.
+    """Validate PROMPTS and queue one request per line or row; print the job id.
 
-    Every line is checked before anything is queued; an invalid line stops the
-    submit with its line and column, unless --skip-invalid. Lines are native
-    ({"prompt" | "messages", "id", sampling fields, "metadata"}) or OpenAI batch
-    ({"custom_id", "method", "url", "body"}). Flags set job defaults; a line's own
-    fields override them. Unknown fields are errors (except body.model/body.user).
+    PROMPTS is a local path or a URI such as s3://bucket/p.jsonl (credentials from the
+    AWS_* environment): JSONL (.jsonl, .jsonl.gz, .jsonl.zst), Parquet (.parquet), CSV
+    (.csv), or a folder of Parquet or CSV files.
+
+    Every line or row is checked before anything is queued; an invalid one stops the
+    submit with its line and column (a table: its row and column), unless
+    --skip-invalid. Lines are native ({"prompt" | "messages", "id", sampling fields,
+    "metadata"}) or OpenAI batch ({"custom_id", "method", "url", "body"}); unknown
+    fields are errors (except body.model/body.user). A table's prompt comes from
+    --prompt-column, --messages-column or --template, and its columns named as
+    sampling fields (max_tokens, temperature, seed, ...) set them per row. Flags set
+    job defaults; a line's or row's own fields override them.
     """
     from batchgen.jobs import cache
     from batchgen.jobs import retention as keep
@@ -84,9 +96,10 @@ def submit(
         conn, keys, source_path=prompts, model=model, output=out_uri, defaults=defaults,
         job_id=job_id, skip_invalid=skip_invalid, wait_s=wait_from_env(), retention_s=retention_s,
         cache=cache_uri,
+        table=table,
     )  # fmt: skip
     if result.skipped:
-        click.echo(f"skipped {result.skipped} invalid line(s):", err=True)
+        click.echo(f"skipped {result.skipped} invalid {result.unit}(s):", err=True)
         for error in result.errors:
             click.echo(f"  {error}", err=True)
         if result.skipped > len(result.errors):

@@ -198,7 +198,8 @@ class Batches:
             output = job_output(self.config.output_root, record.id)
             try:
                 result = submit(self.conn, self.keys, source_path=path, model=checked.model,
-                                output=output, defaults=job_defaults({}), job_id=record.id)  # fmt: skip
+                                output=output, defaults=job_defaults({}), job_id=record.id,
+                                input_format="jsonl")  # fmt: skip
             except InvalidInput as exc:
                 data = [_error("invalid_request", e.message, None, e.line)
                         for e in exc.line_errors] or [_error("invalid_request", str(exc))]  # fmt: skip

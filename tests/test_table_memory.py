@@ -1,0 +1,95 @@
+"""A big table is submitted in bounded memory: the real ``batchgen submit`` on a
+generated 2M-row Parquet folder, its peak RSS measured from outside."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import redis
+
+from batchgen.jobs.kept import KEPT
+from batchgen.jobs.keys import Keys, queue_tag
+from tests.test_submit_memory import WATCH
+
+MiB = 1 << 20
+ROWS = 2_000_000
+
+
+def write_folder(folder: Path) -> None:
+    """4 files of 500k rows in row groups of 100k: an id, a title, a ~60-character body."""
+    folder.mkdir()
+    body = pa.scalar("lorem ipsum dolor sit amet " * 2)
+    for f in range(4):
+        with pq.ParquetWriter(folder / f"part-{f}.parquet", _schema()) as writer:
+            for lo in range(f * 500_000, (f + 1) * 500_000, 100_000):
+                n = pa.array(range(lo, lo + 100_000), pa.int64())
+                text = pc.cast(n, pa.string())
+                writer.write_table(pa.table({
+                    "doc_id": pc.binary_join_element_wise("doc-", text, ""),
+                    "title": pc.binary_join_element_wise("title ", text, ""),
+                    "body": pc.binary_join_element_wise(text, body, " "),
+                    "seq": n,
+                }, schema=_schema()))  # fmt: skip
+
+
+def _schema() -> pa.Schema:
+    return pa.schema([("doc_id", pa.string()), ("title", pa.string()), ("body", pa.string()),
+                      ("seq", pa.int64())])  # fmt: skip
+
+
+def tree_rss_peak(proc: subprocess.Popen) -> int:
+    """The peak of the RSS summed over ``proc`` and its children, sampled until it ends
+    (shared pages count once per process: an upper bound of what they hold)."""
+    root, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        total = 0
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for process in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    total += process.memory_info().rss
+        peak = max(peak, total)
+        time.sleep(0.05)
+    return peak
+
+
+def submit_command(redis_url: str, out: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "batchgen", "submit", str(out.parent / "in"), "--model", "m",
+            "--output", str(out), "--redis", redis_url, "--json", *flags]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_2m_row_parquet_folder_is_submitted_in_bounded_memory(redis_url, tmp_path):
+    write_folder(tmp_path / "in")
+    env = {**os.environ, "BATCHGEN_SUBMIT_PROCS": "2"}
+    command = submit_command(redis_url, tmp_path / "out", "--template",
+                             "Summarise: {title}\n{body}", "--id-column", "doc_id",
+                             "--keep-columns", "seq,body")  # fmt: skip
+    # the kernel's high-water mark of the biggest process (submit or a validator), and
+    # the sampled peak of them all together
+    proc = subprocess.Popen([sys.executable, "-c", WATCH, str(tmp_path / "w.json"), *command],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    total = tree_rss_peak(proc)
+    stdout, stderr = proc.communicate(timeout=900)
+    watched = json.loads((tmp_path / "w.json").read_text())
+    assert (watched["rc"], stderr) == (0, "")
+    assert json.loads(stdout)["total"] == ROWS
+    assert watched["peak"] < 512 * MiB, f"peak RSS {watched['peak'] / MiB:.0f} MiB"
+    assert total < 1024 * MiB, f"peak RSS of the process tree {total / MiB:.0f} MiB"
+    conn: Any = redis.Redis.from_url(redis_url)
+    stream = Keys("bg").queue(queue_tag("m")).stream
+    [(_, last)] = conn.xrevrange(stream, count=1)
+    assert json.loads(last[b"r"])["id"] == f"doc-{ROWS - 1}"
+    assert pq.read_metadata(tmp_path / "out" / KEPT).num_rows == ROWS
+    conn.flushall()  # two million entries: not for the next test's redis-server
