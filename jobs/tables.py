@@ -20,13 +20,8 @@ snapshot's row k is the output's ``index`` k.
 from __future__ import annotations
 
 import dataclasses
-import gc
-import hashlib
 import json
-import multiprocessing
-import os
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +35,7 @@ from batchgen.jobs.inputs import FieldError, native_entry
 from batchgen.jobs.lines import RowError
 from batchgen.jobs.params import CHECKS
 from batchgen.jobs.sources import Input
-from batchgen.jobs.validate import SHOWN_ERRORS, Validation, procs_for
+from batchgen.jobs.validate import SHOWN_ERRORS, Validation, gather, procs_for, run_ranges
 
 BATCH_ROWS = 16_384
 BATCH_READAHEAD = 2  # batches decoded ahead of the one being validated
@@ -149,25 +144,9 @@ def validate_table(
     parts = [spool_dir / f"kept-{i:04d}.parquet" for i in range(len(ranges))]
     jobs = [(found, plan, spec.template, defaults, vocab_size, str(spool), str(part), first, pieces)
             for (first, pieces), spool, part in zip(ranges, spools, parts)]  # fmt: skip
-    if len(jobs) == 1:
-        results = [_validate_range(*jobs[0])]
-    else:
-        context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-        gc.freeze()  # forked validators' collections then leave the parent's pages shared
-        try:
-            with ProcessPoolExecutor(len(jobs), mp_context=context) as pool:
-                results = list(pool.map(_validate_range, *zip(*jobs)))
-        finally:
-            gc.unfreeze()
+    results = run_ranges(_validate_range, jobs)
     result = Validation[RowError](spools=spools)
-    digest = hashlib.sha256()
-    for (total, error_count, errors), spool in zip(results, spools):
-        result.total += total
-        result.error_count += error_count
-        result.errors += errors[: SHOWN_ERRORS - len(result.errors)]
-        with open(spool, "rb") as f:
-            while block := f.read(1 << 20):
-                digest.update(block)
+    digest = gather(result, results)
     # which columns are kept is part of what the job is (their values: the snapshot's)
     digest.update(json.dumps(plan.kept_names).encode())
     result.sha256 = digest.hexdigest()

@@ -27,7 +27,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +47,7 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 E = TypeVar("E", bound=InputError)
+RangeResult = tuple[int, int, list[E]]  # (valid, invalid, first errors) of one range
 
 
 @dataclass(slots=True)
@@ -145,30 +146,46 @@ def validate_file(
     spools = [spool_dir / f"entries-{i:04d}" for i in range(len(ranges))]
     jobs = [(path, s, e, n, defaults, max_line_bytes, str(spool), vocab_size)
             for (s, e, n), spool in zip(ranges, spools)]  # fmt: skip
-    if len(jobs) <= 1:
-        results = [_validate_range(*job) for job in jobs]
-    else:
-        context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-        gate = context.Lock()
-        gc.freeze()  # forked validators' collections then leave the parent's pages shared
-        try:
-            with ProcessPoolExecutor(
-                len(jobs), mp_context=context, initializer=_start_validator, initargs=(gate,)
-            ) as pool:
-                results = list(pool.map(_validate_range, *zip(*jobs)))
-        finally:
-            gc.unfreeze()
+    results = run_ranges(_validate_range, jobs, big_line_gate=True)
     result = Validation[LineError](spools=spools)
+    result.sha256 = gather(result, results).hexdigest()
+    return result
+
+
+def run_ranges(
+    validate: Callable[..., RangeResult[E]],
+    jobs: list[tuple[Any, ...]],
+    big_line_gate: bool = False,
+) -> list[RangeResult[E]]:
+    """``validate(*job)`` for each range, in this process for one, else in a pool of
+    forked processes (one per range); with ``big_line_gate``, they share the gate that
+    parses big lines one at a time."""
+    if len(jobs) <= 1:
+        return [validate(*job) for job in jobs]
+    context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+    gate = context.Lock() if big_line_gate else None
+    gc.freeze()  # forked validators' collections then leave the parent's pages shared
+    try:
+        with ProcessPoolExecutor(
+            len(jobs), mp_context=context, initializer=_start_validator, initargs=(gate,)
+        ) as pool:
+            return list(pool.map(validate, *zip(*jobs)))
+    finally:
+        gc.unfreeze()
+
+
+def gather(result: Validation[E], results: list[RangeResult[E]]) -> hashlib._Hash:
+    """Add the ranges' counts and first errors to ``result`` (whose ``spools`` are the
+    ranges' entry files, in order); the sha256 of the entries so far, to finish."""
     digest = hashlib.sha256()
-    for (total, error_count, errors), spool in zip(results, spools):
+    for (total, error_count, errors), spool in zip(results, result.spools):
         result.total += total
         result.error_count += error_count
         result.errors += errors[: SHOWN_ERRORS - len(result.errors)]
         with open(spool, "rb") as f:
             while block := f.read(1 << 20):
                 digest.update(block)
-    result.sha256 = digest.hexdigest()
-    return result
+    return digest
 
 
 class SpoolDir:
