@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from batchgen.jobs.errors import OutputError
 from batchgen.jobs.result import RESULT
-from batchgen.jobs.rows import SCHEMA, FinishReason
+from batchgen.jobs.rows import ADDED_LATER, SCHEMA, FinishReason, default_column
 from batchgen.jobs.storage import OutputDir
 
 PART_ROWS = 1 << 16  # rows in one carried part (finalize's windows stay bounded)
@@ -75,8 +75,11 @@ def carry_over(
     carried = Carried()
     pending: list[pa.Table] = []
     held = 0
-    for batch in _batches(out, SCHEMA.names):
-        table = pa.Table.from_batches([batch]).cast(SCHEMA)
+    for batch in _batches(out, SCHEMA.names, ADDED_LATER):
+        table = pa.Table.from_batches([batch])
+        for name in set(SCHEMA.names) - set(table.column_names):  # a result written before
+            table = table.append_column(name, default_column(name, len(table)))
+        table = table.select(SCHEMA.names).cast(SCHEMA)
         index = table.column("index").to_numpy()
         kept = table.filter(pa.array(~retried[index]))
         if kept.num_rows:
@@ -109,17 +112,22 @@ def _write_part(out: OutputDir, job_id: str, round_: int, table: pa.Table, c: Ca
         c.tokens[column] += int(pc.sum(table.column(column)).as_py() or 0)
 
 
-def _batches(out: OutputDir, columns: list[str]) -> Iterator[pa.RecordBatch]:
+def _batches(
+    out: OutputDir, columns: list[str], optional: frozenset[str] = frozenset()
+) -> Iterator[pa.RecordBatch]:
+    """The result's ``columns`` in batches; of ``optional`` ones, those it has."""
     try:
         with out.open_input(RESULT) as src:
             result = pq.ParquetFile(src)
-            missing = [c for c in columns if c not in result.schema_arrow.names]
+            names = result.schema_arrow.names
+            missing = [c for c in columns if c not in names and c not in optional]
             if missing:  # pyarrow would leave them out silently
                 raise OutputError(
                     f"{out.uri}/{RESULT} has no column {', '.join(missing)} (written by another "
                     "batchgen version?); nothing was retried"
                 )
-            yield from result.iter_batches(batch_size=_BATCH_ROWS, columns=columns)
+            present = [c for c in columns if c in names]
+            yield from result.iter_batches(batch_size=_BATCH_ROWS, columns=present)
     except (OSError, pa.ArrowInvalid) as exc:
         raise OutputError(f"cannot read the job's {RESULT} in {out.uri}: {exc}") from exc
 

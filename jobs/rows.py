@@ -120,6 +120,20 @@ def to_table(rows: Sequence[Row]) -> pa.Table:
     return pa.Table.from_pydict(columns, schema=SCHEMA)
 
 
+# Columns later versions added: a file written before one of them means its default
+# (no constraint, no logprobs, one sample, no embedding, not cached: null, cached false).
+ADDED_LATER = frozenset({"structured", "logprobs", "choices", "embedding", "cached",
+                         "cache_source"})  # fmt: skip
+
+
+def default_column(name: str, length: int) -> pa.Array:
+    """An ``ADDED_LATER`` column for ``length`` rows written before it existed."""
+    field = SCHEMA.field(name)
+    if name == "cached":
+        return pa.array([False] * length, field.type)
+    return pa.nulls(length, field.type)
+
+
 def conform(table: pa.Table) -> pa.Table:
     """A part read with ``schema=SCHEMA``: one written before the ``cached`` column existed
     has it null, which a non-null column cannot be written with; such rows were generated."""

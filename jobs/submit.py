@@ -23,6 +23,7 @@ and only if ``enqueued`` still equals the chunk's start. So:
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections import deque
@@ -149,7 +150,7 @@ def submit(
             tag=qk.tag,
             output=output,
             defaults=defaults,
-            source=source_path,
+            source=source_path if "://" in source_path else os.path.abspath(source_path),
             source_sha256=checked.sha256,
             total=checked.total,
             skipped=checked.error_count,

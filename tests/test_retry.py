@@ -35,7 +35,7 @@ from batchgen.jobs.keys import Keys, QueueKeys
 from batchgen.jobs.lifecycle import REOPEN, JobState, script
 from batchgen.jobs.records import JobRecord, load_job, queue_of_job
 from batchgen.jobs.redis_server import RedisServer
-from batchgen.jobs.rows import SCHEMA, FinishReason, Row, to_table
+from batchgen.jobs.rows import ADDED_LATER, SCHEMA, FinishReason, Row, to_table
 from batchgen.jobs.storage import OutputDir
 from batchgen.jobs.submit import CHUNK_ENTRIES
 from tests.chaos.harness import wait_until
@@ -438,6 +438,14 @@ def test_kept_rows_are_written_back_in_bounded_parts(tmp_path: Path) -> None:
     pq.write_table(table.drop_columns(["worker"]), tmp_path / "result.parquet")
     with pytest.raises(OutputError, match=r"result\.parquet has no column worker"):
         carry_over(out, "j", 2, errors)
+    # a result written before the later columns existed: they read as their defaults
+    older = table.drop_columns(sorted(ADDED_LATER))
+    pq.write_table(older, tmp_path / "result.parquet")
+    again = carry_over(out, "j", 3, errors, part_rows=8)
+    ((name, _),) = again.parts
+    read = pq.read_table(tmp_path / name, schema=SCHEMA)
+    assert read.equals(table.take(pa.array([0, 2, 3, 4, 6])))
+    assert read.column("cached").to_pylist() == [False] * 5
 
 
 REOPEN_TEST = script(
@@ -478,3 +486,15 @@ def test_a_table_job_is_read_again_with_its_own_flags(world: World) -> None:
     out = world.retry("tbl", "--all-failed")
     assert out.stdout == "tbl: retry 1: queued 3 row(s) again; the job is running\n", out.stderr
     assert [(f[b"i"], f[b"r"]) for _, f in world.conn.xrange(stream)] == submitted
+
+
+def test_a_relative_input_path_is_recorded_absolute(world: World) -> None:
+    """So a retry run from another directory reads the very file the job was submitted from."""
+    (world.tmp / "rel.jsonl").write_text('{"prompt": "a"}\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "batchgen", "submit", "rel.jsonl", "--model", "rel-model",
+         "--job-id", "rel", "--output", str(world.output("rel"))],
+        env=world.env, cwd=world.tmp, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert world.record("rel").source == str(world.tmp / "rel.jsonl")
