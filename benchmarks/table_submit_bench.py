@@ -38,6 +38,21 @@ from batchgen.jobs.redis_server import RedisServer
 TEMPLATE = "Summarise: {title}\n{body}"
 
 
+def tree_rss_peak(proc: subprocess.Popen) -> int:
+    """The peak of the RSS summed over ``proc`` and its children, sampled until it ends
+    (shared pages count once per process: an upper bound of what they hold)."""
+    root, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        total = 0
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for process in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    total += process.memory_info().rss
+        peak = max(peak, total)
+        time.sleep(0.05)
+    return peak
+
+
 def write_folder(folder: Path, rows: int, files: int, body_chars: int) -> int:
     """The input; its size in bytes. Written a slice at a time (bounded memory here too)."""
     folder.mkdir(parents=True)
@@ -95,16 +110,7 @@ def submit_once(
         args += ["--keep-columns", keep]
     start = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    tree_peak = 0
-    root = psutil.Process(proc.pid)
-    while proc.poll() is None:
-        total = 0
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for process in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    total += process.memory_info().rss
-        tree_peak = max(tree_peak, total)
-        time.sleep(0.05)
+    tree_peak = tree_rss_peak(proc)
     wall = time.perf_counter() - start
     stdout, stderr = proc.communicate()
     if proc.returncode != 0:

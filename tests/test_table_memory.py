@@ -3,16 +3,13 @@ generated 2M-row Parquet folder, its peak RSS measured from outside."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -21,6 +18,7 @@ import redis
 
 from batchgen.jobs.kept import KEPT
 from batchgen.jobs.keys import Keys, queue_tag
+from benchmarks.table_submit_bench import tree_rss_peak
 from tests.test_submit_memory import WATCH
 
 MiB = 1 << 20
@@ -47,21 +45,6 @@ def write_folder(folder: Path) -> None:
 def _schema() -> pa.Schema:
     return pa.schema([("doc_id", pa.string()), ("title", pa.string()), ("body", pa.string()),
                       ("seq", pa.int64())])  # fmt: skip
-
-
-def tree_rss_peak(proc: subprocess.Popen) -> int:
-    """The peak of the RSS summed over ``proc`` and its children, sampled until it ends
-    (shared pages count once per process: an upper bound of what they hold)."""
-    root, peak = psutil.Process(proc.pid), 0
-    while proc.poll() is None:
-        total = 0
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for process in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    total += process.memory_info().rss
-        peak = max(peak, total)
-        time.sleep(0.05)
-    return peak
 
 
 def submit_command(redis_url: str, out: Path, *flags: str) -> list[str]:
