@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy
+	$(BIN)/python scripts/typecheck.py
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest

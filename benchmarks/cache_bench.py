@@ -34,15 +34,15 @@ sys.path.insert(0, str(REPO))
 import pyarrow.parquet as pq  # noqa: E402
 import redis  # noqa: E402
 
-from batchgen.jobs import tasks  # noqa: E402
-from batchgen.jobs.cache import ResultCache  # noqa: E402
-from batchgen.jobs.keys import Keys  # noqa: E402
-from batchgen.jobs.lifecycle import JobState  # noqa: E402
-from batchgen.jobs.params import DEFAULTS  # noqa: E402
-from batchgen.jobs.records import load_job  # noqa: E402
-from batchgen.jobs.redis_server import RedisServer  # noqa: E402
-from batchgen.jobs.submit import submit  # noqa: E402
-from batchgen.worker.config import EngineConfig  # noqa: E402
+from batchgen.jobs.ops import finalize_tasks as tasks  # noqa: E402
+from batchgen.jobs.ops.job_record import load_job  # noqa: E402
+from batchgen.jobs.ops.lifecycle import JobState  # noqa: E402
+from batchgen.jobs.ops.submission import submit  # noqa: E402
+from batchgen.jobs.redis.keys import Keys  # noqa: E402
+from batchgen.jobs.redis.redis_server import RedisServer  # noqa: E402
+from batchgen.jobs.schema.sampling import DEFAULTS  # noqa: E402
+from batchgen.jobs.storage.result_cache import ResultCache  # noqa: E402
+from batchgen.worker.engine_config import EngineConfig  # noqa: E402
 from batchgen.worker.loop import LoopConfig, QueueLoop  # noqa: E402
 from batchgen.worker.loop.engine_api import EngineAPI, load_engine  # noqa: E402
 

@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PARTS = {
-    "prepare": ("batchgen.worker.engine.runner", "ModelRunner", "prepare"),
+    "prepare": ("batchgen.worker.engine.model_runner", "ModelRunner", "prepare"),
     "forward": ("batchgen.worker.models.llama", "LlamaModel", "forward"),
-    "attention": ("batchgen.kernels.cpu_attention", "CpuAttention", "__call__"),
+    "attention": ("batchgen.kernels.cpu.attention", "CpuAttention", "__call__"),
     "logits": ("batchgen.worker.models.llama", "LlamaModel", "compute_logits"),
     "sampling": ("batchgen.worker.engine.sampler", "Sampler", "__call__"),
 }
@@ -59,7 +59,7 @@ def main() -> None:
     from torch.profiler import profile
 
     from batchgen.worker import Engine, SamplingParams
-    from batchgen.worker.engine.runner import ModelRunner
+    from batchgen.worker.engine.model_runner import ModelRunner
     from benchmarks.workloads import WORKLOADS
 
     engine = Engine.from_pretrained(args.model)

@@ -31,13 +31,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import redis
 
-from batchgen.jobs.kept import KEPT, Snapshot, SnapshotWriter, publish
-from batchgen.jobs.lifecycle import JobState
-from batchgen.jobs.records import JobRecord
-from batchgen.jobs.redis_server import RedisServer
-from batchgen.jobs.result import PartRecord, write_result
-from batchgen.jobs.rows import FinishReason, Row, to_table
-from batchgen.jobs.storage import OutputDir
+from batchgen.jobs.intake.kept import KEPT, Snapshot, SnapshotWriter, publish
+from batchgen.jobs.ops.job_record import JobRecord
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.ops.result import PartRecord, write_result
+from batchgen.jobs.redis.redis_server import RedisServer
+from batchgen.jobs.schema.rows import FinishReason, Row, to_table
+from batchgen.jobs.storage.output_store import OutputDir
 
 CHUNK = 2000
 

@@ -26,14 +26,14 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs import tasks
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.lifecycle import JobState
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.records import load_job
-from batchgen.jobs.redis_server import RedisServer
-from batchgen.jobs.submit import submit
-from batchgen.jobs.validate import SpoolDir, validate_file
+from batchgen.jobs.intake.validate import SpoolDir, validate_file
+from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.redis_server import RedisServer
+from batchgen.jobs.schema.sampling import DEFAULTS
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
 
 KEYS = Keys("bench")

@@ -32,12 +32,12 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.lifecycle import JobState
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.records import load_job
-from batchgen.jobs.redis_server import RedisServer
-from batchgen.jobs.submit import submit
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.redis_server import RedisServer
+from batchgen.jobs.schema.sampling import DEFAULTS
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
 from benchmarks.pipeline_bench import ZeroEngine, _params, write_prompts
 

@@ -32,8 +32,8 @@ from typing import Any
 import redis
 from openai import OpenAI
 
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.redis_server import RedisServer, free_port
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.redis_server import RedisServer, free_port
 from batchgen.toy import write_toy_checkpoint
 
 KEY = "bench-key"

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: its sibling modules are benchmarks.*
     sys.path.insert(0, str(REPO))
 
-from batchgen.jobs.redis_server import RedisServer  # noqa: E402
+from batchgen.jobs.redis.redis_server import RedisServer  # noqa: E402
 from benchmarks.soak_chaos import JOBS, Storm  # noqa: E402
 from benchmarks.soak_checks import check_world  # noqa: E402
 

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from batchgen.jobs.heartbeat import live_workers
-from batchgen.jobs.keys import Keys
+from batchgen.jobs.redis.heartbeat import live_workers
+from batchgen.jobs.redis.keys import Keys
 
 if TYPE_CHECKING:
-    from batchgen.jobs.redis_server import RedisServer
+    from batchgen.jobs.redis.redis_server import RedisServer
     from benchmarks.soak import SoakConfig, SoakResult
 
 KEYS = Keys("bg")

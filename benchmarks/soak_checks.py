@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
 
-from batchgen.jobs.keys import GROUP, QueueKeys
+from batchgen.jobs.redis.keys import GROUP, QueueKeys
 from benchmarks.soak_chaos import JOBS, CancelRecord
 
 if TYPE_CHECKING:

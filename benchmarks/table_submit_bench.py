@@ -33,7 +33,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.jobs.redis_server import RedisServer
+from batchgen.jobs.redis.redis_server import RedisServer
 
 TEMPLATE = "Summarise: {title}\n{body}"
 

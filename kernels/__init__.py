@@ -14,8 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels import cpu_attention, cpu_decode, cpu_elementwise, reference
+from batchgen.kernels import reference
 from batchgen.kernels.batch import AttentionBatch, StepAttention
+from batchgen.kernels.cpu import attention as cpu_attention
+from batchgen.kernels.cpu import decode as cpu_decode
+from batchgen.kernels.cpu import elementwise as cpu_elementwise
 from batchgen.kernels.reference import PAD_SLOT_ID
 
 

@@ -81,7 +81,7 @@ def main() -> None:
         "\n(random toy weights: the text is gibberish; point --model at a real checkpoint for real text)"
     )
 
-    from batchgen.jobs import embedded
+    from batchgen.jobs.redis import embedded
 
     embedded.stop(DEMO / "home")  # the demo's private embedded Redis
 

@@ -14,7 +14,7 @@ import pytest
 import redis
 import torch
 
-from batchgen.jobs.redis_server import RedisServer
+from batchgen.jobs.redis.redis_server import RedisServer
 
 # Without CUDA the Triton kernels run on the CPU through the interpreter;
 # triton.jit reads this when a kernel is defined, so it must precede every

@@ -42,11 +42,11 @@ def record(calls: Callable[[], None]) -> list[tuple[Any, tuple, dict]]:
 
     from triton.runtime.jit import JITFunction
 
-    from batchgen.kernels.triton import checks
+    from batchgen.kernels.triton import arg_checks
 
     launches: list[tuple[Any, tuple, dict]] = []
-    checks.INTERPRETED = True  # let CPU tensors past the device check: nothing runs
-    checks.dot_in_fp32 = lambda dtype: False  # the compiled path
+    arg_checks.INTERPRETED = True  # let CPU tensors past the device check: nothing runs
+    arg_checks.dot_in_fp32 = lambda dtype: False  # the compiled path
     for name in (
         "store_kv",
         "decode_attention",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.jobs.redis_server import free_port
+from batchgen.jobs.redis.redis_server import free_port
 
 MOTO = Path(sys.executable).parent / "moto_server"  # this environment's
 

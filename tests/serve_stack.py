@@ -15,8 +15,8 @@ from pathlib import Path
 
 import redis
 
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.redis_server import free_port
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.redis_server import free_port
 
 KEY = "sk-test-batchgen"
 

@@ -10,9 +10,9 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs import tasks
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.redis_server import free_port
+from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.redis_server import free_port
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
 from tests.engine_double import FakeEngine, RequestRejected, SamplingParams
 

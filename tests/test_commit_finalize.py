@@ -16,19 +16,19 @@ import pytest
 import redis
 from rq import Queue
 
-from batchgen.jobs import tasks
-from batchgen.jobs.commit import PartCommit, commit
-from batchgen.jobs.finalize import finalize
-from batchgen.jobs.keys import GROUP, Keys, QueueKeys
-from batchgen.jobs.lifecycle import JobState
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.queue import read_new
-from batchgen.jobs.records import load_job
-from batchgen.jobs.result import LOST
-from batchgen.jobs.rows import FinishReason, Row, to_table
-from batchgen.jobs.sink import PartSink
-from batchgen.jobs.storage import OutputDir
-from batchgen.jobs.submit import submit
+from batchgen.jobs.consumer.commit import PartCommit, commit
+from batchgen.jobs.consumer.queue import read_new
+from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.finalization import finalize
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.ops.result import LOST
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys
+from batchgen.jobs.schema.rows import FinishReason, Row, to_table
+from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.jobs.storage.output_store import OutputDir
 
 KEYS = Keys("bg")
 QK = KEYS.queue_for_model("m")
@@ -226,7 +226,7 @@ def test_a_planted_pickle_payload_is_never_unpickled(redis_url, tmp_path):
 
 
 def test_lost_entries_become_error_rows(redis_url, tmp_path):
-    from batchgen.jobs.maintenance import sweep
+    from batchgen.jobs.ops.maintenance import sweep
 
     conn = rconn(redis_url)
     out, qk = make_job(conn, tmp_path, 4)
@@ -248,7 +248,7 @@ def test_lost_entries_become_error_rows(redis_url, tmp_path):
 
 
 def test_sweep_leaves_jobs_with_live_entries_alone(redis_url, tmp_path):
-    from batchgen.jobs.maintenance import sweep
+    from batchgen.jobs.ops.maintenance import sweep
 
     conn = rconn(redis_url)
     make_job(conn, tmp_path, 2)
@@ -260,7 +260,7 @@ def test_sweep_leaves_jobs_with_live_entries_alone(redis_url, tmp_path):
 
 @pytest.mark.parametrize("state", ["queued", "running"])
 def test_cancel_fills_cancelled_rows_and_keeps_finished_ones(redis_url, tmp_path, state):
-    from batchgen.jobs.cancel import cancel
+    from batchgen.jobs.ops.cancellation import cancel
 
     conn = rconn(redis_url)
     out, qk = make_job(conn, tmp_path, 3)
@@ -280,8 +280,8 @@ def test_cancel_fills_cancelled_rows_and_keeps_finished_ones(redis_url, tmp_path
 
 
 def test_dead_consumers_with_nothing_pending_are_pruned(redis_url, tmp_path):
-    from batchgen.jobs import heartbeat
-    from batchgen.jobs.maintenance import prune_consumers
+    from batchgen.jobs.ops.maintenance import prune_consumers
+    from batchgen.jobs.redis import heartbeat
 
     conn = rconn(redis_url)
     _, qk = make_job(conn, tmp_path, 3)

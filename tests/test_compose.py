@@ -22,7 +22,7 @@ import redis
 import yaml
 
 from batchgen.cli import main
-from batchgen.jobs.redis_server import find_redis_server, free_port
+from batchgen.jobs.redis.redis_server import find_redis_server, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED = re.compile(r"\$\{REDIS_PASSWORD:\?[^}]+\}")  # compose refuses to start without it

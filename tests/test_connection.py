@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import redis
 
-from batchgen.jobs import embedded
-from batchgen.jobs.connection import connect, redact, resolve
-from batchgen.jobs.errors import RedisUnavailable, UnsafeRedis, UnsafeRedisURL
-from batchgen.jobs.redis_server import RedisServer, free_port
+from batchgen.jobs.redis import embedded
+from batchgen.jobs.redis.connection import connect, redact, resolve
+from batchgen.jobs.redis.redis_server import RedisServer, free_port
+from batchgen.jobs.schema.errors import RedisUnavailable, UnsafeRedis, UnsafeRedisURL
 
 
 def rconn(url: str, **kwargs: Any) -> Any:

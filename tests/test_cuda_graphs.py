@@ -10,7 +10,7 @@ import torch
 from batchgen.kernels import AttentionBatch
 from batchgen.worker import Engine, SamplingParams
 from batchgen.worker.engine.cuda_graphs import graph_batch_sizes
-from batchgen.worker.engine.runner import ModelRunner
+from batchgen.worker.engine.model_runner import ModelRunner
 
 
 def test_graph_batch_sizes():

@@ -12,15 +12,15 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs import tasks
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.maintenance import forget_expired
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.queue import dead_letter, read_new
-from batchgen.jobs.records import load_job
-from batchgen.jobs.rows import FinishReason, Row
-from batchgen.jobs.sink import PartSink
-from batchgen.jobs.submit import submit
+from batchgen.jobs.consumer.queue import dead_letter, read_new
+from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.maintenance import forget_expired
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema.rows import FinishReason, Row
+from batchgen.jobs.schema.sampling import DEFAULTS
 
 KEYS = Keys("bg")
 QK = KEYS.queue_for_model("m")

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import redis
 
-from batchgen.jobs import embedded
-from batchgen.jobs.redis_server import find_redis_server
+from batchgen.jobs.redis import embedded
+from batchgen.jobs.redis.redis_server import find_redis_server
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(

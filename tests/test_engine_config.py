@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from batchgen.jobs.errors import UsageError
-from batchgen.worker.config import EngineConfig, InvalidEngineConfig
-from batchgen.worker.loop.config import LoopConfig
+from batchgen.jobs.schema.errors import UsageError
+from batchgen.worker.engine_config import EngineConfig, InvalidEngineConfig
+from batchgen.worker.loop.loop_config import LoopConfig
 
 
 def test_from_pretrained_takes_the_config_fields_by_name(toy_model):
@@ -63,7 +63,7 @@ def test_the_loop_config_carries_the_engine_config_through_json():
 def test_the_engine_config_the_loop_and_the_worker_cli_import_without_torch():
     code = (
         "import sys\n"
-        "import batchgen.worker.config, batchgen.worker.loop, batchgen.worker.loop.supervisor\n"
+        "import batchgen.worker.engine_config, batchgen.worker.loop, batchgen.worker.loop.supervisor\n"
         "import batchgen.cli.worker, batchgen.cli.run\n"
         "print('torch' in sys.modules)\n"
     )

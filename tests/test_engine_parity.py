@@ -115,7 +115,7 @@ def test_greedy_generations_match_hf_generate(toy_model, arch):
 def test_without_a_c_compiler_the_engine_keeps_to_torch_and_matches_hf(
     toy_model, monkeypatch, tmp_path, caplog
 ):
-    from batchgen.kernels import cpu_native
+    from batchgen.kernels.cpu import native as cpu_native
 
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc or clang to be found

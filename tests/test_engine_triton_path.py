@@ -36,18 +36,18 @@ def test_triton_ops_forward_equals_the_cpu_path(toy_model, arch):
 
 
 def test_attention_arguments_are_checked_once_per_step_not_per_layer(toy_model, monkeypatch):
-    from batchgen.kernels.triton import checks
+    from batchgen.kernels.triton import arg_checks
 
     engine = Engine.from_pretrained(toy_model("llama"), num_kv_blocks=32, use_triton=True)
     assert len(engine.runner.kv_caches) == 4  # layers
     checked: list[int] = []  # the q rows of each check
-    check = checks.check_paged_attention
+    check = arg_checks.check_paged_attention
 
     def counting(q, *args, **kwargs):
         checked.append(q.shape[0])
         return check(q, *args, **kwargs)
 
-    monkeypatch.setattr(checks, "check_paged_attention", counting)
+    monkeypatch.setattr(arg_checks, "check_paged_attention", counting)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     engine.add_request("a", list(range(100, 105)), params)
     engine.step()  # a's prompt

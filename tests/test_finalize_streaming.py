@@ -12,15 +12,15 @@ from typing import Any
 import pyarrow.parquet as pq
 import redis
 
-from batchgen.jobs.download import download
-from batchgen.jobs.finalize import finalize
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.queue import read_new
-from batchgen.jobs.result import PartRecord, plan_windows
-from batchgen.jobs.rows import FinishReason, Row
-from batchgen.jobs.sink import PartSink
-from batchgen.jobs.submit import submit
+from batchgen.jobs.consumer.queue import read_new
+from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.ops.export import download
+from batchgen.jobs.ops.finalization import finalize
+from batchgen.jobs.ops.result import PartRecord, plan_windows
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema.rows import FinishReason, Row
+from batchgen.jobs.schema.sampling import DEFAULTS
 
 KEYS = Keys("bg")
 QK = KEYS.queue_for_model("m")
@@ -71,8 +71,8 @@ def big_job(conn, tmp_path: Path, output: str, n_parts: int, rows: int, text_kb:
 PEAK = """
 import json, sys
 import pyarrow as pa, redis
-from batchgen.jobs.finalize import FinalizeSettings, finalize
-from batchgen.jobs.keys import Keys
+from batchgen.jobs.ops.finalization import FinalizeSettings, finalize
+from batchgen.jobs.redis.keys import Keys
 settings = FinalizeSettings(window_bytes=int(sys.argv[2]))
 state = finalize(redis.Redis.from_url(sys.argv[1]), Keys("bg"), "big", settings)
 print(json.dumps({"state": state, "peak": pa.default_memory_pool().max_memory()}))

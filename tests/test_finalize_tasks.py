@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +18,18 @@ from rq import Callback, Queue
 from rq.serializers import JSONSerializer
 
 from batchgen.cli import main
-from batchgen.jobs import tasks
-from batchgen.jobs.commit import PartCommit, commit
-from batchgen.jobs.keys import Keys, QueueKeys
-from batchgen.jobs.lease import Lease
-from batchgen.jobs.lifecycle import JobState
-from batchgen.jobs.maintenance import sweep
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.queue import read_new
-from batchgen.jobs.records import load_job
-from batchgen.jobs.rows import FinishReason, Row
-from batchgen.jobs.sink import PartSink
-from batchgen.jobs.submit import submit
+from batchgen.jobs.consumer.commit import PartCommit, commit
+from batchgen.jobs.consumer.queue import read_new
+from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.ops.maintenance import sweep
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import Keys, QueueKeys
+from batchgen.jobs.redis.lease import Lease
+from batchgen.jobs.schema.rows import FinishReason, Row
+from batchgen.jobs.schema.sampling import DEFAULTS
 
 KEYS = Keys("bg")
 
@@ -73,7 +74,7 @@ def test_only_batchgen_finalize_runs_anything_else_is_refused_and_never_imported
     queue.enqueue(tasks.FINALIZE_FUNC, "j", "bg", job_id="callback",
                   on_success=Callback("planted_mod.run"))  # fmt: skip
     queue.enqueue(tasks.FINALIZE_FUNC, "j", "bg", "extra", job_id="extra")
-    with caplog.at_level(logging.ERROR, logger="batchgen.jobs.tasks"):
+    with caplog.at_level(logging.ERROR, logger="batchgen.jobs.ops.finalize_tasks"):
         tasks.run_pending(conn, KEYS, qk.tag)
     assert not ran.exists() and not (tmp_path / "imported").exists()
     assert "planted_mod" not in sys.modules
@@ -82,6 +83,19 @@ def test_only_batchgen_finalize_runs_anything_else_is_refused_and_never_imported
     assert not any(conn.exists(f"rq:job:{name}") for name in refused)
     assert load_job(conn, KEYS, "j").state == JobState.FINALIZING  # none of them finalized it
     assert tasks.enqueue_finalize(conn, KEYS, qk, "j")
+    assert tasks.run_pending(conn, KEYS, qk.tag) == 1
+    assert load_job(conn, KEYS, "j").state == JobState.COMPLETED
+
+
+def test_a_finalize_task_queued_under_the_previous_releases_name_still_runs(redis_url, tmp_path):
+    """rq stores the function's dotted name; the tree moved, tasks already queued did not."""
+    conn = rconn(redis_url)
+    _, qk = ready_job(conn, tmp_path, "m", "j")
+    queue = Queue(KEYS.finalize_queue(qk.tag), connection=conn, serializer=JSONSerializer)
+    queue.enqueue("batchgen.jobs.tasks.finalize_task", "j", "bg", job_id=KEYS.finalize_task_id("j"),
+                  job_timeout=-1)  # fmt: skip
+    data = conn.hget(f"rq:job:{KEYS.finalize_task_id('j')}", "data")
+    assert json.loads(zlib.decompress(data))[0] == "batchgen.jobs.tasks.finalize_task"
     assert tasks.run_pending(conn, KEYS, qk.tag) == 1
     assert load_job(conn, KEYS, "j").state == JobState.COMPLETED
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from batchgen.jobs.inputs import LineError, parse_line
-from batchgen.jobs.params import DEFAULTS, ParamError, job_defaults
-from batchgen.jobs.strictjson import MAX_VALUES
+from batchgen.jobs.intake.inputs import LineError, parse_line
+from batchgen.jobs.intake.strictjson import MAX_VALUES
+from batchgen.jobs.schema.sampling import DEFAULTS, ParamError, job_defaults
 
 DEEP = "[" * 10_000 + "]" * 10_000
 HOSTILE = [

@@ -11,13 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.jobs.errors import OutputError
-from batchgen.jobs.kept import KEPT, Snapshot, SnapshotWriter, publish
-from batchgen.jobs.lifecycle import JobState
-from batchgen.jobs.records import JobRecord
-from batchgen.jobs.result import PartRecord, write_result
-from batchgen.jobs.rows import SCHEMA, FinishReason, Row, to_table
-from batchgen.jobs.storage import OutputDir
+from batchgen.jobs.intake.kept import KEPT, Snapshot, SnapshotWriter, publish
+from batchgen.jobs.ops.job_record import JobRecord
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.ops.result import PartRecord, write_result
+from batchgen.jobs.schema.errors import OutputError
+from batchgen.jobs.schema.rows import SCHEMA, FinishReason, Row, to_table
+from batchgen.jobs.storage.output_store import OutputDir
 from tests.test_pipeline_e2e import batchgen, submit
 from tests.test_pipeline_e2e import env as env  # fixtures
 from tests.test_pipeline_e2e import workers as workers

@@ -8,9 +8,13 @@ import math
 import pytest
 import torch
 
-from batchgen.kernels import cpu_attention, cpu_decode, cpu_elementwise, cpu_native, dense
+from batchgen.kernels import dense
 from batchgen.kernels import reference as ref
-from batchgen.kernels.cpu_decode_kernel import KernelDecode
+from batchgen.kernels.cpu import attention as cpu_attention
+from batchgen.kernels.cpu import decode as cpu_decode
+from batchgen.kernels.cpu import elementwise as cpu_elementwise
+from batchgen.kernels.cpu import native as cpu_native
+from batchgen.kernels.cpu.decode_native import KernelDecode
 
 
 def _attention_by_loops(q, k, v, scale):

@@ -10,14 +10,14 @@ import pytest
 import redis
 
 import batchgen.jobs
-from batchgen.jobs.lifecycle import MOVES, JobState, script
-from batchgen.jobs.lua import LuaScript
+from batchgen.jobs.ops.lifecycle import MOVES, JobState, script
+from batchgen.jobs.redis.lua import LuaScript
 
 
 def all_scripts() -> list[LuaScript]:
     found: dict[str, LuaScript] = {}
-    for info in pkgutil.iter_modules(batchgen.jobs.__path__):
-        module = importlib.import_module(f"batchgen.jobs.{info.name}")
+    for info in pkgutil.walk_packages(batchgen.jobs.__path__, "batchgen.jobs."):
+        module = importlib.import_module(info.name)
         for value in vars(module).values():
             if isinstance(value, LuaScript):
                 found[value.name] = value

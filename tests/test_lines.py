@@ -7,7 +7,7 @@ import tracemalloc
 
 import pytest
 
-from batchgen.jobs.lines import LineError, read_lines
+from batchgen.jobs.intake.lines import LineError, read_lines
 
 
 def test_bom_crlf_and_blank_lines_are_accepted_and_counted():

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from batchgen.jobs import modelinfo
-from batchgen.jobs.records import load_job
+from batchgen.jobs.ops import modelinfo
+from batchgen.jobs.ops.job_record import load_job
 from tests.test_pipeline_e2e import KEYS, batchgen, download, submit, wait_for, write_jsonl
 from tests.test_pipeline_e2e import env as env  # fixtures
 from tests.test_pipeline_e2e import workers as workers
@@ -105,7 +105,7 @@ def test_workers_starting_at_once_hash_a_file_once(checkpoints, home):
     lock.parent.mkdir(parents=True)
     code = (
         "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr);"
-        "from batchgen.jobs.modelinfo import fingerprint; print(fingerprint(sys.argv[1]))"
+        "from batchgen.jobs.ops.modelinfo import fingerprint; print(fingerprint(sys.argv[1]))"
     )
     env = {**os.environ, "BATCHGEN_HOME": str(home)}
     with open(lock, "w") as held:

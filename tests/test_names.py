@@ -9,17 +9,17 @@ from typing import Any
 import pytest
 import redis
 
-from batchgen.jobs.download import download
-from batchgen.jobs.errors import JobNotReady, UnsafeName
-from batchgen.jobs.finalize import finalize
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.names import check_job_id, check_output, default_output
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.queue import read_new
-from batchgen.jobs.rows import FinishReason, Row
-from batchgen.jobs.sink import PartSink
-from batchgen.jobs.storage import OutputDir
-from batchgen.jobs.submit import submit
+from batchgen.jobs.consumer.queue import read_new
+from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.ops.export import download
+from batchgen.jobs.ops.finalization import finalize
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema.errors import JobNotReady, UnsafeName
+from batchgen.jobs.schema.rows import FinishReason, Row
+from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.jobs.storage.names import check_job_id, check_output, default_output
+from batchgen.jobs.storage.output_store import OutputDir
 
 KEYS = Keys("bg")
 

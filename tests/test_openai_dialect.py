@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from batchgen.jobs.inputs import parse_line
-from batchgen.jobs.lines import LineError
-from batchgen.jobs.params import DEFAULTS, ParamError
-from batchgen.jobs.rows import CHOICES, LOGPROBS
+from batchgen.jobs.intake.inputs import parse_line
+from batchgen.jobs.intake.lines import LineError
+from batchgen.jobs.schema.rows import CHOICES, LOGPROBS
+from batchgen.jobs.schema.sampling import DEFAULTS, ParamError
 from batchgen.worker import Engine, SamplingParams
 from tests.hf_reference import hf_logits
 from tests.test_pipeline_e2e import download, submit, write_jsonl
@@ -262,7 +262,7 @@ def test_a_mixed_file_through_a_worker_gives_logprobs_and_choices(
 
 
 def test_n_samples_restart_rather_than_resume_from_one_token_list(engine):
-    from batchgen.jobs.queue import Delivery
+    from batchgen.jobs.consumer.queue import Delivery
     from batchgen.worker import RequestRejected
     from batchgen.worker.loop.flight import resumable
 
@@ -329,9 +329,9 @@ def test_bad_embedding_lines_are_refused(line, message):
 def test_logit_bias_ids_are_checked_at_submit_when_the_model_is_at_hand(model, redis_url, tmp_path):
     import redis
 
-    from batchgen.jobs.errors import InvalidInput
-    from batchgen.jobs.keys import Keys
-    from batchgen.jobs.submit import submit as submit_job
+    from batchgen.jobs.ops.submission import submit as submit_job
+    from batchgen.jobs.redis.keys import Keys
+    from batchgen.jobs.schema.errors import InvalidInput
 
     lines = [{"prompt": "a", "logit_bias": {"8191": 1}}, _chat(logit_bias={"5": 1, "8192": -3})]
     path = write_jsonl(tmp_path / "p.jsonl", lines)

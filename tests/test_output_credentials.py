@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import redis
 
-from batchgen.jobs.errors import OutputError
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.names import check_output
-from batchgen.jobs.records import queue_of_job
-from batchgen.jobs.storage import OutputDir
+from batchgen.jobs.ops.job_record import queue_of_job
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema.errors import OutputError
+from batchgen.jobs.storage.names import check_output
+from batchgen.jobs.storage.output_store import OutputDir
 
 SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYzEXAMPLE"  # AWS secrets hold '/' and '+'
 ENV_HINT = (

@@ -12,15 +12,15 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.errors import JobConflict
-from batchgen.jobs.finalize import finalize
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.queue import read_new
-from batchgen.jobs.records import load_job
-from batchgen.jobs.rows import FinishReason, Row
-from batchgen.jobs.sink import PartSink
-from batchgen.jobs.submit import submit
+from batchgen.jobs.consumer.queue import read_new
+from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.ops.finalization import finalize
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema.errors import JobConflict
+from batchgen.jobs.schema.rows import FinishReason, Row
+from batchgen.jobs.schema.sampling import DEFAULTS
 
 KEYS = Keys("bg")
 QK = KEYS.queue_for_model("m")
@@ -144,7 +144,11 @@ def test_finalize_deletes_only_its_own_parts_even_when_two_jobs_share_a_director
 def test_s3_requests_give_up_on_a_store_that_does_not_answer():
     """Outputs and prompts on S3 get request timeouts the URI cannot carry; without them
     a hung store held a worker's part write for over a minute (test_object_store.py)."""
-    from batchgen.jobs.storage import S3_CONNECT_TIMEOUT_S, S3_REQUEST_TIMEOUT_S, open_uri
+    from batchgen.jobs.storage.output_store import (
+        S3_CONNECT_TIMEOUT_S,
+        S3_REQUEST_TIMEOUT_S,
+        open_uri,
+    )
 
     fs, path = open_uri("s3://bucket/out?endpoint_override=127.0.0.1:1&scheme=http")
     options = fs.__reduce__()[1][0]

@@ -21,9 +21,9 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from batchgen.jobs.keys import GROUP, Keys
-from batchgen.jobs.lifecycle import JobState
-from batchgen.jobs.records import load_job
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.redis.keys import GROUP, Keys
 
 KEYS = Keys("bg")
 N_PROMPTS = 200

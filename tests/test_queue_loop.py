@@ -19,19 +19,20 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from batchgen.jobs import tasks
-from batchgen.jobs.cancel import cancel
-from batchgen.jobs.keys import GROUP, Keys
-from batchgen.jobs.lifecycle import JobState
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.queue import read_new, refresh
-from batchgen.jobs.records import load_job
-from batchgen.jobs.result import LOST
-from batchgen.jobs.rows import FinishReason, Row
-from batchgen.jobs.sink import PartSink
-from batchgen.jobs.submit import ensure_group, submit
+from batchgen.jobs.consumer.queue import read_new, refresh
+from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.cancellation import cancel
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.ops.result import LOST
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import GROUP, Keys
+from batchgen.jobs.redis.stream import ensure_group
+from batchgen.jobs.schema.rows import FinishReason, Row
+from batchgen.jobs.schema.sampling import DEFAULTS
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
-from batchgen.worker.loop.config import ENGINE_FAILED_EXIT
+from batchgen.worker.loop.loop_config import ENGINE_FAILED_EXIT
 from tests.engine_double import FakeEngine, RequestRejected, SamplingParams, expected_tokens
 
 KEYS = Keys("bg")
@@ -413,7 +414,7 @@ def test_an_idle_worker_blocks_on_redis_instead_of_polling(redis_url):
 
 
 def test_heartbeat_reports_in_flight_requests(redis_url, tmp_path):
-    from batchgen.jobs.status import job_status
+    from batchgen.jobs.ops.status_report import job_status
 
     conn = rconn(redis_url)
     make_job(conn, tmp_path, ["a", "b", "c"], max_tokens=30)
@@ -431,7 +432,7 @@ def test_heartbeat_reports_in_flight_requests(redis_url, tmp_path):
 
 
 def test_the_loop_rides_out_a_redis_restart(private_redis, tmp_path):
-    from batchgen.jobs.connection import connect
+    from batchgen.jobs.redis.connection import connect
 
     conn: Any = connect(private_redis.url, retries=1)
     out = make_job(conn, tmp_path, [f"p{i}" for i in range(20)], max_tokens=3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from batchgen.jobs.redis_server import RedisServer
+from batchgen.jobs.redis.redis_server import RedisServer
 
 
 def test_private_server_keeps_aof_data_through_kill_and_restart(private_redis: RedisServer):

@@ -20,19 +20,19 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs import tasks
-from batchgen.jobs.cache import ResultCache, content_key, location
-from batchgen.jobs.errors import UsageError
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.lifecycle import JobState
-from batchgen.jobs.modelinfo import fingerprint
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.records import load_job
-from batchgen.jobs.result import PartRecord, read_window
-from batchgen.jobs.rows import SCHEMA, FinishReason, Row, to_table
-from batchgen.jobs.storage import OutputDir
-from batchgen.jobs.submit import submit
-from batchgen.worker.config import EngineConfig
+from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.ops.modelinfo import fingerprint
+from batchgen.jobs.ops.result import PartRecord, read_window
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema.errors import UsageError
+from batchgen.jobs.schema.rows import SCHEMA, FinishReason, Row, to_table
+from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.jobs.storage.output_store import OutputDir
+from batchgen.jobs.storage.result_cache import ResultCache, content_key, location
+from batchgen.worker.engine_config import EngineConfig
 from batchgen.worker.loop import LoopConfig, QueueLoop
 from batchgen.worker.loop.engine_api import EngineAPI, load_engine
 

@@ -28,16 +28,16 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from batchgen.jobs.carryover import carry_over, retried_mask
 from batchgen.jobs.crashpoints import CRASH_EXIT_CODE
-from batchgen.jobs.errors import OutputError
-from batchgen.jobs.keys import Keys, QueueKeys
-from batchgen.jobs.lifecycle import REOPEN, JobState, script
-from batchgen.jobs.records import JobRecord, load_job, queue_of_job
-from batchgen.jobs.redis_server import RedisServer
-from batchgen.jobs.rows import ADDED_LATER, SCHEMA, FinishReason, Row, to_table
-from batchgen.jobs.storage import OutputDir
-from batchgen.jobs.submit import CHUNK_ENTRIES
+from batchgen.jobs.ops.carryover import carry_over, retried_mask
+from batchgen.jobs.ops.job_record import JobRecord, load_job, queue_of_job
+from batchgen.jobs.ops.lifecycle import REOPEN, JobState, script
+from batchgen.jobs.ops.submission import CHUNK_ENTRIES
+from batchgen.jobs.redis.keys import Keys, QueueKeys
+from batchgen.jobs.redis.redis_server import RedisServer
+from batchgen.jobs.schema.errors import OutputError
+from batchgen.jobs.schema.rows import ADDED_LATER, SCHEMA, FinishReason, Row, to_table
+from batchgen.jobs.storage.output_store import OutputDir
 from tests.chaos.harness import wait_until
 
 KEYS = Keys("bg")

@@ -20,8 +20,8 @@ import pytest
 import redis
 from openai import OpenAI
 
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.redis_server import RedisServer
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.redis_server import RedisServer
 from tests.serve_stack import KEY, Stack
 
 DONE = ("completed", "failed", "cancelled", "expired")

@@ -13,7 +13,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from batchgen.jobs.params import ParamError
+from batchgen.jobs.schema.sampling import ParamError
 from batchgen.worker import Engine, SamplingParams, StructuredOutput
 
 SCHEMAS: dict[str, dict] = {

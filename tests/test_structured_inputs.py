@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import redis
 
-from batchgen.jobs import structured
-from batchgen.jobs.errors import InvalidInput
-from batchgen.jobs.inputs import parse_line
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.lines import LineError
-from batchgen.jobs.params import DEFAULTS, job_defaults
-from batchgen.jobs.submit import submit
+from batchgen.jobs.intake.inputs import parse_line
+from batchgen.jobs.intake.lines import LineError
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema import constraints
+from batchgen.jobs.schema.errors import InvalidInput
+from batchgen.jobs.schema.sampling import DEFAULTS, job_defaults
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 OPENAI_SCHEMA_FORMAT = {
@@ -137,13 +137,13 @@ def test_a_job_default_stop_conflicts_with_a_line_constraint():
 
 def test_each_distinct_constraint_compiles_once(monkeypatch):
     calls: list[str] = []
-    real = structured.grammar_text
+    real = constraints.grammar_text
 
     def counted(spec: dict[str, Any]) -> str:
         calls.append("x")
         return real(spec)
 
-    monkeypatch.setattr(structured, "grammar_text", counted)
+    monkeypatch.setattr(constraints, "grammar_text", counted)
     schema = {"type": "object", "properties": {"unique_to_this_test": {"type": "boolean"}}}
     for i in range(50):
         _entry({"prompt": f"p{i}", "structured_output": {"json": schema}})
@@ -155,8 +155,8 @@ def test_each_distinct_constraint_compiles_once(monkeypatch):
 def test_validation_stays_torch_free(tmp_path: Path):
     code = (
         "import sys, json\n"
-        "from batchgen.jobs.inputs import parse_line\n"
-        "from batchgen.jobs.params import DEFAULTS\n"
+        "from batchgen.jobs.intake.inputs import parse_line\n"
+        "from batchgen.jobs.schema.sampling import DEFAULTS\n"
         "line = json.dumps({'prompt': 'x', 'structured_output': {'json': {'type': 'object'}}})\n"
         "assert not isinstance(parse_line(1, line.encode(), DEFAULTS), Exception)\n"
         "print(sorted(m for m in sys.modules if m in ('torch', 'transformers')))\n"
@@ -234,4 +234,4 @@ def test_the_readme_examples_are_accepted_as_written():
     assert kinds == ["json", "json_object", "regex", "choice", "grammar"]
     grammar = fences[1].strip().replace("\n  ", "\n")
     assert grammar.startswith("start:")
-    assert structured.check_spec({"grammar": grammar}) == {"grammar": grammar}
+    assert constraints.check_spec({"grammar": grammar}) == {"grammar": grammar}

@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 import redis
 
-from batchgen.jobs import submit as submit_mod
-from batchgen.jobs.errors import InvalidInput, JobConflict, QueueFull
-from batchgen.jobs.keys import Keys, queue_name
-from batchgen.jobs.lifecycle import JobState
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.records import load_job
-from batchgen.jobs.redis_server import RedisServer
-from batchgen.jobs.submit import submit
+from batchgen.jobs.ops import submission as submit_mod
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import Keys, queue_name
+from batchgen.jobs.redis.redis_server import RedisServer
+from batchgen.jobs.schema.errors import InvalidInput, JobConflict, QueueFull
+from batchgen.jobs.schema.sampling import DEFAULTS
 
 KEYS = Keys("bg")
 
@@ -196,7 +196,7 @@ def test_prompts_from_an_object_store_uri(redis_url, tmp_path, s3_endpoint):
     a missing object or inline credentials are one-line errors and enqueue nothing."""
     import pyarrow.fs as pafs
 
-    from batchgen.jobs.errors import InlineCredentials, UsageError
+    from batchgen.jobs.schema.errors import InlineCredentials, UsageError
 
     conn = rconn(redis_url)
     local = write_prompts(tmp_path / "p.jsonl", 5)

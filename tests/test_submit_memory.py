@@ -17,8 +17,8 @@ import psutil
 import pytest
 import redis
 
-from batchgen.jobs.inputs import MAX_LINE_BYTES
-from batchgen.jobs.keys import Keys, queue_tag
+from batchgen.jobs.intake.inputs import MAX_LINE_BYTES
+from batchgen.jobs.redis.keys import Keys, queue_tag
 
 MiB = 1 << 20
 # Runs a command and records its exit status and the kernel's high-water RSS of the

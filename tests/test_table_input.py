@@ -16,13 +16,13 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.errors import InvalidInput, JobConflict, UsageError
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.records import load_job
-from batchgen.jobs.submit import submit
-from batchgen.jobs.tables import TableSpec
-from batchgen.jobs.template import parse
+from batchgen.jobs.intake.tables import TableSpec
+from batchgen.jobs.intake.template import parse
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema.errors import InvalidInput, JobConflict, UsageError
+from batchgen.jobs.schema.sampling import DEFAULTS
 
 KEYS = Keys("bg")
 
@@ -204,7 +204,7 @@ def test_resubmit_is_resumed_and_other_kept_columns_are_another_job(redis_url, t
 
 
 def test_kept_names_that_clash_with_result_columns():
-    from batchgen.jobs.kept import result_names
+    from batchgen.jobs.intake.kept import result_names
 
     assert result_names(["text", "doc", "id"]) == ["input_text", "doc", "input_id"]
     with pytest.raises(UsageError, match="column 'text' would come back as 'input_text'"):
@@ -288,9 +288,9 @@ def test_help_names_the_table_flags():
 
 
 def test_parallel_validation_gives_the_same_entries_snapshot_and_errors(tmp_path):
-    from batchgen.jobs.kept import KEPT
-    from batchgen.jobs.sources import locate
-    from batchgen.jobs.tables import validate_table
+    from batchgen.jobs.intake.kept import KEPT
+    from batchgen.jobs.intake.sources import locate
+    from batchgen.jobs.intake.tables import validate_table
 
     folder = tmp_path / "many"
     folder.mkdir()

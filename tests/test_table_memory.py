@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from batchgen.jobs.kept import KEPT
-from batchgen.jobs.keys import Keys, queue_tag
+from batchgen.jobs.intake.kept import KEPT
+from batchgen.jobs.redis.keys import Keys, queue_tag
 from benchmarks.table_submit_bench import tree_rss_peak
 from tests.test_submit_memory import WATCH
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from batchgen.jobs.connection import connect
-from batchgen.jobs.errors import RedisUnavailable, UnsafeRedisURL
-from batchgen.jobs.redis_server import RedisServer
+from batchgen.jobs.redis.connection import connect
+from batchgen.jobs.redis.redis_server import RedisServer
+from batchgen.jobs.schema.errors import RedisUnavailable, UnsafeRedisURL
 
 
 def _openssl(*args: str, cwd: Path) -> None:

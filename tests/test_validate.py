@@ -7,8 +7,8 @@ import tracemalloc
 
 import pytest
 
-from batchgen.jobs.params import DEFAULTS
-from batchgen.jobs.validate import BIG_LINE_BYTES, SpoolDir, _ranges, validate_file
+from batchgen.jobs.intake.validate import BIG_LINE_BYTES, SpoolDir, _ranges, validate_file
+from batchgen.jobs.schema.sampling import DEFAULTS
 
 
 @pytest.fixture

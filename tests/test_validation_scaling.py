@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import pytest
 
-from batchgen.jobs.inputs import parse_line
-from batchgen.jobs.params import DEFAULTS
+from batchgen.jobs.intake.inputs import parse_line
+from batchgen.jobs.schema.sampling import DEFAULTS
 
 MiB = 1 << 20
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.records import JobState, load_job
-from batchgen.jobs.redis_server import RedisServer
+from batchgen.jobs.ops.job_record import JobState, load_job
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.redis_server import RedisServer
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:

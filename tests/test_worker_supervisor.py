@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import redis
 
-from batchgen.jobs import heartbeat
-from batchgen.jobs.errors import UsageError
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.redis_server import free_port
-from batchgen.jobs.submit import ensure_group
-from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig
+from batchgen.jobs.redis import heartbeat
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.redis_server import free_port
+from batchgen.jobs.redis.stream import ensure_group
+from batchgen.jobs.schema.errors import UsageError
+from batchgen.worker.loop.loop_config import ENGINE_FAILED_EXIT, LoopConfig
 from batchgen.worker.loop.metrics import serve
 from batchgen.worker.loop.supervisor import (
     MAX_FAST_FAILURES,

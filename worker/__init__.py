@@ -3,7 +3,7 @@
 ``from batchgen.worker import Engine, EngineConfig, SamplingParams, StructuredOutput``
 is the Python API. The names load on first use, so the worker supervisor
 (``batchgen.worker.loop``) starts without importing torch; ``EngineConfig``
-itself lives in the torch-free ``batchgen.worker.config``.
+itself lives in the torch-free ``batchgen.worker.engine_config``.
 """
 
 from __future__ import annotations

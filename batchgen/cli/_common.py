@@ -26,7 +26,7 @@ def redis_option(func: Callable[..., Any]) -> Callable[..., Any]:
 def _hide_password(_ctx: click.Context, _param: click.Parameter, url: str | None) -> str | None:
     """Others can read our command line (ps) for as long as a worker runs: blank the password."""
     if url:
-        from batchgen.jobs.connection import hide_password_from_ps
+        from batchgen.jobs.redis.connection import hide_password_from_ps
 
         hide_password_from_ps(url)
     return url
@@ -107,7 +107,7 @@ def table_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from batchgen.jobs.tables import TableSpec
+        from batchgen.jobs.intake.tables import TableSpec
 
         names = ("prompt_column", "messages_column", "template", "id_column")
         flags = {name: kwargs.pop(name) for name in names}
@@ -121,7 +121,7 @@ def table_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _keep_columns(value: str | None) -> tuple[str, ...]:
-    from batchgen.jobs.errors import UsageError
+    from batchgen.jobs.schema.errors import UsageError
 
     if value is None:
         return ()
@@ -134,7 +134,7 @@ def _keep_columns(value: str | None) -> tuple[str, ...]:
 
 
 def job_defaults(flags: dict[str, Any]) -> dict[str, Any]:
-    from batchgen.jobs.params import ParamError, check_together, job_defaults
+    from batchgen.jobs.schema.sampling import ParamError, check_together, job_defaults
 
     try:
         defaults = job_defaults(flags)
@@ -173,8 +173,8 @@ def _structured_flag(flags: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _checked_spec(flag: str, spec: dict[str, Any]) -> dict[str, Any]:
-    from batchgen.jobs.params import ParamError
-    from batchgen.jobs.structured import check_spec
+    from batchgen.jobs.schema.constraints import check_spec
+    from batchgen.jobs.schema.sampling import ParamError
 
     try:
         return check_spec(spec)
@@ -187,8 +187,8 @@ def user_errors() -> Iterator[None]:
     """Named errors and unreachable Redis become one line on stderr and an exit code."""
     import redis
 
-    from batchgen.jobs.connection import describe_connection_error
-    from batchgen.jobs.errors import BatchgenError
+    from batchgen.jobs.redis.connection import describe_connection_error
+    from batchgen.jobs.schema.errors import BatchgenError
 
     try:
         yield
@@ -199,7 +199,7 @@ def user_errors() -> Iterator[None]:
         click.echo(f"batchgen: error: {describe_connection_error(exc)}", err=True)
         sys.exit(1)
     except redis.ResponseError as exc:
-        from batchgen.jobs.connection import is_oom
+        from batchgen.jobs.redis.connection import is_oom
 
         if is_oom(exc):
             click.echo("batchgen: error: Redis is out of memory (queue full)", err=True)
@@ -218,8 +218,8 @@ def handles_errors(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def connect(redis_url: str | None):
     """(client, keys, target) for a command."""
-    from batchgen.jobs.connection import connect, resolve, wait_from_env
-    from batchgen.jobs.keys import Keys
+    from batchgen.jobs.redis.connection import connect, resolve, wait_from_env
+    from batchgen.jobs.redis.keys import Keys
 
     target = resolve(redis_url)
     return connect(target.url, wait_s=wait_from_env()), Keys.from_env(), target

@@ -27,7 +27,7 @@ def cache() -> None:
 @handles_errors
 def stats(as_json: bool, redis_url: str | None) -> None:
     """Entries, files, bytes (and the limit), hits, misses, stored and evicted rows."""
-    from batchgen.jobs.cache import ResultCache, location
+    from batchgen.jobs.storage.result_cache import ResultCache, location
 
     conn, keys, target = connect(redis_url)
     figures = ResultCache(conn, keys, location(target.embedded)).stats()
@@ -43,7 +43,7 @@ def stats(as_json: bool, redis_url: str | None) -> None:
 @handles_errors
 def clear(redis_url: str | None) -> None:
     """Forget every cached row and delete the cache's files (jobs' outputs stay)."""
-    from batchgen.jobs.cache import ResultCache, location
+    from batchgen.jobs.storage.result_cache import ResultCache, location
 
     conn, keys, target = connect(redis_url)
     uri = location(target.embedded)

@@ -18,8 +18,8 @@ def cancel(job_id: str, redis_url: str | None) -> None:
     finish_reason "cancelled". The job's output is still written (by a worker's
     finalize task) and can be downloaded once the job is "cancelled".
     """
-    from batchgen.jobs.cancel import cancel as run_cancel
-    from batchgen.jobs.names import check_job_id
+    from batchgen.jobs.ops.cancellation import cancel as run_cancel
+    from batchgen.jobs.storage.names import check_job_id
 
     conn, keys, _ = connect(redis_url)
     state = run_cancel(conn, keys, check_job_id(job_id))

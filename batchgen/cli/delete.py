@@ -23,8 +23,8 @@ def delete(job_id: str, outputs: bool, force: bool, redis_url: str | None) -> No
     --force, which cancels it first. Finished jobs' Redis state also expires on
     its own after their retention (submit --retention, default 7 days).
     """
-    from batchgen.jobs.delete import delete as run_delete
-    from batchgen.jobs.names import check_job_id
+    from batchgen.jobs.ops.deletion import delete as run_delete
+    from batchgen.jobs.storage.names import check_job_id
 
     conn, keys, _ = connect(redis_url)
     report = run_delete(conn, keys, check_job_id(job_id), outputs=outputs, force=force)

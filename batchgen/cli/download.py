@@ -21,8 +21,8 @@ def download(job_id: str, dest: str | None, partial: bool, redis_url: str | None
     Before the job is completed (or cancelled) this refuses, unless --partial,
     which writes the rows committed so far, in input order.
     """
-    from batchgen.jobs.download import download as run_download
-    from batchgen.jobs.names import check_job_id
+    from batchgen.jobs.ops.export import download as run_download
+    from batchgen.jobs.storage.names import check_job_id
 
     conn, keys, _ = connect(redis_url)
     path, rows = run_download(conn, keys, check_job_id(job_id), dest, partial)

@@ -22,12 +22,12 @@ def finalize(job_id: str, redis_url: str | None) -> None:
     """
     import socket
 
-    from batchgen.jobs.errors import BatchgenError, JobConflict, JobNotReady
-    from batchgen.jobs.finalize import FinalizeSettings, record_failure
-    from batchgen.jobs.finalize import finalize as run_finalize
-    from batchgen.jobs.lease import LeaseHeld
-    from batchgen.jobs.names import check_job_id
-    from batchgen.jobs.records import load_job
+    from batchgen.jobs.ops.finalization import FinalizeSettings, record_failure
+    from batchgen.jobs.ops.finalization import finalize as run_finalize
+    from batchgen.jobs.ops.job_record import load_job
+    from batchgen.jobs.redis.lease import LeaseHeld
+    from batchgen.jobs.schema.errors import BatchgenError, JobConflict, JobNotReady
+    from batchgen.jobs.storage.names import check_job_id
 
     conn, keys, _ = connect(redis_url)
     record = load_job(conn, keys, check_job_id(job_id))

@@ -18,7 +18,7 @@ def jobs(as_json: bool, redis_url: str | None) -> None:
 
     The same data as `batchgen status` without a job id, one line per job.
     """
-    from batchgen.jobs.status import all_statuses
+    from batchgen.jobs.ops.status_report import all_statuses
 
     conn, keys, _ = connect(redis_url)
     statuses = all_statuses(conn, keys)

@@ -36,8 +36,8 @@ def retry(job_id: str, errors_only: bool, input_path: str | None, redis_url: str
     row stays exactly as it was, one row per input line. A retry that was
     stopped halfway goes on where it stopped when run again.
     """
-    from batchgen.jobs.names import check_job_id
-    from batchgen.jobs.retry import retry as run_retry
+    from batchgen.jobs.ops.rerun import retry as run_retry
+    from batchgen.jobs.storage.names import check_job_id
 
     conn, keys, _ = connect(redis_url)
     result = run_retry(conn, keys, check_job_id(job_id), all_failed=not errors_only,

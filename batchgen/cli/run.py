@@ -18,7 +18,7 @@ from batchgen.cli._common import (
 )
 
 if TYPE_CHECKING:
-    from batchgen.jobs.tables import TableSpec
+    from batchgen.jobs.intake.tables import TableSpec
 
 
 @click.command("run")
@@ -53,18 +53,18 @@ def run(
     Uses the embedded Redis (or --redis) exactly like submit + worker +
     download would, so the rows are the same; a progress bar shows on stderr.
     """
-    from batchgen.jobs.download import download
-    from batchgen.jobs.errors import BatchgenError
-    from batchgen.jobs.keys import prefix_from_env
-    from batchgen.jobs.lifecycle import JobState
-    from batchgen.jobs.names import check_job_id, job_output_dir
-    from batchgen.jobs.records import load_job
-    from batchgen.jobs.submit import new_job_id, submit
-    from batchgen.jobs.tasks import run_pending
-    from batchgen.worker.config import EngineConfig
-    from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig
+    from batchgen.jobs.ops.export import download
+    from batchgen.jobs.ops.finalize_tasks import run_pending
+    from batchgen.jobs.ops.job_record import load_job
+    from batchgen.jobs.ops.lifecycle import JobState
+    from batchgen.jobs.ops.submission import new_job_id, submit
+    from batchgen.jobs.redis.keys import prefix_from_env
+    from batchgen.jobs.schema.errors import BatchgenError
+    from batchgen.jobs.storage.names import check_job_id, job_output_dir
+    from batchgen.worker.engine_config import EngineConfig
     from batchgen.worker.loop.engine_api import load_engine
-    from batchgen.worker.loop.runner import QueueLoop
+    from batchgen.worker.loop.loop_config import ENGINE_FAILED_EXIT, LoopConfig
+    from batchgen.worker.loop.queue_loop import QueueLoop
 
     engine_config = EngineConfig(
         device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks

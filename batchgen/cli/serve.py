@@ -44,10 +44,10 @@ def serve(
     import uvicorn
 
     from batchgen.cli._common import connect
-    from batchgen.jobs import embedded
-    from batchgen.jobs.names import output_root as default_output_root
+    from batchgen.jobs.redis import embedded
+    from batchgen.jobs.storage.names import output_root as default_output_root
     from batchgen.serve.app import create_app
-    from batchgen.serve.config import LOOPBACK, ServeConfig, keys_from_env
+    from batchgen.serve.settings import LOOPBACK, ServeConfig, keys_from_env
 
     keys_given = keys_from_env(api_keys)
     if not keys_given:

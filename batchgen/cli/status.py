@@ -69,8 +69,8 @@ def status(job_id: str | None, watch: bool, as_json: bool, redis_url: str | None
 
     States: queued, running, finalizing, completed, failed, cancelling, cancelled.
     """
-    from batchgen.jobs.names import check_job_id
-    from batchgen.jobs.status import all_statuses, job_status
+    from batchgen.jobs.ops.status_report import all_statuses, job_status
+    from batchgen.jobs.storage.names import check_job_id
 
     conn, keys, _ = connect(redis_url)
     if job_id:

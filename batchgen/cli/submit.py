@@ -16,7 +16,7 @@ from batchgen.cli._common import (
 )
 
 if TYPE_CHECKING:
-    from batchgen.jobs.tables import TableSpec
+    from batchgen.jobs.intake.tables import TableSpec
 
 
 @click.command("submit")
@@ -80,18 +80,18 @@ def submit(
     sampling fields (max_tokens, temperature, seed, ...) set them per row. Flags set
     job defaults; a line's or row's own fields override them.
     """
-    from batchgen.jobs import cache
-    from batchgen.jobs import retention as keep
-    from batchgen.jobs.connection import wait_from_env
-    from batchgen.jobs.names import check_job_id, job_output_dir
-    from batchgen.jobs.submit import new_job_id
-    from batchgen.jobs.submit import submit as run_submit
+    from batchgen.jobs.ops import retention as keep
+    from batchgen.jobs.ops.submission import new_job_id
+    from batchgen.jobs.ops.submission import submit as run_submit
+    from batchgen.jobs.redis.connection import wait_from_env
+    from batchgen.jobs.storage import result_cache
+    from batchgen.jobs.storage.names import check_job_id, job_output_dir
 
     job_id = check_job_id(job_id) if job_id else new_job_id()
     retention_s = keep.parse(retention) if retention else keep.default()
     conn, keys, target = connect(redis_url)
     out_uri = job_output_dir(output, job_id, target.embedded)
-    cache_uri = cache.location(target.embedded) if use_cache else ""
+    cache_uri = result_cache.location(target.embedded) if use_cache else ""
     result = run_submit(
         conn, keys, source_path=prompts, model=model, output=out_uri, defaults=defaults,
         job_id=job_id, skip_invalid=skip_invalid, wait_s=wait_from_env(), retention_s=retention_s,

@@ -55,9 +55,9 @@ def worker(
     jobs' outputs. SIGTERM/SIGINT: in-flight requests are handed back to the
     queue with their tokens so far, then it exits.
     """
-    from batchgen.jobs.keys import prefix_from_env
-    from batchgen.worker.config import EngineConfig
-    from batchgen.worker.loop.config import LoopConfig
+    from batchgen.jobs.redis.keys import prefix_from_env
+    from batchgen.worker.engine_config import EngineConfig
+    from batchgen.worker.loop.loop_config import LoopConfig
     from batchgen.worker.loop.supervisor import Supervisor, plan_children
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s",

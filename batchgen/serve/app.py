@@ -17,15 +17,15 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from batchgen.jobs.errors import BatchgenError, JobNotFound
-from batchgen.jobs.keys import Keys
-from batchgen.serve import dashboard, errors
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema.errors import BatchgenError, JobNotFound
+from batchgen.serve import dashboard, openai_errors
 from batchgen.serve.auth import COOKIE, authorized, key_ok, require_key
 from batchgen.serve.batches import Batches
-from batchgen.serve.config import ServeConfig
-from batchgen.serve.errors import APIError
 from batchgen.serve.files import FileStore, new_file_id
+from batchgen.serve.openai_errors import APIError
 from batchgen.serve.series import Sampler, read_series
+from batchgen.serve.settings import ServeConfig
 from batchgen.serve.upload import MultipartUpload
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,9 @@ def create_app(config: ServeConfig, conn: redis.Redis, keys: Keys) -> FastAPI:
     app = FastAPI(title="batchgen", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)  # fmt: skip
     app.state.config = config
-    app.add_exception_handler(APIError, errors.on_api_error)
-    app.add_exception_handler(HTTPException, errors.on_http_error)
-    app.add_exception_handler(RequestValidationError, errors.on_validation_error)
+    app.add_exception_handler(APIError, openai_errors.on_api_error)
+    app.add_exception_handler(HTTPException, openai_errors.on_http_error)
+    app.add_exception_handler(RequestValidationError, openai_errors.on_validation_error)
     app.add_exception_handler(BatchgenError, _on_batchgen_error)
     app.add_exception_handler(redis.ConnectionError, _on_redis_down)
     app.add_exception_handler(redis.TimeoutError, _on_redis_down)
@@ -182,7 +182,7 @@ def create_app(config: ServeConfig, conn: redis.Redis, keys: Keys) -> FastAPI:
 
     @app.post("/api/jobs/{job_id}/cancel", dependencies=auth)
     def api_cancel(job_id: str) -> Any:
-        from batchgen.jobs.cancel import cancel
+        from batchgen.jobs.ops.cancellation import cancel
 
         return {"job_id": job_id, "state": cancel(conn, keys, job_id).value}
 
@@ -210,7 +210,7 @@ async def _too_large(request: Request, limit: int) -> JSONResponse:
             seen += len(chunk)
             if seen > DRAIN_FACTOR * limit:
                 break
-    return errors.response(413, f"the file is over this server's limit of {limit:,} bytes",
+    return openai_errors.response(413, f"the file is over this server's limit of {limit:,} bytes",
                            "file_too_large", "file")  # fmt: skip
 
 
@@ -238,11 +238,11 @@ def _login_page(message: str = "", status: int = 200) -> HTMLResponse:
 
 async def _on_batchgen_error(_request: Request, exc: Exception) -> JSONResponse:
     status = 404 if isinstance(exc, JobNotFound) else 400
-    return errors.response(status, str(exc), type(exc).__name__)
+    return openai_errors.response(status, str(exc), type(exc).__name__)
 
 
 async def _on_redis_down(_request: Request, exc: Exception) -> JSONResponse:
-    return errors.response(503, f"Redis is unreachable: {exc}", "redis_unavailable")
+    return openai_errors.response(503, f"Redis is unreachable: {exc}", "redis_unavailable")
 
 
 def _background(batches: Batches, sampler: Sampler, config: ServeConfig,

@@ -10,7 +10,7 @@ import hmac
 
 from fastapi import Request
 
-from batchgen.serve.errors import APIError
+from batchgen.serve.openai_errors import APIError
 
 COOKIE = "batchgen_key"
 

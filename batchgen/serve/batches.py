@@ -17,21 +17,21 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.cancel import cancel as cancel_job
-from batchgen.jobs.errors import BatchgenError, InvalidInput, JobConflict, JobNotFound
-from batchgen.jobs.heartbeat import live_workers
-from batchgen.jobs.keys import Keys, queue_name, text
-from batchgen.jobs.lifecycle import JobState
-from batchgen.jobs.names import check_output
-from batchgen.jobs.params import job_defaults
-from batchgen.jobs.records import JobRecord, load_job
-from batchgen.jobs.submit import submit
-from batchgen.serve.checks import check_batch_lines
-from batchgen.serve.config import ServeConfig
-from batchgen.serve.errors import APIError, not_found
+from batchgen.jobs.ops.cancellation import cancel as cancel_job
+from batchgen.jobs.ops.job_record import JobRecord, load_job
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.heartbeat import live_workers
+from batchgen.jobs.redis.keys import Keys, queue_name, text
+from batchgen.jobs.schema.errors import BatchgenError, InvalidInput, JobConflict, JobNotFound
+from batchgen.jobs.schema.sampling import job_defaults
+from batchgen.jobs.storage.names import check_output
+from batchgen.serve.batch_record import FAILED, SUBMITTED, VALIDATING, BatchRecord, to_openai
 from batchgen.serve.files import FileStore
-from batchgen.serve.records import FAILED, SUBMITTED, VALIDATING, BatchRecord, to_openai
+from batchgen.serve.input_checks import check_batch_lines
+from batchgen.serve.openai_errors import APIError, not_found
 from batchgen.serve.results import write_outputs
+from batchgen.serve.settings import ServeConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.heartbeat import live_workers
-from batchgen.jobs.keys import Keys, text
-from batchgen.jobs.records import queue_of_job
-from batchgen.jobs.status import all_statuses, job_status
+from batchgen.jobs.ops.job_record import queue_of_job
+from batchgen.jobs.ops.status_report import all_statuses, job_status
+from batchgen.jobs.redis.heartbeat import live_workers
+from batchgen.jobs.redis.keys import Keys, text
 from batchgen.serve.series import read_series
 
 MAX_JOBS = 200

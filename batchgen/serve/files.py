@@ -19,9 +19,9 @@ from typing import IO, Any
 import pyarrow as pa
 import redis
 
-from batchgen.jobs.keys import Keys, text, text_hash
-from batchgen.jobs.storage import OutputDir
-from batchgen.serve.errors import not_found
+from batchgen.jobs.redis.keys import Keys, text, text_hash
+from batchgen.jobs.storage.output_store import OutputDir
+from batchgen.serve.openai_errors import not_found
 
 PURPOSES = ("batch", "batch_output")  # uploads are "batch"; result files "batch_output"
 

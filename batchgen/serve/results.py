@@ -14,14 +14,14 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from batchgen.jobs.lines import read_lines
-from batchgen.jobs.records import JobRecord
-from batchgen.jobs.result import RESULT
-from batchgen.jobs.rows import FinishReason
-from batchgen.jobs.storage import OutputDir
-from batchgen.serve.errors import APIError
+from batchgen.jobs.intake.lines import read_lines
+from batchgen.jobs.ops.job_record import JobRecord
+from batchgen.jobs.ops.result import RESULT
+from batchgen.jobs.schema.rows import FinishReason
+from batchgen.jobs.storage.output_store import OutputDir
+from batchgen.serve.batch_record import BatchRecord
 from batchgen.serve.files import FileStore, new_file_id
-from batchgen.serve.records import BatchRecord
+from batchgen.serve.openai_errors import APIError
 
 COLUMNS = ["index", "id", "text", "finish_reason", "error", "prompt_tokens",
            "completion_tokens", "cached_tokens", "choices", "logprobs", "embedding"]  # fmt: skip

@@ -17,9 +17,9 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.heartbeat import live_workers
-from batchgen.jobs.keys import Keys, text
-from batchgen.jobs.status import all_statuses
+from batchgen.jobs.ops.status_report import all_statuses
+from batchgen.jobs.redis.heartbeat import live_workers
+from batchgen.jobs.redis.keys import Keys, text
 
 WINDOW_S = 3600
 WORKER_WINDOW_S = 30.0  # heartbeats carry a worker's counters every few seconds: rate over this

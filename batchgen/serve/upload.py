@@ -8,7 +8,7 @@ from typing import Any
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from batchgen.serve.errors import APIError
+from batchgen.serve.openai_errors import APIError
 
 MAX_FIELD_BYTES = 4096
 

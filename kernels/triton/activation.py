@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.triton import checks
+from batchgen.kernels.triton import arg_checks
 
 BLOCK = 1024  # columns per program
 
@@ -38,8 +38,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x (..., 2 * inter) -> (..., inter), ``reference.silu_and_mul``; no size limit."""
     if x.dim() < 1 or x.shape[-1] % 2:
         raise ValueError(f"x must end in an even dimension (gate and up), got {tuple(x.shape)}")
-    checks.check_dtype("x", x, checks.FLOAT_DTYPES)
-    device = checks.check_device(x=x)
+    arg_checks.check_dtype("x", x, arg_checks.FLOAT_DTYPES)
+    device = arg_checks.check_device(x=x)
     inter = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=device)
     if out.numel() == 0:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.triton import checks
+from batchgen.kernels.triton import arg_checks
 from batchgen.kernels.triton.attention_tile import (
     LOG2E,
     kv_row_offsets,
@@ -180,8 +180,8 @@ def check_decode_args(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     max_context_len: int,
-) -> checks.PagedAttentionShape:
-    shape = checks.check_paged_attention(
+) -> arg_checks.PagedAttentionShape:
+    shape = arg_checks.check_paged_attention(
         q, k_cache, v_cache, block_tables, context_lens, max_context_len,
         max_head_dim=MAX_HEAD_DIM, max_group=MAX_GROUP,
     )  # fmt: skip
@@ -193,7 +193,7 @@ def check_decode_args(
 
 
 def launch_decode(
-    shape: checks.PagedAttentionShape,
+    shape: arg_checks.PagedAttentionShape,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -220,7 +220,7 @@ def launch_decode(
         raise ValueError(
             f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}"
         )
-    head_dim_pad = checks.pow2(head_dim, 16)
+    head_dim_pad = arg_checks.pow2(head_dim, 16)
     if tile_size is None:
         tile_size = 64 if head_dim_pad <= 128 else 32
     if tile_size < 16 or tile_size & (tile_size - 1):
@@ -245,12 +245,12 @@ def launch_decode(
         num_heads,
         BLOCK_SIZE=block_size,
         GROUP=group,
-        GROUP_PAD=checks.pow2(group, 16),
+        GROUP_PAD=arg_checks.pow2(group, 16),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         TILE_N=tile_size,
         NUM_SPLITS=num_splits,
-        DOT_FP32=checks.dot_in_fp32(q.dtype),
+        DOT_FP32=arg_checks.dot_in_fp32(q.dtype),
         num_warps=num_warps,
     )  # fmt: skip
     if num_splits > 1:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.triton import checks
+from batchgen.kernels.triton import arg_checks
 
 MAX_HIDDEN = 65536  # one row per program in registers; Llama-405B is 16384
 
@@ -68,16 +68,16 @@ def _launch(
     if x.dim() < 1:
         raise ValueError("x must have a hidden dimension")
     hidden = x.shape[-1]
-    checks.check_shape("weight", weight, (hidden,))
-    checks.check_dtype("x", x, checks.FLOAT_DTYPES)
-    checks.check_dtype("weight", weight, checks.FLOAT_DTYPES)
+    arg_checks.check_shape("weight", weight, (hidden,))
+    arg_checks.check_dtype("x", x, arg_checks.FLOAT_DTYPES)
+    arg_checks.check_dtype("weight", weight, arg_checks.FLOAT_DTYPES)
     tensors = {"x": x, "weight": weight}
     if residual is not None:
-        checks.check_shape("residual", residual, tuple(x.shape))
-        checks.check_dtype("residual", residual, checks.FLOAT_DTYPES)
+        arg_checks.check_shape("residual", residual, tuple(x.shape))
+        arg_checks.check_dtype("residual", residual, arg_checks.FLOAT_DTYPES)
         tensors["residual"] = residual
-    device = checks.check_device(**tensors)
-    checks.check_last_dim_contiguous(weight=weight)
+    device = arg_checks.check_device(**tensors)
+    arg_checks.check_last_dim_contiguous(weight=weight)
     if hidden > MAX_HIDDEN:
         raise ValueError(f"hidden size {hidden} exceeds the kernel limit {MAX_HIDDEN}")
 
@@ -93,7 +93,7 @@ def _launch(
     residual_rows = _rows(residual, hidden) if residual is not None else x_rows
     out_rows = out.view(-1, hidden)
     residual_out_rows = residual_out.view(-1, hidden) if residual_out is not None else out_rows
-    block = checks.pow2(hidden)
+    block = arg_checks.pow2(hidden)
     _rms_norm_kernel[(x_rows.shape[0],)](
         x_rows, residual_rows, weight, out_rows, residual_out_rows,
         x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0), residual_out_rows.stride(0),

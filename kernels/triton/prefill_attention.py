@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.triton import checks
+from batchgen.kernels.triton import arg_checks
 from batchgen.kernels.triton.attention_tile import (
     LOG2E,
     kv_row_offsets,
@@ -184,19 +184,19 @@ def check_prefill_args(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     max_context_len: int,
-) -> checks.PagedAttentionShape:
-    shape = checks.check_paged_attention(
+) -> arg_checks.PagedAttentionShape:
+    shape = arg_checks.check_paged_attention(
         q, k_cache, v_cache, block_tables, context_lens, max_context_len,
         max_head_dim=MAX_HEAD_DIM, max_group=MAX_GROUP, query_start_loc=query_start_loc,
     )  # fmt: skip
-    checks.check_shape("query_start_loc", query_start_loc, (block_tables.shape[0] + 1,))
+    arg_checks.check_shape("query_start_loc", query_start_loc, (block_tables.shape[0] + 1,))
     if max_query_len > max(max_context_len, 0):
         raise ValueError(f"max_query_len {max_query_len} > max_context_len {max_context_len}")
     return shape
 
 
 def launch_prefill(
-    shape: checks.PagedAttentionShape,
+    shape: arg_checks.PagedAttentionShape,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -217,11 +217,11 @@ def launch_prefill(
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
     if num_tokens == 0 or num_seqs == 0 or num_heads == 0 or max_query_len <= 0:
         return out
-    head_dim_pad = checks.pow2(head_dim, 16)
+    head_dim_pad = arg_checks.pow2(head_dim, 16)
     if block_m is None:
         # Enough rows for the longest chunk's group, capped at 64 (128 with
         # big groups): short decode-like chunks do not pay for 64 rows.
-        block_m = min(checks.pow2(max_query_len * group, 16), checks.pow2(group, 64))
+        block_m = min(arg_checks.pow2(max_query_len * group, 16), arg_checks.pow2(group, 64))
     if tile_size is None:
         tile_size = 64 if head_dim_pad <= 128 else 32
     for name, value in (("block_m", block_m), ("tile_size", tile_size)):
@@ -244,7 +244,7 @@ def launch_prefill(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         TILE_N=tile_size,
-        DOT_FP32=checks.dot_in_fp32(q.dtype),
+        DOT_FP32=arg_checks.dot_in_fp32(q.dtype),
         num_warps=4 if head_dim_pad <= 128 else 8,
     )  # fmt: skip
     return out

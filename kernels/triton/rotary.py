@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.triton import checks
+from batchgen.kernels.triton import arg_checks
 
 MAX_HEAD_DIM = 512  # head_dim // 2 pads to a power of two; a (BLOCK_H, half) tile per tensor
 BLOCK_H = 16  # heads per program: (16, 64) fp32 halves for head_dim 128
@@ -89,8 +89,8 @@ def apply_rotary(
     head_dim // 2) fp32. Positions are not range-checked on the host (that
     would synchronise). Limits: even head_dim <= 512.
     """
-    checks.check_dim("q", q, 3, "(num_tokens, num_heads, head_dim)")
-    checks.check_dim("k", k, 3, "(num_tokens, num_kv_heads, head_dim)")
+    arg_checks.check_dim("q", q, 3, "(num_tokens, num_heads, head_dim)")
+    arg_checks.check_dim("k", k, 3, "(num_tokens, num_kv_heads, head_dim)")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if k.shape[0] != num_tokens or k.shape[2] != head_dim:
@@ -98,20 +98,20 @@ def apply_rotary(
     if head_dim % 2 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be even and <= {MAX_HEAD_DIM}, got {head_dim}")
     half = head_dim // 2
-    checks.check_shape("positions", positions, (num_tokens,))
-    checks.check_dim("cos_cache", cos_cache, 2, "(max_positions, head_dim // 2)")
-    checks.check_shape("sin_cache", sin_cache, tuple(cos_cache.shape))
+    arg_checks.check_shape("positions", positions, (num_tokens,))
+    arg_checks.check_dim("cos_cache", cos_cache, 2, "(max_positions, head_dim // 2)")
+    arg_checks.check_shape("sin_cache", sin_cache, tuple(cos_cache.shape))
     if cos_cache.shape[1] != half:
         raise ValueError(f"cos_cache has {cos_cache.shape[1]} columns, head_dim // 2 is {half}")
-    checks.check_dtype("q", q, checks.FLOAT_DTYPES)
-    checks.check_dtype("k", k, checks.FLOAT_DTYPES)
-    checks.check_dtype("positions", positions, (torch.int64,))
-    checks.check_dtype("cos_cache", cos_cache, (torch.float32,))
-    checks.check_dtype("sin_cache", sin_cache, (torch.float32,))
-    device = checks.check_device(
+    arg_checks.check_dtype("q", q, arg_checks.FLOAT_DTYPES)
+    arg_checks.check_dtype("k", k, arg_checks.FLOAT_DTYPES)
+    arg_checks.check_dtype("positions", positions, (torch.int64,))
+    arg_checks.check_dtype("cos_cache", cos_cache, (torch.float32,))
+    arg_checks.check_dtype("sin_cache", sin_cache, (torch.float32,))
+    device = arg_checks.check_device(
         q=q, k=k, positions=positions, cos_cache=cos_cache, sin_cache=sin_cache
     )
-    checks.check_last_dim_contiguous(
+    arg_checks.check_last_dim_contiguous(
         q=q, k=k, positions=positions, cos_cache=cos_cache, sin_cache=sin_cache
     )
 
@@ -127,7 +127,7 @@ def apply_rotary(
         cos_cache.stride(0), sin_cache.stride(0),
         num_heads, num_kv_heads,
         HALF=half,
-        HALF_PAD=checks.pow2(half),
+        HALF_PAD=arg_checks.pow2(half),
         BLOCK_H=BLOCK_H,
     )  # fmt: skip
     return q_out, k_out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.kernels.batch import AttentionBatch
-from batchgen.kernels.triton.checks import PagedAttentionShape
+from batchgen.kernels.triton.arg_checks import PagedAttentionShape
 from batchgen.kernels.triton.decode_attention import check_decode_args, launch_decode
 from batchgen.kernels.triton.prefill_attention import check_prefill_args, launch_prefill
 from batchgen.kernels.triton.store_kv import store_kv

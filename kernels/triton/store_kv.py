@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from batchgen.kernels.reference import PAD_SLOT_ID
-from batchgen.kernels.triton import checks
+from batchgen.kernels.triton import arg_checks
 
 # head_dim is padded to a power of two for tl.arange; beyond this the program's
 # registers spill (no model of the Llama family goes past 256).
@@ -77,12 +77,12 @@ def store_kv(
     range-checked on the host (that would synchronise); out-of-range slots are
     the caller's bug, as they are an IndexError in the reference.
     """
-    checks.check_dim("key", key, 3, "(num_tokens, num_kv_heads, head_dim)")
-    checks.check_dim("k_cache", k_cache, 4, "(num_blocks, block_size, num_kv_heads, head_dim)")
+    arg_checks.check_dim("key", key, 3, "(num_tokens, num_kv_heads, head_dim)")
+    arg_checks.check_dim("k_cache", k_cache, 4, "(num_blocks, block_size, num_kv_heads, head_dim)")
     num_tokens, num_kv_heads, head_dim = key.shape
-    checks.check_shape("value", value, tuple(key.shape))
-    checks.check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    checks.check_shape("slot_mapping", slot_mapping, (num_tokens,))
+    arg_checks.check_shape("value", value, tuple(key.shape))
+    arg_checks.check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    arg_checks.check_shape("slot_mapping", slot_mapping, (num_tokens,))
     if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
         raise ValueError(
             f"k_cache heads/head_dim {tuple(k_cache.shape[2:])} do not match key's "
@@ -90,20 +90,20 @@ def store_kv(
         )
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} exceeds the kernel limit {MAX_HEAD_DIM}")
-    checks.check_dtype("key", key, checks.FLOAT_DTYPES)
-    checks.check_same_dtype(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
-    checks.check_dtype("slot_mapping", slot_mapping, (torch.int64,))
-    checks.check_device(
+    arg_checks.check_dtype("key", key, arg_checks.FLOAT_DTYPES)
+    arg_checks.check_same_dtype(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+    arg_checks.check_dtype("slot_mapping", slot_mapping, (torch.int64,))
+    arg_checks.check_device(
         key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping
     )
-    checks.check_last_dim_contiguous(
+    arg_checks.check_last_dim_contiguous(
         key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping
     )
     if num_tokens == 0 or num_kv_heads == 0:
         return
-    head_dim_pad = checks.pow2(head_dim)
+    head_dim_pad = arg_checks.pow2(head_dim)
     # ~1024 elements per program (8 heads of 128), >= 8 per thread
-    block_h = min(checks.pow2(num_kv_heads), max(1, 1024 // head_dim_pad))
+    block_h = min(arg_checks.pow2(num_kv_heads), max(1, 1024 // head_dim_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _store_kv_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.jobs.redis_server import RedisServer
+from batchgen.jobs.redis.redis_server import RedisServer
 from tests.chaos.harness import Chaos, Reference
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import pyarrow.fs as pafs
 import redis
 
-from batchgen.jobs.keys import GROUP
-from batchgen.jobs.redis_server import RedisServer
+from batchgen.jobs.redis.keys import GROUP
+from batchgen.jobs.redis.redis_server import RedisServer
 from tests.chaos.harness import Chaos, Proc, wait_until, write_jsonl
 from tests.netns import Hosts
 from tests.s3_server import MotoServer

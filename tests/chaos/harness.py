@@ -25,12 +25,12 @@ from typing import Any
 import pyarrow.parquet as pq
 import redis
 
-from batchgen.jobs import tasks
-from batchgen.jobs.keys import GROUP, Keys, QueueKeys
-from batchgen.jobs.records import JobRecord, load_job
-from batchgen.jobs.redis_server import RedisServer
-from batchgen.worker.config import EngineConfig
-from batchgen.worker.loop.config import LoopConfig
+from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.job_record import JobRecord, load_job
+from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys
+from batchgen.jobs.redis.redis_server import RedisServer
+from batchgen.worker.engine_config import EngineConfig
+from batchgen.worker.loop.loop_config import LoopConfig
 
 KEYS = Keys("bg")
 HOOKS = Path(__file__).parent / "hooks"  # sitecustomize with the poison-request hook

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 
-from batchgen.jobs.keys import text
+from batchgen.jobs.redis.keys import text
 from tests.chaos.harness import OK_REASONS, Chaos, prompt_lines, wait_until
 
 

@@ -15,11 +15,11 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs import submit as submit_mod
 from batchgen.jobs.crashpoints import CRASH_EXIT_CODE
-from batchgen.jobs.keys import GROUP
-from batchgen.jobs.redis_server import RedisServer
-from batchgen.jobs.result import LOST
+from batchgen.jobs.ops import submission as submit_mod
+from batchgen.jobs.ops.result import LOST
+from batchgen.jobs.redis.keys import GROUP
+from batchgen.jobs.redis.redis_server import RedisServer
 from tests.chaos.harness import (
     Chaos,
     assert_exactly_once,

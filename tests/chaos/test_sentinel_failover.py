@@ -21,11 +21,11 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs import sentinel
-from batchgen.jobs import submit as submit_mod
-from batchgen.jobs.connection import connect
-from batchgen.jobs.errors import RedisUnavailable
-from batchgen.jobs.redis_server import RedisServer, find_redis_server, free_port
+from batchgen.jobs.ops import submission as submit_mod
+from batchgen.jobs.redis import sentinel
+from batchgen.jobs.redis.connection import connect
+from batchgen.jobs.redis.redis_server import RedisServer, find_redis_server, free_port
+from batchgen.jobs.schema.errors import RedisUnavailable
 from tests.chaos.harness import (
     Chaos,
     assert_exactly_once,

@@ -18,7 +18,7 @@ from functools import partial
 import pyarrow.parquet as pq
 
 from batchgen.jobs.crashpoints import CRASH_EXIT_CODE
-from batchgen.jobs.keys import text
+from batchgen.jobs.redis.keys import text
 from tests.chaos.harness import (
     Chaos,
     assert_exactly_once,

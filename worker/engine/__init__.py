@@ -1,10 +1,10 @@
 """The generation engine: continuous batching over a paged KV cache."""
 
-from batchgen.jobs.structured import StructuredOutput
-from batchgen.worker.config import EngineConfig, InvalidEngineConfig
+from batchgen.jobs.schema.constraints import StructuredOutput
 from batchgen.worker.engine.engine import Engine, EngineStats
-from batchgen.worker.engine.params import SamplingParams
 from batchgen.worker.engine.request import FinishReason, RequestOutput, RequestRejected, Sample
+from batchgen.worker.engine.sampling_params import SamplingParams
+from batchgen.worker.engine_config import EngineConfig, InvalidEngineConfig
 
 __all__ = [
     "Engine",

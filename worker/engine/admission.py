@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchgen.worker.engine.params import SamplingParams
 from batchgen.worker.engine.request import RequestRejected
+from batchgen.worker.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,13 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from batchgen.worker.config import EngineConfig
 from batchgen.worker.engine.admission import Capacity, check_fits
 from batchgen.worker.engine.block_manager import BlockManager
+from batchgen.worker.engine.constrained import GrammarError, Grammars
 from batchgen.worker.engine.detokenizer import StopStringMatcher
 from batchgen.worker.engine.loading import EngineLimits, build_engine
+from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.outputs import build_output
-from batchgen.worker.engine.params import SamplingParams
 from batchgen.worker.engine.request import (
     EmbedTask,
     FinishReason,
@@ -31,10 +31,10 @@ from batchgen.worker.engine.request import (
     RequestRejected,
     RequestStatus,
 )
-from batchgen.worker.engine.runner import ModelRunner
+from batchgen.worker.engine.sampling_params import SamplingParams
 from batchgen.worker.engine.scheduler import Scheduler
 from batchgen.worker.engine.stopping import stop_reason
-from batchgen.worker.engine.structured import GrammarError, Grammars
+from batchgen.worker.engine_config import EngineConfig
 
 _EMBED_PARAMS = SamplingParams(max_tokens=1)  # an embedding request's (never sampled)
 

@@ -7,7 +7,7 @@ import mmap
 
 import torch
 
-from batchgen.worker.models.config import ModelConfig
+from batchgen.worker.models.model_config import ModelConfig
 
 # CPU has no "free device memory" to read; without an explicit size we take this.
 DEFAULT_CPU_KV_BYTES = 1 << 30

@@ -11,15 +11,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchgen.kernels import select_ops
-from batchgen.worker.config import DTYPES, EngineConfig
 from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
 from batchgen.worker.engine.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.pooling import load_pooling
-from batchgen.worker.engine.runner import ModelRunner
 from batchgen.worker.engine.sampler import Sampler
-from batchgen.worker.models.config import ModelConfig, UnsupportedModelError, load_model_config
+from batchgen.worker.engine_config import DTYPES, EngineConfig
 from batchgen.worker.models.llama import LlamaModel
 from batchgen.worker.models.loader import load_weights
+from batchgen.worker.models.model_config import (
+    ModelConfig,
+    UnsupportedModelError,
+    load_model_config,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

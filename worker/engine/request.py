@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.worker.engine.detokenizer import StopStringMatcher
-from batchgen.worker.engine.params import SamplingParams
+from batchgen.worker.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

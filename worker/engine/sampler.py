@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.worker.engine.constrained import apply_masks
 from batchgen.worker.engine.request import Request
-from batchgen.worker.engine.structured import apply_masks
 
 _MASK64 = (1 << 64) - 1
 

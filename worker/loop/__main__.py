@@ -12,11 +12,11 @@ import sys
 
 
 def main() -> int:
-    from batchgen.jobs.connection import connect
-    from batchgen.jobs.errors import BatchgenError
-    from batchgen.worker.loop.config import LoopConfig
+    from batchgen.jobs.redis.connection import connect
+    from batchgen.jobs.schema.errors import BatchgenError
     from batchgen.worker.loop.engine_api import load_engine
-    from batchgen.worker.loop.runner import QueueLoop
+    from batchgen.worker.loop.loop_config import LoopConfig
+    from batchgen.worker.loop.queue_loop import QueueLoop
 
     config = LoopConfig.from_dict(json.loads(sys.stdin.read()))
     if config.supervised:

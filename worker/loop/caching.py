@@ -1,4 +1,4 @@
-"""The result cache (jobs/cache.py) as the queue loop uses it.
+"""The result cache (jobs/storage/result_cache.py) as the queue loop uses it.
 
 Before the engine: the requests of jobs submitted with ``--cache`` are looked
 up by content key, all of one admitted batch at once; a hit becomes its row
@@ -15,14 +15,14 @@ from collections.abc import Callable
 
 import redis
 
-from batchgen.jobs.cache import ResultCache, content_key
-from batchgen.jobs.commit import PartCommit
-from batchgen.jobs.errors import BatchgenError
-from batchgen.jobs.keys import Keys
-from batchgen.jobs.queue import Delivery
-from batchgen.jobs.rows import Row
-from batchgen.worker.loop.config import LoopConfig
+from batchgen.jobs.consumer.commit import PartCommit
+from batchgen.jobs.consumer.queue import Delivery
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema.errors import BatchgenError
+from batchgen.jobs.schema.rows import Row
+from batchgen.jobs.storage.result_cache import ResultCache, content_key
 from batchgen.worker.loop.flight import cached_row
+from batchgen.worker.loop.loop_config import LoopConfig
 
 log = logging.getLogger(__name__)
 _FAILURES = (redis.RedisError, BatchgenError, OSError)

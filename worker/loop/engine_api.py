@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from batchgen.worker.config import EngineConfig
+from batchgen.worker.engine_config import EngineConfig
 
 
 class EngineLike(Protocol):

@@ -61,10 +61,10 @@ class FinalizerProcess:
 
 
 def main() -> int:
-    from batchgen.jobs.connection import connect
-    from batchgen.jobs.errors import BatchgenError
-    from batchgen.jobs.keys import Keys
-    from batchgen.jobs.tasks import run_pending
+    from batchgen.jobs.ops.finalize_tasks import run_pending
+    from batchgen.jobs.redis.connection import connect
+    from batchgen.jobs.redis.keys import Keys
+    from batchgen.jobs.schema.errors import BatchgenError
 
     config = json.loads(sys.stdin.read())
     logging.basicConfig(

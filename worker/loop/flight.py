@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchgen.jobs.queue import Delivery
-from batchgen.jobs.rows import FinishReason, Row
-from batchgen.jobs.structured import kind_of
+from batchgen.jobs.consumer.queue import Delivery
+from batchgen.jobs.schema.constraints import kind_of
+from batchgen.jobs.schema.rows import FinishReason, Row
 
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 

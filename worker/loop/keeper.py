@@ -28,10 +28,10 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs import heartbeat
-from batchgen.jobs.keys import Keys, QueueKeys, text
-from batchgen.jobs.queue import refresh
-from batchgen.worker.loop.config import LoopConfig
+from batchgen.jobs.consumer.queue import refresh
+from batchgen.jobs.redis import heartbeat
+from batchgen.jobs.redis.keys import Keys, QueueKeys, text
+from batchgen.worker.loop.loop_config import LoopConfig
 
 log = logging.getLogger(__name__)
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)

@@ -20,14 +20,14 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.queue import Delivery, HandBack
-from batchgen.jobs.rows import from_dict
-from batchgen.jobs.sink import PartSink
+from batchgen.jobs.consumer.queue import Delivery, HandBack
+from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.schema.rows import from_dict
 from batchgen.worker.loop.caching import LoopCache
-from batchgen.worker.loop.config import LoopConfig
 from batchgen.worker.loop.engine_api import EngineAPI
 from batchgen.worker.loop.flight import Flight, error_row, now_ms, output_row, resumable
 from batchgen.worker.loop.isolation import Isolation
+from batchgen.worker.loop.loop_config import LoopConfig
 from batchgen.worker.loop.upkeep import JobInfo
 
 log = logging.getLogger(__name__)

@@ -29,12 +29,12 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.errors import UsageError
-from batchgen.jobs.heartbeat import live_workers
-from batchgen.jobs.keys import GROUP, Keys
-from batchgen.jobs.tasks import finalize_queue
-from batchgen.worker.loop.config import ENGINE_FAILED_EXIT, LoopConfig, default_name
+from batchgen.jobs.ops.finalize_tasks import finalize_queue
+from batchgen.jobs.redis.heartbeat import live_workers
+from batchgen.jobs.redis.keys import GROUP, Keys
+from batchgen.jobs.schema.errors import UsageError
 from batchgen.worker.loop.finalizer import FinalizerProcess
+from batchgen.worker.loop.loop_config import ENGINE_FAILED_EXIT, LoopConfig, default_name
 from batchgen.worker.loop.metrics import render, serve
 
 log = logging.getLogger(__name__)

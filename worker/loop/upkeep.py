@@ -2,7 +2,7 @@
 
 - reclaim: take over entries idle past the claim timeout (a dead worker's);
   deleted ones are counted as lost (maintenance.sweep turns them into rows)
-- sweep: lost requests and stuck finalizes (jobs/maintenance.py)
+- sweep: lost requests and stuck finalizes (jobs/ops/maintenance.py)
 - the heartbeat's payload, which the keeper thread sends (keeper.py also keeps
   the claims fresh and hears cancels, off the main thread)
 """
@@ -21,14 +21,14 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs import heartbeat
-from batchgen.jobs.keys import Keys, QueueKeys, queue_name, text
-from batchgen.jobs.maintenance import sweep
-from batchgen.jobs.modelinfo import fingerprint
-from batchgen.jobs.queue import Delivery, dead_letter, reclaim, recreate_group
-from batchgen.jobs.tasks import enqueue_finalize
-from batchgen.worker.loop.config import LoopConfig
+from batchgen.jobs.consumer.queue import Delivery, dead_letter, reclaim, recreate_group
+from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
+from batchgen.jobs.ops.maintenance import sweep
+from batchgen.jobs.ops.modelinfo import fingerprint
+from batchgen.jobs.redis import heartbeat
+from batchgen.jobs.redis.keys import Keys, QueueKeys, queue_name, text
 from batchgen.worker.loop.flight import error_row
+from batchgen.worker.loop.loop_config import LoopConfig
 
 log = logging.getLogger(__name__)
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels import AttentionBatch, KernelOps
-from batchgen.worker.models.config import ModelConfig
+from batchgen.worker.models.model_config import ModelConfig
 from batchgen.worker.models.rope import rope_tables
 from batchgen.worker.models.weights import ModelWeights, linear
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.worker.models.config import ModelConfig, UnsupportedModelError
+from batchgen.worker.models.model_config import ModelConfig, UnsupportedModelError
 from batchgen.worker.models.weights import LayerWeights, ModelWeights
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.worker.models.config import ModelConfig
+from batchgen.worker.models.model_config import ModelConfig
 
 
 def rope_tables(

@@ -28,7 +28,7 @@ _TARGET = "batchgen.worker.engine.engine"
 
 
 def _install(engine_module: Any, poison: dict[str, str]) -> None:
-    from batchgen.worker.engine.runner import ModelRunner
+    from batchgen.worker.engine.model_runner import ModelRunner
 
     marked: dict[str, str] = {}  # engine request id -> action
     add_request, run = engine_module.Engine.add_request, ModelRunner.run

@@ -1,0 +1,343 @@
+"""Input lines -> self-contained queue entries, or an error naming line and column.
+
+Two line formats (docs/pipeline.md, "Input lines"):
+
+- native: ``{"id"?, "prompt" | "messages", <sampling params>?, "metadata"?}``
+- OpenAI batch: ``{"custom_id", "method": "POST", "url", "body"}`` where ``url`` is
+  ``/v1/chat/completions`` (``body.messages``), ``/v1/completions``
+  (``body.prompt``) or ``/v1/embeddings`` (``body.input``); ``custom_id`` becomes
+  the row id.
+- native embedding: ``{"input", "task": "embed", "dimensions"?, "id"?, "metadata"?}``
+
+Unknown fields are errors (a typo such as ``max_token`` would otherwise be
+silently ignored). An OpenAI body's dialect (fields accepted and ignored, fields
+refused as not supported, chat's logprobs) is ``openai_body``'s.
+
+An entry carries the prompt or messages, every sampling parameter (job defaults
+merged with the line's own), id and metadata, so a worker needs nothing else.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-defined]
+from typing import Any
+
+from batchgen.jobs.intake import jsonpos, strictjson
+from batchgen.jobs.intake.embeddings import BODY_FIELDS as EMBEDDING_BODY_FIELDS
+from batchgen.jobs.intake.embeddings import EmbeddingError, embedding_input
+from batchgen.jobs.intake.embeddings import body_entry as embedding_body
+from batchgen.jobs.intake.embeddings import dimensions as embedding_dimensions
+from batchgen.jobs.intake.lines import MAX_LINE_BYTES as MAX_LINE_BYTES  # submit's default limit
+from batchgen.jobs.intake.lines import LineError
+from batchgen.jobs.intake.openai_body import FIELDS as BODY_FIELDS
+from batchgen.jobs.intake.openai_body import PARAMS, BodyError, body_params
+from batchgen.jobs.schema.constraints import from_response_format
+from batchgen.jobs.schema.sampling import CHECKS, ParamError, check_together
+
+MAX_ID_CHARS = 1024
+MAX_METADATA_BYTES = 64 << 10
+MAX_MESSAGES = 10_000
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+NATIVE_FIELDS = frozenset({"id", "prompt", "messages", "metadata", "response_format", *CHECKS})
+EMBED_FIELDS = frozenset({"id", "input", "task", "dimensions", "metadata"})
+OPENAI_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
+# JSONEncoder.encode builds this C encoder anew for every call, a tenth of a line's
+# validation: built once here (entries hold dicts, lists, strings and numbers, no
+# cycles). Same bytes either way: the job's fingerprint is their sha256.
+_C_ENCODER = c_make_encoder and c_make_encoder(
+    None, _ENCODER.default, encode_basestring, None, ":", ",", False, False, True
+)
+
+
+class FieldError(Exception):
+    """What is wrong with a request's field; ``path`` leads to it (keys and list
+    positions), which a line turns into a column and a table row into a column name."""
+
+    def __init__(self, path: tuple[str | int, ...], message: str, at_key: bool = False) -> None:
+        super().__init__(message)
+        self.path = path
+        self.message = message
+        self.at_key = at_key  # point at the key (unknown fields), not its value
+
+
+def parse_line(
+    number: int, raw: bytes, defaults: dict[str, Any], vocab_size: int | None = None
+) -> bytes | LineError:
+    """The queue entry for one line's content (compact UTF-8 JSON), or what is wrong
+    with it. ``vocab_size``: the model's, when known at submit (logit_bias ids are
+    checked against it; else the worker refuses an id outside it as an error row)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        column = len(raw[: exc.start].decode("utf-8", "replace")) + 1
+        return LineError(number, column, f"invalid UTF-8 (byte 0x{raw[exc.start]:02x})")
+    try:
+        value = strictjson.loads(text)
+    except strictjson.JSONLineError as exc:
+        return LineError(number, exc.column, exc.message)
+    try:
+        if not isinstance(value, dict):
+            raise FieldError((), "a line must be a JSON object")
+        is_openai = bool(OPENAI_FIELDS & value.keys())
+        kind = _openai if is_openai else _native
+        entry = kind(value, defaults, len(text), vocab_size)
+    except FieldError as exc:
+        column = jsonpos.value_position(text, exc.path, key=exc.at_key)
+        return LineError(number, column, exc.message)
+    del text  # encoding holds up to three copies of the prompt; the text need not be a fourth
+    try:
+        return _encode(entry).encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON escapes can smuggle lone surrogates, which no UTF-8 encoder accepts.
+        column = jsonpos.lone_surrogate(raw.decode("utf-8")) + 1
+        return LineError(number, column, "unpaired surrogate escape (not valid Unicode)")
+
+
+def _encode(entry: dict[str, Any]) -> str:
+    return "".join(_C_ENCODER(entry, 0)) if _C_ENCODER else _ENCODER.encode(entry)
+
+
+def native_entry(
+    value: dict[str, Any], defaults: dict[str, Any], vocab_size: int | None = None
+) -> bytes:
+    """The queue entry for a native request given as values (a table row's), with
+    the checks a native line gets; FieldError, whose path names the field."""
+    return _encode(_native(value, defaults, 0, vocab_size)).encode("utf-8")
+
+
+def _native(
+    value: dict[str, Any], defaults: dict[str, Any], line_chars: int, vocab_size: int | None
+) -> dict[str, Any]:
+    if "task" in value or "input" in value:
+        return _native_embedding(value, line_chars)
+    _reject_unknown(value, NATIVE_FIELDS, ())
+    entry: dict[str, Any] = {}
+    if "id" in value:
+        entry["id"] = _row_id(value["id"], ("id",))
+    has_prompt, has_messages = "prompt" in value, "messages" in value
+    if has_prompt == has_messages:
+        raise FieldError((), 'give exactly one of "prompt" or "messages"')
+    if has_prompt:
+        entry["p"] = _prompt(value["prompt"], ("prompt",))
+    else:
+        entry["m"] = _messages(value["messages"], ("messages",))
+    given = {k: v for k, v in value.items() if k in CHECKS}
+    paths: dict[str, tuple[str, ...]] = {}
+    _response_format(value, given, paths, ())
+    entry["s"] = _params(given, defaults, (), paths, vocab_size)
+    if "metadata" in value:
+        entry["md"] = _metadata(value["metadata"], ("metadata",), line_chars)
+    return entry
+
+
+def _native_embedding(value: dict[str, Any], line_chars: int) -> dict[str, Any]:
+    """``{"input", "task": "embed", "dimensions"?, "id"?, "metadata"?}``."""
+    _reject_unknown(value, EMBED_FIELDS, ())
+    if value.get("task") != "embed":
+        raise FieldError(
+            ("task",) if "task" in value else (), 'an "input" line needs "task": "embed"'
+        )
+    if "input" not in value:
+        raise FieldError((), '"task": "embed" needs "input"')
+    try:
+        entry: dict[str, Any] = {"e": embedding_input(value["input"])}
+        if "dimensions" in value:
+            entry["dim"] = embedding_dimensions(value["dimensions"])
+    except EmbeddingError as exc:
+        raise FieldError((exc.field,), exc.message) from None
+    if "id" in value:
+        entry["id"] = _row_id(value["id"], ("id",))
+    if "metadata" in value:
+        entry["md"] = _metadata(value["metadata"], ("metadata",), line_chars)
+    return entry
+
+
+def _openai(
+    value: dict[str, Any], defaults: dict[str, Any], line_chars: int, vocab_size: int | None
+) -> dict[str, Any]:
+    _reject_unknown(value, OPENAI_FIELDS, ())
+    for name in ("custom_id", "method", "url", "body"):
+        if name not in value:
+            raise FieldError((), f'OpenAI batch line without "{name}"')
+    entry: dict[str, Any] = {"id": _row_id(value["custom_id"], ("custom_id",), text_only=True)}
+    if value["method"] != "POST":
+        shown = json.dumps(value["method"])[:60]  # a method name, unless hostile
+        raise FieldError(("method",), f'method must be "POST", got {shown}')
+    kind = URLS.get(value["url"]) if isinstance(value["url"], str) else None
+    if kind is None:
+        raise FieldError(("url",), f"url must be one of {', '.join(URLS)}")
+    body = value["body"]
+    if not isinstance(body, dict):
+        raise FieldError(("body",), "body must be an object")
+    if kind == "input":
+        _reject_unknown(body, EMBEDDING_BODY_FIELDS, ("body",))
+        try:
+            return {**entry, **embedding_body(body)}
+        except EmbeddingError as exc:
+            raise FieldError(("body", exc.field), exc.message) from None
+    _reject_unknown(body, BODY_FIELDS, ("body",))
+    other = "prompt" if kind == "messages" else "messages"
+    if other in body:
+        raise FieldError(("body", other), f"{value['url']} takes body.{kind}, not body.{other}")
+    if kind not in body:
+        raise FieldError(("body",), f"{value['url']} needs body.{kind}")
+    if kind == "prompt":
+        entry["p"] = _prompt(body["prompt"], ("body", "prompt"))
+    else:
+        entry["m"] = _messages(body["messages"], ("body", "messages"))
+    try:
+        params = body_params(body, chat=kind == "messages")
+    except BodyError as exc:
+        raise FieldError(("body", exc.field), exc.message, exc.at_key) from None
+    paths: dict[str, tuple[str, ...]] = {
+        name: ("body", key) for key, name in PARAMS.items() if key in body
+    }
+    paths["logprobs"] = ("body", "top_logprobs" if "top_logprobs" in body else "logprobs")
+    _response_format(body, params, paths, ("body",))
+    entry["s"] = _params(params, defaults, ("body",), paths, vocab_size)
+    if "metadata" in body:
+        entry["md"] = _metadata(body["metadata"], ("body", "metadata"), line_chars)
+    return entry
+
+
+def _reject_unknown(value: dict[str, Any], allowed: frozenset[str], at: tuple[str, ...]) -> None:
+    if value.keys() <= allowed:
+        return
+    for key in value:
+        if key not in allowed:
+            # difflib indexes each character of the key: a hint only for name-sized keys
+            close = difflib.get_close_matches(key, sorted(allowed), n=1) if len(key) < 64 else []
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            where = strictjson.clip(".".join((*at, key)))
+            raise FieldError((*at, key), f"unknown field {where}{hint}", at_key=True)
+
+
+def _row_id(value: Any, path: tuple[str, ...], text_only: bool = False) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and not text_only:
+        return str(value)
+    if not isinstance(value, str) or not value:
+        kind = "a non-empty string" if text_only else "a non-empty string or an integer"
+        raise FieldError(path, f"{path[-1]} must be {kind}")
+    if len(value) > MAX_ID_CHARS:
+        raise FieldError(path, f"{path[-1]} is longer than {MAX_ID_CHARS} characters")
+    return value
+
+
+def _prompt(value: Any, path: tuple[str, ...]) -> str:
+    if isinstance(value, list):
+        raise FieldError(path, "prompt must be one string (one prompt per line)")
+    if not isinstance(value, str):
+        raise FieldError(path, "prompt must be a string")
+    if not value:
+        raise FieldError(path, "prompt is empty")
+    return value
+
+
+def _messages(value: Any, path: tuple[str, ...]) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise FieldError(path, "messages must be a non-empty list of {role, content} objects")
+    if len(value) > MAX_MESSAGES:
+        raise FieldError(path, f"more than {MAX_MESSAGES} messages")
+    out = []
+    for i, message in enumerate(value):
+        at: tuple[str | int, ...] = (*path, i)
+        if not isinstance(message, dict):
+            raise FieldError(at, "each message must be an object with role and content")
+        for key in message:
+            if key not in ("role", "content", "name"):
+                raise FieldError(
+                    (*at, key), f"unknown message field {strictjson.clip(key)}", at_key=True
+                )
+        role = message.get("role")
+        if role not in ROLES:
+            raise FieldError((*at, "role"), f"role must be one of {', '.join(ROLES)}")
+        if "content" not in message:
+            raise FieldError(at, "message without content")
+        normalized = {"role": role, "content": _content(message["content"], (*at, "content"))}
+        if "name" in message:
+            if not isinstance(message["name"], str):
+                raise FieldError((*at, "name"), "name must be a string")
+            normalized["name"] = message["name"]
+        out.append(normalized)
+    if not any(m["content"] for m in out):
+        raise FieldError(path, "every message is empty")
+    return out
+
+
+def _content(value: Any, path: tuple[str | int, ...]) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise FieldError((*path, i), 'only {"type": "text"} content parts are supported')
+            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise FieldError((*path, i), 'a text part is {"type": "text", "text": "..."}')
+            texts.append(part["text"])
+        return "".join(texts)
+    raise FieldError(path, "content must be a string or a list of text parts")
+
+
+def _params(
+    given: dict[str, Any],
+    defaults: dict[str, Any],
+    at: tuple[str, ...],
+    paths: dict[str, tuple[str, ...]] | None = None,
+    vocab_size: int | None = None,
+) -> dict[str, Any]:
+    merged = dict(defaults)
+    paths = paths or {}
+    for name, value in given.items():
+        try:
+            merged[name] = CHECKS[name](name, value)  # params.check, one call less a field
+        except ParamError as exc:
+            raise FieldError(paths.get(name, (*at, name)), str(exc)) from None
+    bias = merged.get("logit_bias")
+    if bias and vocab_size is not None:
+        outside = [token for token in bias if int(token) >= vocab_size]
+        if outside:
+            path = paths.get("logit_bias", (*at, "logit_bias"))
+            raise FieldError(path, f"logit_bias token id {outside[0]} is outside the model's "
+                              f"vocabulary [0, {vocab_size})")  # fmt: skip
+    if merged.get("structured_output"):
+        try:
+            check_together(merged)
+        except ParamError as exc:
+            path = paths.get("structured_output", (*at, "structured_output"))
+            raise FieldError(path if "structured_output" in given else at, str(exc)) from None
+    return merged
+
+
+def _response_format(
+    value: dict[str, Any], given: dict[str, Any], paths: dict[str, tuple[str, ...]],
+    at: tuple[str, ...],
+) -> None:  # fmt: skip
+    """OpenAI's response_format, as the structured_output it means."""
+    if "response_format" not in value:
+        return
+    path = (*at, "response_format")
+    if "structured_output" in value:
+        raise FieldError(path, "give response_format or structured_output, not both")
+    try:
+        given["structured_output"] = from_response_format(value["response_format"])
+    except ParamError as exc:
+        raise FieldError(path, str(exc)) from None
+    paths["structured_output"] = path
+
+
+def _metadata(value: Any, path: tuple[str, ...], line_chars: int) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise FieldError(path, "metadata must be an object")
+    if line_chars * 4 < MAX_METADATA_BYTES:
+        return value  # re-serialized, it cannot outgrow this short a line much
+    size = len(_ENCODER.encode(value).encode("utf-8", "surrogatepass"))
+    if size > MAX_METADATA_BYTES:
+        raise FieldError(path, f"metadata is {size:,} bytes; at most {MAX_METADATA_BYTES:,}")
+    return value

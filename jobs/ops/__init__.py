@@ -1,0 +1,1 @@
+"""Job operations and the job lifecycle: submit, cancel, delete, download, finalize, retry, status."""

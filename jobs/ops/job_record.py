@@ -1,0 +1,167 @@
+"""The job record: one Redis hash per job (its states: lifecycle.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.redis.keys import Keys, QueueKeys, text, text_hash
+from batchgen.jobs.schema.errors import JobNotFound
+
+_INT_FIELDS = (
+    "total",
+    "enqueued",
+    "done",
+    "failed",
+    "skipped",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "finalize_attempts",
+    "retention_s",
+    "retried",
+    "retry_rounds",
+    "retry_cursor",
+)
+_FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "finalize_retry_at")
+_STR_FIELDS = (
+    "model",
+    "queue",
+    "tag",
+    "output",
+    "output_token",
+    "source",
+    "source_sha256",
+    "error",
+    "storage_error",
+    "refused",
+    "last_id",
+    "cache",
+    "input_format",
+    "table",
+)
+
+
+@dataclass(slots=True)
+class JobRecord:
+    id: str
+    state: JobState = JobState.QUEUED
+    model: str = ""
+    queue: str = ""  # the queue name (see keys.queue_name)
+    tag: str = ""  # the queue's hash tag
+    output: str = ""  # URI of the job's output directory
+    output_token: str = ""  # the token of the output's marker (ownership.py)
+    defaults: dict[str, Any] = field(default_factory=dict)  # job-level sampling defaults
+    source: str = ""  # input file name, for the manifest
+    source_sha256: str = ""  # of the valid entries, so a re-submit can prove it is the same job
+    total: int = 0  # valid input lines = rows the output will hold
+    enqueued: int = 0  # entries appended so far; == total once submit finished
+    done: int = 0
+    failed: int = 0
+    skipped: int = 0  # invalid lines skipped with --skip-invalid
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    created_at: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    error: str = ""
+    storage_error: str = ""  # a worker cannot write the job's parts (rows kept, not charged)
+    refused: str = ""  # a worker holding other weights under the model's name would not run it
+    last_id: str = ""  # newest stream id carrying one of its requests
+    closed: bool = False  # finalize has frozen the committed parts
+    retention_s: int = 0  # the finished job's Redis state expires after this (retention.py)
+    finalize_attempts: int = 0  # failed finalize runs (a killed finalizer is not one)
+    finalize_retry_at: float = 0.0  # after a failed finalize: when the workers retry it
+    model_fingerprint: str = ""
+    cache: str = ""  # the result cache's location (cache.py) when submitted with --cache
+    retried: int = 0  # rows re-queued by `batchgen retry`, all rounds together (retry.py)
+    retry_rounds: int = 0  # retries that re-opened the job
+    retry_cursor: int = 0  # the input index the current retry enqueues from next
+    input_format: str = ""  # "jsonl", "parquet" or "csv" (sources.py); "" before tables
+    table: str = ""  # a table input's flags, TableSpec.to_json (tables.py); "" for JSONL
+    kept_columns: list[str] = field(default_factory=list)  # input columns in the result (kept.py)
+
+    @property
+    def retry_incomplete(self) -> bool:
+        """A retry re-opened the job but was stopped before it queued every retried row."""
+        return self.state.live and self.retry_rounds > 0 and self.retry_cursor < self.total
+
+    @property
+    def submitted(self) -> bool:
+        return self.enqueued >= self.total
+
+    @property
+    def finished_rows(self) -> int:
+        return self.done + self.failed
+
+    def to_hash(self) -> dict[str, str]:
+        out = {name: str(getattr(self, name)) for name in (*_INT_FIELDS, *_STR_FIELDS)}
+        out.update({name: repr(getattr(self, name)) for name in _FLOAT_FIELDS})
+        out["state"] = self.state.value
+        out["defaults"] = json.dumps(self.defaults, sort_keys=True)
+        out["closed"] = "1" if self.closed else "0"
+        out["kept_columns"] = json.dumps(self.kept_columns)
+        if self.model_fingerprint:  # else left for the first worker to set (HSETNX)
+            out["model_fingerprint"] = self.model_fingerprint
+        return out
+
+    @classmethod
+    def from_hash(cls, job_id: str, raw: object) -> JobRecord:
+        data = text_hash(raw)
+        record = cls(id=job_id, state=JobState(data.get("state", "queued")))
+        for name in _INT_FIELDS:
+            setattr(record, name, int(data.get(name) or 0))
+        for name in _FLOAT_FIELDS:
+            setattr(record, name, float(data.get(name) or 0.0))
+        for name in _STR_FIELDS:
+            setattr(record, name, data.get(name, ""))
+        record.defaults = json.loads(data.get("defaults") or "{}")
+        record.closed = data.get("closed") == "1"
+        record.kept_columns = json.loads(data.get("kept_columns") or "[]")
+        record.model_fingerprint = data.get("model_fingerprint", "")
+        return record
+
+    def spec(self) -> dict[str, Any]:
+        """What the user asked for, for the manifest."""
+        return {
+            "job_id": self.id,
+            "model": self.model,
+            "queue": self.queue,
+            "defaults": self.defaults,
+            "source": self.source,
+            "source_sha256": self.source_sha256,
+            "input_format": self.input_format or "jsonl",
+            "kept_columns": self.kept_columns,
+            "output": self.output,
+        }
+
+
+def queue_of_job(conn: redis.Redis, keys: Keys, job_id: str) -> QueueKeys:
+    tag = conn.hget(keys.jobs, job_id)
+    if not tag:
+        raise JobNotFound(
+            f"no job {job_id!r} in this Redis (see `batchgen jobs`; if it existed, "
+            "Redis lost its state: was it restarted without persistence?)"
+        )
+    return keys.queue(text(tag))
+
+
+def load_job(conn: redis.Redis, keys: Keys, job_id: str) -> JobRecord:
+    qk = queue_of_job(conn, keys, job_id)
+    raw = conn.hgetall(qk.job(job_id).job)
+    if not raw:
+        raise JobNotFound(
+            f"job {job_id!r} is indexed but its record is gone: Redis lost its state "
+            "(restarted without persistence?); re-submit the file"
+        )
+    return JobRecord.from_hash(job_id, raw)
+
+
+def now() -> float:
+    return time.time()

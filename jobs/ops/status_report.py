@@ -1,0 +1,97 @@
+"""status: what a job (or every job) is doing, as data; the CLI renders it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from batchgen.jobs.ops.job_record import JobRecord, load_job
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.redis.heartbeat import live_workers
+from batchgen.jobs.redis.keys import Keys, text_hash
+from batchgen.jobs.storage.names import redact_uri
+
+
+@dataclass(slots=True)
+class JobStatus:
+    record: JobRecord
+    in_flight: int = 0  # requests live workers hold for this job (from heartbeats)
+    workers: list[str] = field(default_factory=list)  # live workers serving its model
+    rows_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # completion tokens
+    eta_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.record
+        return {
+            "job_id": r.id,
+            "state": r.state.value,
+            "model": r.model,
+            "total": r.total,
+            "enqueued": r.enqueued,
+            "done": r.done,
+            "failed": r.failed,
+            "in_flight": self.in_flight,
+            "queued": max(r.enqueued - r.done - r.failed - self.in_flight, 0),
+            "skipped_invalid": r.skipped,
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "cached_tokens": r.cached_tokens,
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "rows_per_s": round(self.rows_per_s, 2),
+            "eta_s": None if self.eta_s is None else round(self.eta_s, 1),
+            "live_workers": len(self.workers),
+            "workers": self.workers,
+            "output": redact_uri(r.output),
+            "created_at": r.created_at,
+            "started_at": r.started_at or None,
+            "finished_at": r.finished_at or None,
+            "error": r.error or None,
+            "storage_error": r.storage_error or None,
+            "refused": r.refused or None,
+            "finalize_attempts": r.finalize_attempts,
+            "finalize_retry_at": r.finalize_retry_at or None,
+            "submit_incomplete": not r.submitted,
+            "retried": r.retried,  # rows re-queued by `batchgen retry`, every round
+            "retry_rounds": r.retry_rounds,
+            "retry_incomplete": r.retry_incomplete,
+        }
+
+
+def job_status(conn: redis.Redis, keys: Keys, job_id: str, now: float | None = None) -> JobStatus:
+    record = load_job(conn, keys, job_id)
+    return _status(record, live_workers(conn, keys, record.tag), now or time.time())
+
+
+def all_statuses(conn: redis.Redis, keys: Keys) -> list[JobStatus]:
+    index = text_hash(conn.hgetall(keys.jobs))
+    pipe = conn.pipeline(transaction=False)
+    ids = sorted(index)
+    for job_id in ids:
+        pipe.hgetall(keys.queue(index[job_id]).job(job_id).job)
+    workers = live_workers(conn, keys)
+    now = time.time()
+    out = []
+    for job_id, raw in zip(ids, pipe.execute()):
+        if not raw:
+            continue  # an interrupted submit before its record, or lost state
+        record = JobRecord.from_hash(job_id, raw)
+        out.append(_status(record, [w for w in workers if w.get("tag") == record.tag], now))
+    return sorted(out, key=lambda s: s.record.created_at)
+
+
+def _status(record: JobRecord, workers: list[dict[str, Any]], now: float) -> JobStatus:
+    status = JobStatus(record, workers=[w["name"] for w in workers])
+    status.in_flight = sum(int(w.get("in_flight", {}).get(record.id, 0)) for w in workers)
+    if record.started_at:
+        end = record.finished_at if record.state.terminal and record.finished_at else now
+        elapsed = max(end - record.started_at, 1e-6)
+        status.rows_per_s = record.finished_rows / elapsed
+        status.tokens_per_s = record.completion_tokens / elapsed
+        remaining = record.total - record.finished_rows
+        if record.state in (JobState.QUEUED, JobState.RUNNING) and status.rows_per_s > 0:
+            status.eta_s = remaining / status.rows_per_s
+    return status

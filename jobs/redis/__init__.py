@@ -1,0 +1,1 @@
+"""Redis plumbing: connecting, the embedded server, key names, Lua scripts, leases, heartbeats."""

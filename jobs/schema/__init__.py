@@ -1,0 +1,1 @@
+"""What both planes share: the queue entry, sampling fields, constraints, output rows, named errors."""

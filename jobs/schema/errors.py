@@ -1,0 +1,84 @@
+"""Named errors for user mistakes and unavailable services.
+
+The CLI prints ``str(error)`` on one line and exits with ``exit_code``; a user
+mistake is never a traceback. Messages say what is wrong and what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchgen.jobs.intake.lines import LineError
+
+
+class BatchgenError(Exception):
+    """Base of every error the CLI reports as a one-line message."""
+
+    exit_code = 1
+
+
+class UsageError(BatchgenError):
+    """A flag or argument the user gave is not acceptable."""
+
+    exit_code = 2
+
+
+class InvalidInput(BatchgenError):
+    """The prompts file has invalid lines; nothing was enqueued."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, line_errors: Sequence[LineError] = ()) -> None:
+        super().__init__(message)
+        self.line_errors = list(line_errors)  # the first invalid lines, for callers that list them
+
+
+class UnsafeName(UsageError):
+    """A job id or output path that could escape where batchgen writes."""
+
+
+class InlineCredentials(UsageError):
+    """An output URI carries credentials; they come from the environment instead."""
+
+
+class JobNotFound(BatchgenError):
+    """No job with that id in this Redis."""
+
+
+class JobConflict(BatchgenError):
+    """A job id is reused for a different model, file or settings."""
+
+
+class JobNotReady(BatchgenError):
+    """The job has no final output yet (download before completion)."""
+
+
+class QueueFull(BatchgenError):
+    """Redis refused writes: out of memory under ``noeviction``."""
+
+
+class RedisUnavailable(BatchgenError):
+    """Redis could not be reached or refused our credentials."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient  # unreachable (may come back), not refused
+
+
+class UnsafeRedis(BatchgenError):
+    """The Redis server would evict keys, which silently loses work."""
+
+
+class UntrustedRedis(BatchgenError):
+    """The embedded Redis socket, its directory or the server behind it is not this user's own."""
+
+
+class UnsafeRedisURL(UsageError):
+    """A Redis URL whose parameters could weaken TLS verification, or that batchgen does not
+    accept (redis-py would hand them to the connection, overriding batchgen's settings)."""
+
+
+class OutputError(BatchgenError):
+    """The output location could not be written or read."""

@@ -1,0 +1,145 @@
+"""The CPU path's paged decode attention: one query token per sequence.
+
+Same signature as the Triton kernel and the oracle (``dense.py``), which its
+tests compare it with; layouts are those of ``reference.py``. How to go about
+a step's decode rows is the same for every layer, so ``plan_decode`` decides
+once per step and every layer calls the plan:
+
+- fp32 caches in the engine's layout: the C kernel (``cpu_decode_kernel.py``),
+  which reads each sequence's K/V once, straight from its blocks;
+- otherwise (no C compiler, other dtypes) torch: each row's blocks gathered
+  into a dense tensor and SDPA over it, rows of similar length together (the
+  scheduler orders decodes longest first), so short rows are not padded to
+  the longest.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.kernels.cpu.decode_native import KernelDecode, plan_kernel_decode
+
+
+@dataclass(slots=True)
+class _Group:
+    """Rows [start, end) padded to one length; their gathered K/V is (rows, length, Hk, D)."""
+
+    start: int
+    end: int
+    gather: torch.Tensor  # (rows * num_blocks,) int64 block ids
+    mask: torch.Tensor | None  # (rows, 1, 1, length) additive; None: nothing hidden
+
+
+@dataclass(slots=True)
+class TorchDecode:
+    groups: list[_Group]
+    empty_rows: torch.Tensor | None  # (num_seqs,) bool: context 0, output zeros
+
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """One layer: q (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim)."""
+        parts = [_attend(g, q[g.start : g.end], k_cache, v_cache, scale) for g in self.groups]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.empty_rows is not None:
+            # a padding row attends to nothing: its softmax is NaN; zeros out
+            out = out.masked_fill(self.empty_rows[:, None, None], 0.0)
+        return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+) -> torch.Tensor:
+    """q (num_seqs, num_heads, head_dim); context_lens (num_seqs,) int32 count the
+    current token, whose K/V are already stored (0 for a padding row, whose
+    output is zeros). Returns (num_seqs, num_heads, head_dim)."""
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    use_kernel = q.dtype == torch.float32 and q.stride(2) == 1
+    plan = plan_decode(block_tables, context_lens, k_cache, v_cache, use_kernel)
+    return plan(q, k_cache, v_cache, scale)
+
+
+def plan_decode(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    use_kernel: bool = True,
+) -> KernelDecode | TorchDecode:
+    """The step's decode plan: the C kernel where it applies, else torch."""
+    plan = plan_kernel_decode(block_tables, context_lens, k_cache, v_cache) if use_kernel else None
+    return plan or plan_torch_decode(block_tables, context_lens, k_cache.shape[1], k_cache.dtype)
+
+
+def plan_torch_decode(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype
+) -> TorchDecode:
+    lengths = context_lens.tolist()
+    device = block_tables.device
+    empty = torch.tensor([n == 0 for n in lengths], device=device) if 0 in lengths else None
+    groups = []
+    for start, end in _length_groups(lengths):
+        rows = lengths[start:end]
+        num_blocks = max(-(-max(rows) // block_size), 1)
+        length = num_blocks * block_size
+        mask = None
+        if any(n != length for n in rows):
+            hidden = (
+                torch.arange(length, device=device)[None, :]
+                >= torch.tensor(rows, device=device)[:, None]
+            )
+            mask = torch.zeros(len(rows), 1, 1, length, dtype=dtype, device=device)
+            mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        gather = block_tables[start:end, :num_blocks].reshape(-1).long()
+        groups.append(_Group(start, end, gather, mask))
+    return TorchDecode(groups, empty)
+
+
+def _attend(
+    group: _Group, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    rows = group.end - group.start
+    keys = k_cache.index_select(0, group.gather).view(rows, -1, *k_cache.shape[2:])
+    values = v_cache.index_select(0, group.gather).view(rows, -1, *v_cache.shape[2:])
+    # SDPA's fused CPU kernel takes the strided (S, Hk, L, D) views and GQA as is
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # (S, H, 1, D)
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=group.mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def _length_groups(lengths: list[int], max_waste: float = 0.3) -> list[tuple[int, int]]:
+    """Row ranges [start, end) of similar length, for rows sorted longest first:
+    each range padded to its first row wastes at most about max_waste of its
+    work. At most 3 ranges; one when unsorted."""
+    if any(a < b for a, b in itertools.pairwise(lengths)):
+        return [(0, len(lengths))]
+    groups: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, n in enumerate(lengths):
+        if (
+            i > start
+            and len(groups) < 2
+            and lengths[start] * (i - start + 1) > (1 + max_waste) * (total + n)
+        ):
+            groups.append((start, i))
+            start, total = i, 0
+        total += n
+    groups.append((start, len(lengths)))
+    return groups

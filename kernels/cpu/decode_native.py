@@ -1,0 +1,93 @@
+"""Paged decode attention through the C function of ``cpu_native.py``.
+
+The C code trusts every block id, length and pointer it is given; the plan
+checks them once per step, before any layer calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.kernels.cpu.native import Native, load
+
+
+@dataclass(slots=True)
+class KernelDecode:
+    """One step's decode rows for the C kernel: tables and lengths as the C code reads them."""
+
+    native: Native
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) int32, rows contiguous
+    context_lens: torch.Tensor  # (num_seqs,) int32 contiguous
+    max_context_len: int
+    threads: int = 1  # the C function splits the rows over this many threads
+
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q (num_seqs, num_heads, head_dim) fp32, unit stride in head_dim -> a new (num_seqs, num_heads, head_dim)."""
+        assert (
+            q.dtype == torch.float32
+            and q.stride(2) == 1
+            and q.shape[0] == self.context_lens.shape[0]
+        )
+        num_seqs, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        out = torch.empty(num_seqs, num_heads, head_dim)
+        status = self.native.paged_decode_attention_f32(
+            q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+            self.block_tables.data_ptr(), self.block_tables.stride(0),
+            self.context_lens.data_ptr(), out.data_ptr(),
+            num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, self.max_context_len,
+            self.threads,
+        )  # fmt: skip
+        if status != 0:
+            raise MemoryError("paged decode attention: no memory for the scores")
+        return out
+
+
+def plan_kernel_decode(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> KernelDecode | None:
+    """The step's plan for the C kernel, or None where it does not apply (not fp32
+    CPU caches in the engine's contiguous layout, or no kernel). The C code
+    trusts every block id and length, so they are checked here, once a step."""
+    usable = (
+        k_cache.dtype == torch.float32
+        and k_cache.device.type == "cpu"
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and v_cache.dtype == torch.float32
+        and v_cache.shape == k_cache.shape
+    )
+    native = load() if usable else None
+    if native is None:
+        return None
+    num_blocks, block_size = k_cache.shape[:2]
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    if tables.shape[0] != lens.shape[0]:
+        raise ValueError(f"{tables.shape[0]} block table rows for {lens.shape[0]} context lengths")
+    if lens.numel() == 0:
+        return KernelDecode(native, tables, lens, 0)
+    max_len = int(lens.max())
+    if int(lens.min()) < 0 or max_len > tables.shape[1] * block_size:
+        raise ValueError(f"context lengths must be in [0, {tables.shape[1] * block_size}]")
+    if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+        raise ValueError(f"block ids must be in [0, {num_blocks})")
+    return KernelDecode(native, tables, lens, max_len, _threads(int(lens.sum()), k_cache))
+
+
+# K/V floats a step's attention reads per layer below which one thread does it all:
+# starting a thread (~30 us) costs more than it saves there
+THREAD_MIN_FLOATS = 1 << 17
+
+
+def _threads(positions: int, k_cache: torch.Tensor) -> int:
+    """As many threads as torch's matmuls use, for a step with enough K/V to read."""
+    floats = 2 * positions * k_cache.shape[2] * k_cache.shape[3]
+    return torch.get_num_threads() if floats >= THREAD_MIN_FLOATS else 1

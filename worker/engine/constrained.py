@@ -1,0 +1,135 @@
+"""Constrained decoding with llguidance: compiled grammars, matchers, token masks.
+
+A request with ``structured_output`` carries a matcher (its grammar state). Each
+step, before sampling, the rows of constrained requests get a token bitmask
+(filled in parallel by llguidance's executor, on a thread while the model runs)
+and every token the grammar does not allow gets logit -inf. After sampling the
+matcher consumes the token; when the grammar cannot go on, the request stops.
+
+The matcher follows the output tokens only, so preemption by recompute, prefix
+hits and chunked prefill leave it alone; a resumed request replays its tokens
+into a fresh one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from batchgen.jobs.schema.constraints import StructuredOutput, grammar_text
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from batchgen.worker.engine.request import Request
+
+MAX_COMPILED = 256  # distinct grammars kept compiled per engine
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile against this model's tokenizer."""
+
+
+class Grammars:
+    """Compiled grammars by content hash; a request gets a copy of the compiled state.
+
+    A job of 10M rows with one schema compiles it once per worker.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self._hf_tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._lltokenizer: Any = None  # built on first use (~1 s for a large vocabulary)
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        self.num_compiled = 0
+
+    def matcher(self, constraint: StructuredOutput, replay: list[int] | None = None) -> LLMatcher:
+        """A fresh matcher for ``constraint`` that has consumed ``replay`` (resumed tokens)."""
+        compiled = self._compile(constraint)
+        m = compiled.deep_copy()
+        if replay and not m.consume_tokens(replay):
+            raise GrammarError(f"the resumed tokens do not follow the constraint: {m.get_error()}")
+        return m
+
+    def _compile(self, constraint: StructuredOutput) -> LLMatcher:
+        key = constraint.key
+        found = self._compiled.get(key)
+        if found is not None:
+            self._compiled.move_to_end(key)
+            return found
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self._tokenizer(), grammar_text(constraint.spec), log_level=0)
+        if m.is_error():
+            raise GrammarError(m.get_error())
+        self._compiled[key] = m
+        self.num_compiled += 1
+        if len(self._compiled) > MAX_COMPILED:
+            self._compiled.popitem(last=False)
+        return m
+
+    def _tokenizer(self) -> Any:
+        if self._lltokenizer is None:
+            import llguidance.hf
+
+            try:
+                self._lltokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos
+                )
+            except (ValueError, TypeError) as exc:  # e.g. a slow (Python) tokenizer
+                raise GrammarError(f"this model's tokenizer cannot be constrained: {exc}") from None
+        return self._lltokenizer
+
+
+class TokenMasks:
+    """Fills the disallowed-token masks of a step's constrained rows off the main thread.
+
+    llguidance writes one bit per token; the thread also unpacks the bits, so all
+    the step itself does is one ``masked_fill_`` over the logits.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size  # the logits' width (the model's vocabulary)
+        self.words = (vocab_size + 31) // 32
+        self._executor: Any = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="token-masks")
+        self.fill_seconds = 0.0  # spent filling masks (on the thread)
+        self.wait_seconds = 0.0  # of that, what the step waited for after the model ran
+
+    def start(self, requests: list[Request]) -> Future[torch.Tensor] | None:
+        """Begins the masks of ``requests`` (rows in that order; None: none is constrained)."""
+        rows = [(r.matcher, i) for i, r in enumerate(requests) if r.matcher is not None]
+        if not rows:
+            return None
+        return self._thread.submit(self._fill, rows, len(requests))
+
+    def wait(self, pending: Future[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """(rows, vocab) bool on ``device``: True where a token is not allowed."""
+        start = time.perf_counter()
+        masks = pending.result()
+        self.wait_seconds += time.perf_counter() - start
+        return masks.to(device, non_blocking=True)
+
+    def _fill(self, rows: list[tuple[LLMatcher, int]], num_rows: int) -> torch.Tensor:
+        from llguidance import LLExecutor
+
+        start = time.perf_counter()
+        if self._executor is None:
+            self._executor = LLExecutor()
+        bits = np.full((num_rows, self.words), -1, dtype=np.int32)  # unconstrained: all allowed
+        self._executor.unsafe_compute_mask_ptr(rows, bits.ctypes.data, self.words * 4, num_rows)
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+        disallowed = torch.from_numpy(allowed[:, : self.vocab_size] == 0)
+        self.fill_seconds += time.perf_counter() - start
+        return disallowed
+
+
+def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> None:
+    """Sets the logits of disallowed tokens (``TokenMasks.wait``) to -inf."""
+    logits.masked_fill_(masks, float("-inf"))

@@ -1,0 +1,111 @@
+"""The engine's settings: one typed object, checked when it is made.
+
+``Engine.from_pretrained(path, **kwargs)`` builds one from its keyword
+arguments, the queue loop carries one in its own config (through JSON to its
+child processes), and the CLI's flags map onto it. Torch-free, so the worker
+supervisor and the CLI can build and check it without importing torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.jobs.schema.errors import UsageError
+
+DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
+
+
+class InvalidEngineConfig(UsageError, ValueError):
+    """An engine setting that cannot work; the message names it and what it may be."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """device: "cuda", "cuda:N", "cpu" or None (CUDA when there is one). dtype:
+    None picks float32 on CPU and the checkpoint's half type (else bfloat16)
+    on CUDA. The KV pool is ``num_kv_blocks`` blocks of ``block_size`` tokens,
+    or as many as fit ``kv_cache_bytes`` (CPU default 1 GiB), or on CUDA
+    ``gpu_memory_utilization`` of the device. ``max_num_batched_tokens``
+    bounds the tokens of one step (long prompts are prefilled in chunks;
+    default 4096 on CUDA, 2048 on CPU). On CUDA the Triton kernels run
+    (``use_triton=False``: the CPU path's torch ops) and decode steps replay
+    CUDA graphs (``use_cuda_graphs=False`` turns that off). ``seed`` seeds
+    the draws of requests without their own."""
+
+    device: str | None = None
+    dtype: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: what the model supports
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    use_triton: bool | None = None  # default: on CUDA
+    use_cuda_graphs: bool = True
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs"):
+            _positive(name, getattr(self, name))
+        for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len", "kv_cache_bytes"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        for name in ("enable_prefix_caching", "use_cuda_graphs"):
+            _boolean(name, getattr(self, name))
+        if self.use_triton is not None:
+            _boolean("use_triton", self.use_triton)
+        if self.device is not None and not (
+            isinstance(self.device, str) and _DEVICE.fullmatch(self.device)
+        ):
+            raise InvalidEngineConfig(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InvalidEngineConfig(
+                f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        utilization = self.gpu_memory_utilization
+        if not (_is_number(utilization) and 0 < utilization <= 1):
+            raise InvalidEngineConfig(
+                f"gpu_memory_utilization must be a fraction in (0, 1], got {utilization!r}"
+            )
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 1 << 63):
+            raise InvalidEngineConfig(
+                f"seed must be an integer from 0 to 2**63 - 1, got {self.seed!r}"
+            )
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:
+        """``Engine.from_pretrained``'s keyword arguments, each a field of this class."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            hint = difflib.get_close_matches(unknown[0], names, n=1)
+            also = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise TypeError(
+                f"unknown engine setting {unknown[0]!r}{also}; the settings are {', '.join(names)}"
+            )
+        return cls(**kwargs)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not (isinstance(value, int) and value >= 1):
+        raise InvalidEngineConfig(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _boolean(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidEngineConfig(f"{name} must be true or false, got {value!r}")

@@ -1,0 +1,307 @@
+"""The queue loop: keep the engine's in-flight set full from the stream, commit rows.
+
+Each tick: take what the keeper thread heard (keeper.py: claims and heartbeat
+kept fresh, cancels), upkeep (reclaim, sweep), read at most the engine's free
+capacity of new entries (blocking on Redis only when the engine is idle and
+nothing waits to be committed), admit them (requests.py), run one engine
+step, and flush the sink when due. On SIGTERM/SIGINT it stops admitting,
+commits finished rows, hands unfinished requests back with their tokens so
+far, and exits within ``drain_timeout_s``.
+
+An engine step that raises is bisected (isolation.py); an engine that failed
+on a lone request exits with ``ENGINE_FAILED_EXIT`` so that the supervisor
+starts a fresh engine (an error may have left this one broken). A job whose
+parts cannot be written past ``storage_outage_s`` has its requests handed
+back, uncharged (outages.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from batchgen.jobs.consumer.queue import Delivery, HandBack, hand_back, read_new
+from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.stream import ensure_group
+from batchgen.worker.loop.caching import LoopCache, numerics
+from batchgen.worker.loop.engine_api import EngineAPI
+from batchgen.worker.loop.keeper import Keeper
+from batchgen.worker.loop.loop_config import ENGINE_FAILED_EXIT, LoopConfig
+from batchgen.worker.loop.outages import StorageOutages
+from batchgen.worker.loop.requests import Requests
+from batchgen.worker.loop.upkeep import LoopView, Upkeep
+
+log = logging.getLogger(__name__)
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+class QueueLoop:
+    def __init__(self, conn: redis.Redis, api: EngineAPI, config: LoopConfig) -> None:
+        self.conn = conn
+        self.api = api
+        self.engine = api.engine
+        self.config = config
+        self.keys = Keys(config.prefix)
+        self.qk = self.keys.queue_for_model(config.model)
+        self.outages = StorageOutages(
+            conn, self.qk, config.name, config.storage_outage_s, self._count
+        )
+        self.engine_failed = False
+        self.engine_error = ""  # what the failed step raised, kept with the hand-backs
+        self.sink = PartSink(
+            self.qk,
+            config.name,
+            flush_rows=config.flush_rows,
+            flush_interval_s=config.flush_interval_s,
+        )
+        self.upkeep = Upkeep(
+            conn,
+            self.keys,
+            self.qk,
+            config,
+            LoopView(
+                admit=self._admit_reclaimed,
+                capacity=lambda: self.requests.capacity(),
+                count=self._count,
+                activity=self.activity,
+                stopping=lambda: self.stopping,
+            ),
+        )
+        self.requests = Requests(
+            api,
+            self.sink,
+            config,
+            job=self.upkeep.job,
+            dead_letter=self.upkeep.dead_letter,
+            hand_back=lambda items: hand_back(conn, self.qk, config.name, items),
+            count=self._count,
+            cache=LoopCache(
+                conn,
+                self.keys,
+                self.upkeep.fingerprint,
+                numerics(self.engine, config),
+                config.name,
+                self._count,
+            ),
+        )
+        self.keeper = Keeper(conn, self.keys, self.qk, config)
+        self.stopping = False
+        self.finished_jobs = False  # the last flush completed a job (``until`` may hold now)
+        self.counters: dict[str, int] = {}
+        self._backoff_until = 0.0
+        self._backoff_s = 0.1
+
+    # -- running ---------------------------------------------------------------
+
+    def run(self, until: Callable[[], bool] | None = None) -> int:
+        """Serve the queue until stopped (or drained in burst mode, or ``until()``)."""
+        self._install_signals()
+        ensure_group(self.conn, self.qk)
+        self.conn.hset(self.keys.queues, self.qk.tag, self.upkeep.queue_name)
+        self.start_keeper()
+        try:
+            while not self.stopping:
+                try:
+                    read = self.tick()
+                except _REDIS_DOWN as exc:  # beyond the client's own retries: wait, go on
+                    self._redis_down(exc)
+                    time.sleep(min(self._backoff_s, 1.0))
+                    continue
+                idle = not self.requests.flights and self.sink.empty and read == 0
+                if idle and self.config.burst and self.upkeep.drained():
+                    break
+                check = self.finished_jobs or self.upkeep.due("until", 0.25)
+                self.finished_jobs = False
+                if until is not None and check and until():
+                    break
+        finally:
+            self.shutdown()
+        return ENGINE_FAILED_EXIT if self.engine_failed else 0
+
+    def stop(self, *_: object) -> None:
+        if self.stopping:  # a second signal: leave now; entries stay pending, get reclaimed
+            raise SystemExit(130)
+        self.stopping = True
+
+    def tick(self) -> int:
+        """One iteration; how many entries were read."""
+        self._sync_keeper()
+        self.upkeep.run()
+        read = 0
+        block = None
+        requests = self.requests
+        if requests.isolation.waiting and not requests.flights and not self.stopping:
+            requests.start_alone()
+        capacity = requests.capacity()
+        paused_until = max(self._backoff_until, requests.read_paused_until)
+        if capacity > 0 and not self.stopping and time.monotonic() >= paused_until:
+            idle = not self.engine.has_unfinished() and self.sink.empty
+            block = self.config.block_ms if idle else None
+            try:
+                deliveries = read_new(self.conn, self.qk, self.config.name, capacity, block)
+                self._redis_ok()
+            except _REDIS_DOWN as exc:
+                self._redis_down(exc)
+                deliveries = []
+            read = len(deliveries)
+            if deliveries:  # a cancel that happened before this read must be seen now
+                requests.cancel(self.keeper.poll_cancelled())
+            requests.admit(deliveries)
+        stepped = False
+        requests.cancel(self.keeper.cancelled)  # heard while admitting: before the step
+        # what the keeper keeps fresh while the step (however long) and the flush run
+        self.keeper.held = requests.held()
+        if self.engine.has_unfinished():
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                if not self.stopping and requests.bisect(error):
+                    return read
+                log.exception("engine step failed; handing the in-flight requests back, exiting")
+                self.engine_failed = self.stopping = True
+                self.engine_error = error
+                return read
+            for out in outputs:
+                requests.finished(out)
+            stepped = True
+        if self.sink.due(idle=not self.engine.has_unfinished() and read == 0):
+            self.flush()
+        elif not stepped and read == 0 and block is None:
+            time.sleep(0.01)  # nothing ran and nothing blocked: do not spin
+        return read
+
+    # -- what the keeper thread learned -------------------------------------------
+
+    def _admit_reclaimed(self, deliveries: list[Delivery]) -> None:
+        """Entries taken over from a dead worker: a cancel before the claim must be seen.
+
+        One this worker holds itself (it looked idle: the keeper was starved of CPU past
+        the claim timeout) is ours already: claiming it only refreshed it."""
+        held = set(self.requests.held())
+        self.requests.cancel(self.keeper.poll_cancelled())
+        self.requests.admit([d for d in deliveries if d.entry_id not in held])
+
+    def start_keeper(self) -> None:
+        """Start the thread that keeps claims and heartbeat fresh and hears cancels (once)."""
+        if self.keeper.ident is None:
+            self._sync_keeper(beat=True)
+            self.keeper.start()
+
+    def _sync_keeper(self, beat: bool = False) -> None:
+        """Hand the keeper what we hold (and the heartbeat when due); take what it heard."""
+        if beat:
+            self.keeper.held = self.requests.held()
+        if beat or self.upkeep.due("heartbeat", self.config.heartbeat_s / 2):
+            self.keeper.payload = self.upkeep.payload()
+        stolen = self.keeper.take_stolen()
+        if stolen:
+            self.requests.release(stolen)
+        self.requests.cancel(self.keeper.cancelled)
+
+    # -- what upkeep sees (LoopView) ---------------------------------------------
+
+    def activity(self) -> dict[str, Any]:
+        """The loop's part of the heartbeat: requests held per job, rows, counters, engine."""
+        stats = self.engine.stats()
+        engine = (
+            dataclasses.asdict(stats)
+            if dataclasses.is_dataclass(stats) and not isinstance(stats, type)
+            else {}
+        )
+        return {
+            "in_flight": self.requests.per_job(),
+            "cancels": dict(self.requests.cancel_seen),
+            "buffered_rows": self.sink.buffered,
+            "counters": dict(self.counters),
+            "engine": engine,
+        }
+
+    # -- Redis steps -----------------------------------------------------------
+
+    def flush(self) -> bool:
+        flushed = self.sink.flush(self.conn)
+        for job_id in self.outages.update(self.sink, flushed.recovered):
+            self._hand_back_job(job_id)
+        if flushed.redis_failed:
+            self._redis_down(RuntimeError("commit failed"))
+            return False
+        self._redis_ok()
+        result = flushed.commit
+        if result is None:
+            return True
+        self._count("commits")
+        self.requests.cache.store(flushed.parts, self.requests.held)
+        self._count("rows_lost_to_duplicates", result.lost)
+        for job_id in result.missing:
+            log.error("job %s is gone from Redis (state lost?); dropped its rows", job_id)
+        for job_id in result.finished:
+            enqueue_finalize(self.conn, self.keys, self.qk, job_id)
+        self.finished_jobs = bool(result.finished)
+        return True
+
+    def _hand_back_job(self, job_id: str) -> None:
+        """Its output failed past the limit: hand back, uncharged, all this worker holds of it."""
+        failure = self.sink.failing[job_id]
+        rows = [HandBack(d, list(row.token_ids), row=row) for d, row in self.sink.rows(job_id)]
+        try:
+            handed = hand_back(self.conn, self.qk, self.config.name, rows)
+            self.sink.take(job_id)
+            running = self.requests.take_job(job_id)
+            handed += hand_back(self.conn, self.qk, self.config.name, running)
+        except _REDIS_DOWN as exc:  # kept (or pending here); tried again after the next flush
+            log.warning("could not hand job %s's requests back (%s)", job_id, exc)
+            return
+        self.outages.handed_back(job_id, failure, handed)
+
+    def shutdown(self) -> None:
+        """Stop admitting; commit what finished; hand back what did not; retire."""
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        try:
+            outputs = self.engine.drain() if self.engine.has_unfinished() else []
+        except Exception:
+            log.exception("engine drain failed; handing requests back without their new tokens")
+            outputs = []
+        while not self.sink.empty and time.monotonic() < deadline and not self.flush():
+            time.sleep(0.2)
+        self.sink.crash.reached("before_hand_back")
+        items = self.requests.take_all(outputs, self.engine_failed, self.engine_error)
+        while items and time.monotonic() < deadline:
+            try:
+                self._count("handed_back", hand_back(self.conn, self.qk, self.config.name, items))
+                break
+            except _REDIS_DOWN as exc:
+                log.warning("hand-back failed (%s); retrying until the drain timeout", exc)
+                time.sleep(0.2)
+        self.keeper.stop()
+        self.upkeep.retire()
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def _redis_down(self, exc: BaseException) -> None:
+        log.warning("Redis unavailable (%s); retrying in %.1fs", exc, self._backoff_s)
+        self._backoff_until = time.monotonic() + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, 5.0)
+
+    def _redis_ok(self) -> None:
+        self._backoff_s = 0.1
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.stop)
+            # Ctrl-C in a terminal hits the whole process group; under a supervisor
+            # the SIGTERM it forwards is the one to act on (a second would be "now").
+            sigint = signal.SIG_IGN if self.config.supervised else self.stop
+            signal.signal(signal.SIGINT, sigint)
