@@ -251,21 +251,6 @@ def test_a_batch_past_its_window_expires_keeping_finished_requests(stack, client
     assert len(jsonl(client, batch.output_file_id)) == counts.completed
 
 
-def test_the_readme_example_runs(stack, tmp_path, capsys):
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split("<!-- serve-example", 1)[1].split("```python\n", 1)[1].split("```")[0]
-    assert len(block.strip().splitlines()) == 5
-    rows = lines(str(stack.model), 4, prefix="readme")
-    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    code = (block.replace("http://localhost:8000/v1", stack.base + "/v1")
-            .replace("sk-my-key", KEY).replace('"requests.jsonl"', repr(str(tmp_path / "requests.jsonl")))
-            .replace("time.sleep(5)", "time.sleep(0.3)"))  # fmt: skip
-    exec(compile(code, "README.md", "exec"), {})
-    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
-    assert sorted(line["custom_id"] for line in printed) == [f"readme-{i}" for i in range(4)]
-    assert {line["response"]["status_code"] for line in printed} == {200}
-
-
 def test_the_dashboard_json_endpoints(stack, client, tmp_path):
     headers = {"Authorization": f"Bearer {KEY}"}
 

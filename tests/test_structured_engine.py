@@ -318,10 +318,10 @@ def test_n_samples_each_follow_the_constraint(engine):
         jsonschema.validate(json.loads(sample.text), SCHEMAS["enums"])
 
 
-def test_the_readme_grammar_example_generates_what_it_says(engine):
-    from tests.test_structured_inputs import _readme_section
+def test_the_docs_grammar_example_generates_what_it_says(engine):
+    from tests.doc_blocks import doc_block
 
-    grammar = _readme_section().split("```")[1::2][1].strip().replace("\n  ", "\n")
+    grammar = doc_block("structured-grammar").text
     params = [_params(i, StructuredOutput(grammar=grammar), max_tokens=120) for i in range(4)]
     for out in engine.generate(PROMPTS[:4], params):
         assert out.finish_reason == "stop"

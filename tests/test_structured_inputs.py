@@ -18,6 +18,7 @@ from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema import constraints
 from batchgen.jobs.schema.errors import InvalidInput
 from batchgen.jobs.schema.sampling import DEFAULTS, job_defaults
+from tests.doc_blocks import doc_block
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 OPENAI_SCHEMA_FORMAT = {
@@ -221,17 +222,10 @@ def test_cli_flags_set_the_job_default_and_refuse_bad_ones(redis_url, tmp_path):
         assert "Traceback" not in out.stderr
 
 
-def _readme_section() -> str:
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    return text.split("### Structured output", 1)[1].split("\n### ", 1)[0]
-
-
-def test_the_readme_examples_are_accepted_as_written():
-    fences = _readme_section().split("```")[1::2]
-    lines = [line for line in fences[0].strip().splitlines() if "..." not in line]
-    assert len(lines) == 5
+def test_the_docs_examples_are_accepted_as_written():
+    lines = doc_block("structured-lines").text.strip().splitlines()
     kinds = [next(iter(_entry(json.loads(line))["s"]["structured_output"])) for line in lines]
-    assert kinds == ["json", "json_object", "regex", "choice", "grammar"]
-    grammar = fences[1].strip().replace("\n  ", "\n")
+    assert kinds == ["json", "json_object", "regex", "choice", "grammar", "json"]
+    grammar = doc_block("structured-grammar").text
     assert grammar.startswith("start:")
     assert constraints.check_spec({"grammar": grammar}) == {"grammar": grammar}

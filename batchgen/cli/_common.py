@@ -69,7 +69,7 @@ def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
             "--grammar",
             type=click.Path(exists=True, dir_okay=False),
             metavar="FILE",
-            help="Every output follows this Lark grammar (llguidance's dialect; see README).",
+            help="Every output follows this Lark grammar (llguidance's dialect; see docs/structured-output.md).",
         ),
     ]
 

@@ -1,6 +1,6 @@
 """Input lines -> self-contained queue entries, or an error naming line and column.
 
-Two line formats (docs/pipeline.md, "Input lines"):
+Two line formats (docs/input.md):
 
 - native: ``{"id"?, "prompt" | "messages", <sampling params>?, "metadata"?}``
 - OpenAI batch: ``{"custom_id", "method": "POST", "url", "body"}`` where ``url`` is

@@ -4,7 +4,7 @@ Submit writes them, valid rows only and in input order, to a Parquet snapshot
 (row k is the output's ``index`` k) in the job's output directory; finalize
 reads it back window by window and puts its columns after the generation
 columns (result.py). A snapshot, not the input: the input may change or vanish
-after submit, and the values never pass through Redis (docs/pipeline.md,
+after submit, and the values never pass through Redis (docs/tables.md,
 "Kept columns", has the measurements behind that choice). It stays after
 finalize, so finalizing again joins the same values; ``delete --outputs``
 removes it.
