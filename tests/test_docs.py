@@ -1,0 +1,191 @@
+"""The README and docs/ hold together: every block a reader would run has a test, every
+link and named file exists, the architecture table is the tree, and the pages stay short."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import click
+import pytest
+
+from tests.doc_blocks import CHECKED, FREE, REPO, all_blocks, doc_files
+
+DOCS = REPO / "docs"
+PACKAGE_ROOTS = ("batchgen", "jobs", "worker", "kernels")
+README_MAX_LINES = 250
+PAGE_MAX_LINES = 330  # a page is read in one sitting
+
+
+def test_every_block_says_what_it_is_and_runnable_ones_have_a_test():
+    blocks = all_blocks()
+    assert len(blocks) > 20
+    unknown = [f"{b.where}: ```{b.lang}" for b in blocks if b.lang not in CHECKED + FREE]
+    assert unknown == [], f"fence each block as one of {CHECKED + FREE}"
+    unnamed = [b.where for b in blocks if b.lang in CHECKED and b.name is None]
+    assert unnamed == [], "a runnable block needs <!-- block: NAME --> on the line above it"
+    names = [b.name for b in blocks if b.name]
+    assert len(names) == len(set(names)), "block names must be unique"
+
+    # a test names the block: a string literal in a test module that reads blocks
+    named: set[str] = set()
+    for path in (REPO / "tests").rglob("test_*.py"):
+        if path.name == Path(__file__).name or "doc_block" not in path.read_text():
+            continue
+        tree = ast.parse(path.read_text())
+        named |= {n.value for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and isinstance(n.value, str)}  # fmt: skip
+    assert sorted(set(names) - named) == [], "blocks that no test runs"
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"(?ms)^```.*?^```", "", path.read_text())
+    return {slug(m[1]) for m in re.finditer(r"(?m)^#+ (.+)$", text)}
+
+
+def test_every_relative_link_points_at_a_file_that_exists():
+    broken = []
+    for path in doc_files():
+        text = re.sub(r"(?ms)^```.*?^```", "", path.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                broken.append(f"{path.relative_to(REPO)}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{path.relative_to(REPO)}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_every_page_is_in_the_readme_table_and_short():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_MAX_LINES
+    pages = sorted(p.name for p in DOCS.glob("*.md"))
+    listed = sorted(re.findall(r"(?m)^\| \[([\w-]+\.md)\]\(docs/\1\) \|", readme))
+    assert listed == pages
+    long = [f"{p.name}: {n}" for p in DOCS.glob("*.md")
+            if (n := len(p.read_text().splitlines())) > PAGE_MAX_LINES]  # fmt: skip
+    assert long == []
+    # the README's test command is what CI runs
+    assert (REPO / ".ci" / "run").read_text().rstrip().splitlines()[-1] == "make test"
+    assert "make test" in readme
+
+
+def package_folders() -> set[str]:
+    return {str(init.parent.relative_to(REPO)) for root in PACKAGE_ROOTS
+            for init in (REPO / root).rglob("__init__.py")
+            if "__pycache__" not in init.parts}  # fmt: skip
+
+
+def architecture_table() -> list[tuple[str, str]]:
+    text = (DOCS / "architecture.md").read_text()
+    section = text.split("## The parts, folder by folder", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    return [(folder.strip("`").rstrip("/"), installed.strip("`")) for folder, installed, _ in cells]
+
+
+def test_the_architecture_table_is_the_tree():
+    rows = architecture_table()
+    folders = [folder for folder, _ in rows]
+    assert len(folders) == len(set(folders))
+    assert set(folders) == package_folders(), "one row per package folder, no more"
+    for folder, installed in rows:
+        parts = folder.split("/")
+        expected = ".".join(parts if parts[0] == "batchgen" else ["batchgen", *parts])
+        assert installed == expected, folder
+
+
+PATH_IN_TEXT = re.compile(
+    r"`((?:batchgen|jobs|worker|kernels|tests|benchmarks|scripts|docs)/[\w./-]*)`"
+)
+DOTTED = re.compile(r"`((?:batchgen\.)?(?:jobs|worker|kernels|serve|cli)\.[\w.]+)`")
+
+
+def test_every_file_and_module_the_docs_name_exists():
+    import importlib
+
+    missing = []
+    for path in doc_files():
+        text = path.read_text()
+        for name in PATH_IN_TEXT.findall(text):
+            if not (REPO / name.rstrip("/")).exists():
+                missing.append(f"{path.relative_to(REPO)}: {name}")
+        for dotted in DOTTED.findall(text):
+            full = dotted if dotted.startswith("batchgen.") else f"batchgen.{dotted}"
+            module, attrs = full, list[str]()
+            while True:
+                try:
+                    obj: object = importlib.import_module(module)
+                    break
+                except ModuleNotFoundError:
+                    module, _, attr = module.rpartition(".")
+                    attrs.insert(0, attr)
+            for attr in attrs:
+                obj = getattr(obj, attr, None)
+            if obj is None:
+                missing.append(f"{path.relative_to(REPO)}: {dotted}")
+    assert missing == []
+
+
+def test_every_environment_variable_the_docs_name_is_read_by_the_code():
+    code = "\n".join(p.read_text() for root in PACKAGE_ROOTS for p in (REPO / root).rglob("*.py"))
+    in_code = set(re.findall(r"BATCHGEN_[A-Z_]+", code))
+    prefixes = {name for name in in_code if name.endswith("_")}  # f"BATCHGEN_FINALIZE_{name}"
+    unknown = []
+    for path in doc_files():
+        for name in set(re.findall(r"BATCHGEN_[A-Z_]+", path.read_text())):
+            if name not in in_code and not any(name.startswith(p) for p in prefixes):
+                unknown.append(f"{path.relative_to(REPO)}: {name}")
+    assert unknown == []
+
+
+def test_the_synopsis_names_only_flags_the_commands_have():
+    from batchgen.cli import main
+
+    (synopsis,) = [b for b in all_blocks() if b.path.name == "commands.md" and b.lang == "text"]
+    commands: dict[str, set[str]] = {}
+    current = ""
+    for line in synopsis.text.splitlines():
+        if line.startswith("batchgen "):
+            current = line.split()[1]
+        commands.setdefault(current, set()).update(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", line))
+    assert set(commands) == {"submit", "worker", "status", "jobs", "download", "cancel",
+                             "finalize", "retry", "delete", "cache", "run"}  # fmt: skip
+    ctx = click.Context(main)
+    for name, flags in commands.items():
+        command = main.get_command(ctx, name)
+        assert command is not None, name
+        have = {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)}
+        if isinstance(command, click.Group):  # cache stats / cache clear
+            have |= {opt for sub in command.commands.values() for p in sub.params
+                     for opt in (*p.opts, *p.secondary_opts)}  # fmt: skip
+        assert flags - have == set(), name
+
+
+def test_every_page_a_tracked_file_names_exists():
+    """Code comments and help texts point readers at docs/ pages too."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    missing = []
+    for name in out.stdout.decode().split("\0"):
+        path = REPO / name
+        if not name or not path.is_file() or path.suffix not in (".py", ".md", ".toml", ""):
+            continue
+        for page in set(re.findall(r"docs/[\w-]+\.md", path.read_text(errors="replace"))):
+            if not (REPO / page).exists():
+                missing.append(f"{name}: {page}")
+    assert missing == []
