@@ -15,7 +15,7 @@ from tests.doc_blocks import CHECKED, FREE, REPO, all_blocks, doc_files
 DOCS = REPO / "docs"
 PACKAGE_ROOTS = ("batchgen", "jobs", "worker", "kernels")
 README_MAX_LINES = 250
-PAGE_MAX_LINES = 330  # a page is read in one sitting
+PAGE_MAX_LINES = 350  # a page is read in one sitting
 
 
 def test_every_block_says_what_it_is_and_runnable_ones_have_a_test():
