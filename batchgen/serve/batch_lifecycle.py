@@ -24,7 +24,7 @@ import enum
 import redis
 
 from batchgen.jobs.redis.keys import text
-from batchgen.jobs.redis.lua import LuaScript
+from batchgen.jobs.redis.lua import LuaScript, lua_moves
 
 
 class BatchState(str, enum.Enum):
@@ -72,19 +72,11 @@ MOVES: dict[BatchState, frozenset[BatchState]] = {
 }
 
 
-def _lua_moves() -> str:
-    moves = ", ".join(
-        f"{src.value} = {{{', '.join(f'{dst.value} = true' for dst in sorted(dsts))}}}"
-        for src, dsts in MOVES.items()
-    )
-    return f"local MOVES = {{{moves}}}\n"
-
-
 MOVE = LuaScript.define(
     "move batch",
     keys=[("batch", "the batch record")],
     args=[("to", "the state to move to"), ("*fields", "other fields to set: name, value, ...")],
-    prelude=_lua_moves(),
+    prelude=f"local MOVES = {lua_moves(MOVES)}\n",
     body="""
 local from = redis.call('HGET', batch, 'state')
 if not from or not MOVES[from] or not MOVES[from][to] then return {0, from or ''} end

@@ -62,8 +62,8 @@ class FieldError(Exception):
 def parse_line(
     number: int, raw: bytes, defaults: dict[str, Any], vocab_size: int | None = None
 ) -> bytes | LineError:
-    """The queue entry for one line's content (compact UTF-8 JSON), or what is wrong
-    with it. ``vocab_size``: the model's, when known at submit (logit_bias ids are
+    """The request of one line's content, encoded for the queue (``Request.encode``), or
+    what is wrong with it. ``vocab_size``: the model's, when known at submit (logit_bias ids are
     checked against it; else the worker refuses an id outside it as an error row)."""
     try:
         text = raw.decode("utf-8")
@@ -95,7 +95,7 @@ def parse_line(
 def native_entry(
     value: dict[str, Any], defaults: dict[str, Any], vocab_size: int | None = None
 ) -> bytes:
-    """The queue entry for a native request given as values (a table row's), with
+    """A native request given as values (a table row's), encoded for the queue, with
     the checks a native line gets; FieldError, whose path names the field."""
     return _native(value, defaults, 0, vocab_size).encode()
 
