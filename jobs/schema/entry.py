@@ -36,8 +36,8 @@ from batchgen.jobs.schema.rows import Row, from_dict
 
 FORMAT = 1  # the entry format this release reads and writes
 
-_JOB, _INDEX, _REQUEST, _CARRIED, _FORMAT = "j", "i", "r", "x", "v"
-# as XRANGE returns the names (decoding reads every entry a worker runs)
+_JOB, _INDEX, _REQUEST, _CARRIED = "j", "i", "r", "x"
+# as XRANGE returns the names (decoding reads every entry a worker runs); "v": the format
 _JOB_B, _INDEX_B, _REQUEST_B, _CARRIED_B, _FORMAT_B = b"j", b"i", b"r", b"x", b"v"
 # For the Lua scripts that append entries themselves (submit's and retry's chunks).
 LUA_FIELDS = f"local F = {{job = '{_JOB}', index = '{_INDEX}', request = '{_REQUEST}'}}\n"
