@@ -263,6 +263,7 @@ def test_a_mixed_file_through_a_worker_gives_logprobs_and_choices(
 
 def test_n_samples_restart_rather_than_resume_from_one_token_list(engine):
     from batchgen.jobs.consumer.queue import Delivery
+    from batchgen.jobs.schema.entry import Request
     from batchgen.worker import RequestRejected
     from batchgen.worker.loop.flight import resumable
 
@@ -270,7 +271,7 @@ def test_n_samples_restart_rather_than_resume_from_one_token_list(engine):
         engine.add_request("n2", "hi", SamplingParams(n=2), resume_token_ids=[5, 6])
 
     def delivery(n: int) -> Delivery:
-        request = {"p": "hi", "s": {"n": n}}
+        request = Request(prompt="hi", sampling={"n": n})
         return Delivery(entry_id="1-0", job_id="j", index=0, request=request)
 
     assert resumable(delivery(1), [5, 6]) == [5, 6]

@@ -1,24 +1,24 @@
 """The batch record (``P:batch:ID``) and how a batch looks to OpenAI's client.
 
-A batch's own phase is stored (validating, failed, submitted); once submitted
-its status follows its batchgen job (same id) until the server has written its
-output files, when ``final_status`` is fixed: the job's Redis state may expire
-after that, the batch stays.
+The batch's state is stored (batch_lifecycle.py); once submitted, its status
+follows its batchgen job (same id) until the server has written its output
+files and moved it to a final state: the job's Redis state may expire after
+that, the batch stays.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.result import RESULT
+from batchgen.jobs.redis import hash_codec
 from batchgen.jobs.redis.keys import text_hash
 from batchgen.jobs.storage.names import redact_uri
+from batchgen.serve.batch_lifecycle import BatchState
 
-VALIDATING, FAILED, SUBMITTED = "validating", "failed", "submitted"
 TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
          "cancelling_at", "cancelled_at")  # fmt: skip
 
@@ -32,21 +32,18 @@ class BatchRecord:
     metadata: dict[str, str] | None = None
     created_at: int = 0
     expires_at: int = 0
-    phase: str = VALIDATING
+    state: BatchState = BatchState.VALIDATING
     model: str = ""
     output: str = ""  # the job's output directory (its Parquet)
     errors: list[dict[str, Any]] = field(default_factory=list)
     output_file_id: str = ""
     error_file_id: str = ""
-    final_status: str = ""  # set with the output files: completed, cancelled or expired
     total: int = 0
     completed: int = 0
     failed: int = 0
     prompt_tokens: int = 0  # kept with the output files (the job's state may expire)
     completion_tokens: int = 0
     cached_tokens: int = 0
-    cancel_requested: bool = False
-    expiring: bool = False  # its window passed: unfinished requests were cancelled
     in_progress_at: int = 0
     finalizing_at: int = 0
     completed_at: int = 0
@@ -56,53 +53,45 @@ class BatchRecord:
     cancelled_at: int = 0
 
     def to_hash(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("metadata", "errors"):
-                out[f.name] = json.dumps(value)
-            elif isinstance(value, bool):
-                out[f.name] = "1" if value else "0"
-            else:
-                out[f.name] = str(value)
-        return out
+        return hash_codec.to_hash(self)
 
     @classmethod
     def from_hash(cls, raw: object) -> BatchRecord:
         data = text_hash(raw)
-        record = cls(id=data["id"])
-        for f in fields(cls):
-            if f.name == "id" or f.name not in data:
-                continue
-            value = data[f.name]
-            if f.name in ("metadata", "errors"):
-                setattr(record, f.name, json.loads(value))
-            elif f.type == "bool":
-                setattr(record, f.name, value == "1")
-            elif f.type == "int":
-                setattr(record, f.name, int(value or 0))
-            else:
-                setattr(record, f.name, value)
-        return record
+        if "state" not in data:  # written before states: a phase, a final status, two flags
+            data["state"] = _state_before_states(data).value
+        return hash_codec.from_hash(cls, data)
+
+
+def _state_before_states(data: dict[str, str]) -> BatchState:
+    if data.get("final_status"):
+        return BatchState(data["final_status"])
+    phase = data.get("phase", "validating")
+    if phase == "validating":
+        cancelled = data.get("cancel_requested") == "1"
+        return BatchState.CANCELLING if cancelled else BatchState.VALIDATING
+    if phase == "failed":
+        return BatchState.FAILED
+    return BatchState.EXPIRING if data.get("expiring") == "1" else BatchState.SUBMITTED
 
 
 def status(record: BatchRecord, job: JobRecord | None) -> str:
-    if record.final_status:
-        return record.final_status
-    if record.phase == VALIDATING:
-        return "cancelling" if record.cancel_requested else VALIDATING
-    if record.phase == FAILED or job is None:
-        return FAILED
-    state = job.state
-    if state.live:
+    """OpenAI's status: the batch's own state, or once submitted what its job is doing."""
+    if not record.state.has_job:
+        return record.state.value  # validating, cancelling, or final: completed, ...
+    if job is None:
+        return BatchState.FAILED.value  # the job is gone; the sweep fails the batch
+    if job.state.live:
         return "in_progress"
-    if record.expiring or state in (JobState.FINALIZING, JobState.COMPLETED):
+    if record.state == BatchState.EXPIRING or job.state in (
+        JobState.FINALIZING, JobState.COMPLETED
+    ):  # fmt: skip
         return "finalizing"  # output files are written once the job is done
     return "cancelling"
 
 
 def to_openai(record: BatchRecord, job: JobRecord | None) -> dict[str, Any]:
-    source: BatchRecord | JobRecord = record if record.final_status or job is None else job
+    source: BatchRecord | JobRecord = record if record.state.final or job is None else job
     if isinstance(source, JobRecord):
         counts = {"total": source.total, "completed": source.done, "failed": source.failed}
     else:

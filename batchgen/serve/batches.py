@@ -13,6 +13,7 @@ import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import redis
@@ -22,11 +23,13 @@ from batchgen.jobs.ops.job_record import JobRecord, load_job
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.heartbeat import live_workers
-from batchgen.jobs.redis.keys import Keys, queue_name, text
+from batchgen.jobs.redis.keys import Keys, queue_name, text, text_hash
 from batchgen.jobs.schema.errors import BatchgenError, InvalidInput, JobConflict, JobNotFound
 from batchgen.jobs.schema.sampling import job_defaults
 from batchgen.jobs.storage.names import check_output
-from batchgen.serve.batch_record import FAILED, SUBMITTED, VALIDATING, BatchRecord, to_openai
+from batchgen.serve import batch_lifecycle
+from batchgen.serve.batch_lifecycle import BatchState
+from batchgen.serve.batch_record import BatchRecord, to_openai
 from batchgen.serve.files import FileStore
 from batchgen.serve.input_checks import check_batch_lines
 from batchgen.serve.openai_errors import APIError, not_found
@@ -59,20 +62,39 @@ class Batches:
     # -- records ----------------------------------------------------------------
 
     def load(self, batch_id: str) -> BatchRecord:
-        raw = self.conn.hgetall(self.keys.batch(batch_id))
-        if not raw:
+        key = self.keys.batch(batch_id)
+        data = text_hash(self.conn.hgetall(key))
+        if not data:
             raise not_found("batch", batch_id)
-        return BatchRecord.from_hash(raw)
+        record = BatchRecord.from_hash(data)
+        if "state" not in data:  # written before states: store the one it is in, for moves
+            self.conn.hsetnx(key, "state", record.state.value)
+        return record
 
     def save(self, record: BatchRecord, **changes: Any) -> None:
+        """Set fields other than the state (``move`` changes that)."""
+        assert "state" not in changes
         for name, value in changes.items():
             setattr(record, name, value)
         full = record.to_hash()
-        mapping: dict[Any, Any] = {k: full[k] for k in changes} or full
-        self.conn.hset(self.keys.batch(record.id), mapping=mapping)
+        self.conn.hset(self.keys.batch(record.id), mapping={k: full[k] for k in changes})
+
+    def move(self, record: BatchRecord, to: BatchState, **changes: Any) -> BatchState | None:
+        """Move the batch to ``to`` and set ``changes``, where its lifecycle allows that from
+        the state stored now: the state it moved from (``record`` updated), else None."""
+        full = replace(record, **changes).to_hash()
+        stored = {name: full[name] for name in changes}
+        moved, was = batch_lifecycle.move(self.conn, self.keys.batch(record.id), to, stored)
+        if not moved:
+            record.state = was or record.state  # what it became meanwhile
+            return None
+        for name, value in changes.items():
+            setattr(record, name, value)
+        record.state = to
+        return was
 
     def job(self, record: BatchRecord) -> JobRecord | None:
-        if record.phase != SUBMITTED:
+        if not record.state.has_job:
             return None
         try:
             return load_job(self.conn, self.keys, record.id)
@@ -80,7 +102,7 @@ class Batches:
             return None
 
     def view(self, record: BatchRecord) -> dict[str, Any]:
-        return to_openai(record, None if record.final_status else self.job(record))
+        return to_openai(record, self.job(record))
 
     # -- the API ------------------------------------------------------------------
 
@@ -145,9 +167,10 @@ class Batches:
         current = self.view(record)["status"]
         if current in ("cancelling", "cancelled"):
             return self.view(record)
-        if record.phase == VALIDATING:
-            self.save(record, cancel_requested=True, cancelling_at=int(time.time()))
-            return self.view(record)
+        if record.state == BatchState.VALIDATING:
+            if self.move(record, BatchState.CANCELLING, cancelling_at=int(time.time())):
+                return self.view(record)
+            return self.cancel(batch_id)  # its validation ended meanwhile: cancel what it made
         if current not in ("in_progress",):
             raise APIError(400, f"Cannot cancel a batch with status {current!r}.",
                            "invalid_request")  # fmt: skip
@@ -170,7 +193,7 @@ class Batches:
         except Exception as exc:  # never leave a batch validating forever
             log.exception("validating batch %s failed", batch_id)
             record = self.load(batch_id)
-            if record.phase == VALIDATING:
+            if record.state.validating:
                 self._fail(record, [{"code": "server_error", "message": str(exc)[:500],
                                      "param": None, "line": None}])  # fmt: skip
         finally:
@@ -178,7 +201,7 @@ class Batches:
                 self.conn.delete(lock)
 
     def _validate(self, record: BatchRecord) -> None:
-        if record.phase != VALIDATING:
+        if not record.state.validating:
             return
         with self.store.as_local_file(record.input_file_id) as path:
             checked = check_batch_lines(path, record.endpoint)
@@ -192,7 +215,7 @@ class Batches:
             if errors:
                 self._fail(record, errors)
                 return
-            if self.load(record.id).cancel_requested:
+            if self.load(record.id).state == BatchState.CANCELLING:
                 self._finish_unsubmitted(record)
                 return
             output = job_output(self.config.output_root, record.id)
@@ -208,9 +231,9 @@ class Batches:
             except BatchgenError as exc:
                 self._fail(record, [_error("batchgen_error", str(exc))])
                 return
-        self.save(record, phase=SUBMITTED, model=checked.model, output=output,
-                  total=result.total, in_progress_at=int(time.time()))  # fmt: skip
-        if self.load(record.id).cancel_requested:
+        was = self.move(record, BatchState.SUBMITTED, model=checked.model, output=output,
+                        total=result.total, in_progress_at=int(time.time()))  # fmt: skip
+        if was != BatchState.VALIDATING:  # cancelled meanwhile (or ended): its job is not run
             with contextlib.suppress(JobConflict, JobNotFound):
                 cancel_job(self.conn, self.keys, record.id)
 
@@ -219,11 +242,11 @@ class Batches:
         return any(w.get("queue") == name for w in live_workers(self.conn, self.keys))
 
     def _fail(self, record: BatchRecord, errors: list[dict[str, Any]]) -> None:
-        self.save(record, phase=FAILED, errors=errors, failed_at=int(time.time()))
-        self.conn.srem(self.keys.open_batches, record.id)
+        self.move(record, BatchState.FAILED, errors=errors, failed_at=int(time.time()))
+        self.conn.srem(self.keys.open_batches, record.id)  # refused only when already ended
 
     def _finish_unsubmitted(self, record: BatchRecord) -> None:
-        self.save(record, final_status="cancelled", cancelled_at=int(time.time()))
+        self.move(record, BatchState.CANCELLED, cancelled_at=int(time.time()))
         self.conn.srem(self.keys.open_batches, record.id)
 
     # -- the sweep (a background thread calls it) -----------------------------------
@@ -241,11 +264,11 @@ class Batches:
 
     def _sweep_one(self, record: BatchRecord) -> None:
         now = int(time.time())
-        if record.phase == VALIDATING:
+        if record.state.validating:
             if not self.conn.exists(self.keys.batch_lock(record.id)):
                 self.pool.submit(self.validate, record.id)  # a server stopped mid-validation
             return
-        if record.phase != SUBMITTED or record.final_status:
+        if not record.state.has_job:
             self.conn.srem(self.keys.open_batches, record.id)
             return
         job = self.job(record)
@@ -253,11 +276,13 @@ class Batches:
             self._fail(record, [_error("job_lost", "the batch's job is gone from Redis "
                                        "(deleted, or Redis lost its state)")])  # fmt: skip
             return
-        if job.state.live and now >= record.expires_at and not record.expiring:
-            self.save(record, expiring=True)
-            with contextlib.suppress(JobConflict, JobNotFound):
-                cancel_job(self.conn, self.keys, record.id)
-            job = self.job(record) or job
+        if job.state.live and now >= record.expires_at:
+            if record.state == BatchState.SUBMITTED:
+                self.move(record, BatchState.EXPIRING)
+            if record.state == BatchState.EXPIRING:  # (also where a server stopped right here)
+                with contextlib.suppress(JobConflict, JobNotFound):
+                    cancel_job(self.conn, self.keys, record.id)
+                job = self.job(record) or job
         if job.state in (JobState.FINALIZING, JobState.COMPLETED) and not record.finalizing_at:
             self.save(record, finalizing_at=now)
         if job.state.terminal:
@@ -272,17 +297,16 @@ class Batches:
             outputs = write_outputs(self.store, record, job)
             now = int(time.time())
             if job.state == JobState.COMPLETED:
-                final, stamp = "completed", "completed_at"
+                final, stamp = BatchState.COMPLETED, "completed_at"
+            elif record.state == BatchState.EXPIRING:
+                final, stamp = BatchState.EXPIRED, "expired_at"
             else:
-                final, stamp = (
-                    ("expired", "expired_at") if record.expiring else ("cancelled", "cancelled_at")
-                )
-            self.save(record, output_file_id=outputs.output_file_id,
+                final, stamp = BatchState.CANCELLED, "cancelled_at"
+            self.move(record, final, output_file_id=outputs.output_file_id,
                       error_file_id=outputs.error_file_id, total=job.total,
                       completed=outputs.completed, failed=outputs.failed,
                       prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
-                      cached_tokens=job.cached_tokens,
-                      finalizing_at=record.finalizing_at or now, final_status=final,
+                      cached_tokens=job.cached_tokens, finalizing_at=record.finalizing_at or now,
                       **{stamp: now})  # fmt: skip
             self.conn.srem(self.keys.open_batches, record.id)
         finally:

@@ -19,7 +19,8 @@ from typing import IO, Any
 import pyarrow as pa
 import redis
 
-from batchgen.jobs.redis.keys import Keys, text, text_hash
+from batchgen.jobs.redis import hash_codec
+from batchgen.jobs.redis.keys import Keys, text
 from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.serve.openai_errors import not_found
 
@@ -62,19 +63,16 @@ class FileStore:
         """Make a written file visible to the API."""
         obj = FileObject(file_id, nbytes, int(time.time()), filename, purpose)
         pipe = self.conn.pipeline(transaction=True)
-        pipe.hset(self.keys.file(file_id), mapping={
-            "bytes": nbytes, "created_at": obj.created_at, "filename": filename,
-            "purpose": purpose})  # fmt: skip
+        pipe.hset(self.keys.file(file_id), mapping=dict[Any, Any](hash_codec.to_hash(obj)))
         pipe.zadd(self.keys.files, {file_id: time.time()})
         pipe.execute()
         return obj
 
     def get(self, file_id: str) -> FileObject:
-        raw = text_hash(self.conn.hgetall(self.keys.file(file_id)))
+        raw = self.conn.hgetall(self.keys.file(file_id))
         if not raw:
             raise not_found("file", file_id)
-        return FileObject(file_id, int(raw["bytes"]), int(raw["created_at"]), raw["filename"],
-                          raw["purpose"])  # fmt: skip
+        return hash_codec.from_hash(FileObject, raw, id=file_id)
 
     def page(
         self, purpose: str | None, after: str | None, limit: int

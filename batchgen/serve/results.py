@@ -19,6 +19,7 @@ from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.result import RESULT
 from batchgen.jobs.schema.rows import FinishReason
 from batchgen.jobs.storage.output_store import OutputDir
+from batchgen.serve.batch_lifecycle import BatchState
 from batchgen.serve.batch_record import BatchRecord
 from batchgen.serve.files import FileStore, new_file_id
 from batchgen.serve.openai_errors import APIError
@@ -108,7 +109,7 @@ def output_line(batch: BatchRecord, row: dict[str, Any], created: int) -> tuple[
     if reason == FinishReason.CANCELLED.value:
         code, message = (
             ("batch_expired", "This request could not be executed before the completion "
-             "window expired.") if batch.expiring
+             "window expired.") if batch.state == BatchState.EXPIRING
             else ("batch_cancelled", "This request was not executed: the batch was cancelled.")
         )  # fmt: skip
         line |= {"response": None, "error": {"code": code, "message": message}}

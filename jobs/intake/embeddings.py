@@ -3,13 +3,15 @@
 One input per line (a row per line, always): a string, a list of token ids, or a
 list holding exactly one of those. ``dimensions`` truncates the vector
 (Matryoshka style; the worker refuses more than the model's hidden size).
-The queue entry is ``{"e": input, "dim"?: dimensions}``: no sampling parameters.
+An embedding request (jobs/schema/entry.py) holds the input and the dimensions, and no
+sampling parameters.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from batchgen.jobs.schema.entry import Request
 from batchgen.jobs.schema.sampling import show
 
 MAX_DIMENSIONS = 1 << 16
@@ -48,8 +50,8 @@ def dimensions(value: Any, field: str = "dimensions") -> int:
     return value
 
 
-def body_entry(body: dict[str, Any]) -> dict[str, Any]:
-    """The queue entry of a ``/v1/embeddings`` body (its keys already known)."""
+def body_request(body: dict[str, Any]) -> Request:
+    """The request of a ``/v1/embeddings`` body (its keys already known)."""
     if "input" not in body:
         raise EmbeddingError("input", "/v1/embeddings needs body.input")
     for key in ("model", "user"):
@@ -59,10 +61,10 @@ def body_entry(body: dict[str, Any]) -> dict[str, Any]:
         raise EmbeddingError("encoding_format", f"body.encoding_format = "
                              f"{show(body['encoding_format'])} is not supported by batchgen "
                              '(only "float")')  # fmt: skip
-    entry: dict[str, Any] = {"e": embedding_input(body["input"], "input")}
+    request = Request(embed=embedding_input(body["input"], "input"))
     if "dimensions" in body:
-        entry["dim"] = dimensions(body["dimensions"])
-    return entry
+        request.dimensions = dimensions(body["dimensions"])
+    return request
 
 
 def _token(value: Any) -> bool:

@@ -13,27 +13,28 @@ Unknown fields are errors (a typo such as ``max_token`` would otherwise be
 silently ignored). An OpenAI body's dialect (fields accepted and ignored, fields
 refused as not supported, chat's logprobs) is ``openai_body``'s.
 
-An entry carries the prompt or messages, every sampling parameter (job defaults
-merged with the line's own), id and metadata, so a worker needs nothing else.
+A line becomes a ``Request`` (jobs/schema/entry.py): the prompt or messages, every
+sampling parameter (job defaults merged with the line's own), id and metadata, so a
+worker needs nothing else.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-defined]
 from typing import Any
 
 from batchgen.jobs.intake import jsonpos, strictjson
 from batchgen.jobs.intake.embeddings import BODY_FIELDS as EMBEDDING_BODY_FIELDS
 from batchgen.jobs.intake.embeddings import EmbeddingError, embedding_input
-from batchgen.jobs.intake.embeddings import body_entry as embedding_body
+from batchgen.jobs.intake.embeddings import body_request as embedding_body
 from batchgen.jobs.intake.embeddings import dimensions as embedding_dimensions
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES as MAX_LINE_BYTES  # submit's default limit
 from batchgen.jobs.intake.lines import LineError
 from batchgen.jobs.intake.openai_body import FIELDS as BODY_FIELDS
 from batchgen.jobs.intake.openai_body import PARAMS, BodyError, body_params
 from batchgen.jobs.schema.constraints import from_response_format
+from batchgen.jobs.schema.entry import Request, compact_json
 from batchgen.jobs.schema.sampling import CHECKS, ParamError, check_together
 
 MAX_ID_CHARS = 1024
@@ -45,14 +46,6 @@ NATIVE_FIELDS = frozenset({"id", "prompt", "messages", "metadata", "response_for
 EMBED_FIELDS = frozenset({"id", "input", "task", "dimensions", "metadata"})
 OPENAI_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}
-
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
-# JSONEncoder.encode builds this C encoder anew for every call, a tenth of a line's
-# validation: built once here (entries hold dicts, lists, strings and numbers, no
-# cycles). Same bytes either way: the job's fingerprint is their sha256.
-_C_ENCODER = c_make_encoder and c_make_encoder(
-    None, _ENCODER.default, encode_basestring, None, ":", ",", False, False, True
-)
 
 
 class FieldError(Exception):
@@ -69,8 +62,8 @@ class FieldError(Exception):
 def parse_line(
     number: int, raw: bytes, defaults: dict[str, Any], vocab_size: int | None = None
 ) -> bytes | LineError:
-    """The queue entry for one line's content (compact UTF-8 JSON), or what is wrong
-    with it. ``vocab_size``: the model's, when known at submit (logit_bias ids are
+    """The request of one line's content, encoded for the queue (``Request.encode``), or
+    what is wrong with it. ``vocab_size``: the model's, when known at submit (logit_bias ids are
     checked against it; else the worker refuses an id outside it as an error row)."""
     try:
         text = raw.decode("utf-8")
@@ -86,57 +79,53 @@ def parse_line(
             raise FieldError((), "a line must be a JSON object")
         is_openai = bool(OPENAI_FIELDS & value.keys())
         kind = _openai if is_openai else _native
-        entry = kind(value, defaults, len(text), vocab_size)
+        request = kind(value, defaults, len(text), vocab_size)
     except FieldError as exc:
         column = jsonpos.value_position(text, exc.path, key=exc.at_key)
         return LineError(number, column, exc.message)
     del text  # encoding holds up to three copies of the prompt; the text need not be a fourth
     try:
-        return _encode(entry).encode("utf-8")
+        return request.encode()
     except UnicodeEncodeError:
         # JSON escapes can smuggle lone surrogates, which no UTF-8 encoder accepts.
         column = jsonpos.lone_surrogate(raw.decode("utf-8")) + 1
         return LineError(number, column, "unpaired surrogate escape (not valid Unicode)")
 
 
-def _encode(entry: dict[str, Any]) -> str:
-    return "".join(_C_ENCODER(entry, 0)) if _C_ENCODER else _ENCODER.encode(entry)
-
-
 def native_entry(
     value: dict[str, Any], defaults: dict[str, Any], vocab_size: int | None = None
 ) -> bytes:
-    """The queue entry for a native request given as values (a table row's), with
+    """A native request given as values (a table row's), encoded for the queue, with
     the checks a native line gets; FieldError, whose path names the field."""
-    return _encode(_native(value, defaults, 0, vocab_size)).encode("utf-8")
+    return _native(value, defaults, 0, vocab_size).encode()
 
 
 def _native(
     value: dict[str, Any], defaults: dict[str, Any], line_chars: int, vocab_size: int | None
-) -> dict[str, Any]:
+) -> Request:
     if "task" in value or "input" in value:
         return _native_embedding(value, line_chars)
     _reject_unknown(value, NATIVE_FIELDS, ())
-    entry: dict[str, Any] = {}
+    request = Request()
     if "id" in value:
-        entry["id"] = _row_id(value["id"], ("id",))
+        request.id = _row_id(value["id"], ("id",))
     has_prompt, has_messages = "prompt" in value, "messages" in value
     if has_prompt == has_messages:
         raise FieldError((), 'give exactly one of "prompt" or "messages"')
     if has_prompt:
-        entry["p"] = _prompt(value["prompt"], ("prompt",))
+        request.prompt = _prompt(value["prompt"], ("prompt",))
     else:
-        entry["m"] = _messages(value["messages"], ("messages",))
+        request.messages = _messages(value["messages"], ("messages",))
     given = {k: v for k, v in value.items() if k in CHECKS}
     paths: dict[str, tuple[str, ...]] = {}
     _response_format(value, given, paths, ())
-    entry["s"] = _params(given, defaults, (), paths, vocab_size)
+    request.sampling = _params(given, defaults, (), paths, vocab_size)
     if "metadata" in value:
-        entry["md"] = _metadata(value["metadata"], ("metadata",), line_chars)
-    return entry
+        request.metadata = _metadata(value["metadata"], ("metadata",), line_chars)
+    return request
 
 
-def _native_embedding(value: dict[str, Any], line_chars: int) -> dict[str, Any]:
+def _native_embedding(value: dict[str, Any], line_chars: int) -> Request:
     """``{"input", "task": "embed", "dimensions"?, "id"?, "metadata"?}``."""
     _reject_unknown(value, EMBED_FIELDS, ())
     if value.get("task") != "embed":
@@ -146,26 +135,26 @@ def _native_embedding(value: dict[str, Any], line_chars: int) -> dict[str, Any]:
     if "input" not in value:
         raise FieldError((), '"task": "embed" needs "input"')
     try:
-        entry: dict[str, Any] = {"e": embedding_input(value["input"])}
+        request = Request(embed=embedding_input(value["input"]))
         if "dimensions" in value:
-            entry["dim"] = embedding_dimensions(value["dimensions"])
+            request.dimensions = embedding_dimensions(value["dimensions"])
     except EmbeddingError as exc:
         raise FieldError((exc.field,), exc.message) from None
     if "id" in value:
-        entry["id"] = _row_id(value["id"], ("id",))
+        request.id = _row_id(value["id"], ("id",))
     if "metadata" in value:
-        entry["md"] = _metadata(value["metadata"], ("metadata",), line_chars)
-    return entry
+        request.metadata = _metadata(value["metadata"], ("metadata",), line_chars)
+    return request
 
 
 def _openai(
     value: dict[str, Any], defaults: dict[str, Any], line_chars: int, vocab_size: int | None
-) -> dict[str, Any]:
+) -> Request:
     _reject_unknown(value, OPENAI_FIELDS, ())
     for name in ("custom_id", "method", "url", "body"):
         if name not in value:
             raise FieldError((), f'OpenAI batch line without "{name}"')
-    entry: dict[str, Any] = {"id": _row_id(value["custom_id"], ("custom_id",), text_only=True)}
+    row_id = _row_id(value["custom_id"], ("custom_id",), text_only=True)
     if value["method"] != "POST":
         shown = json.dumps(value["method"])[:60]  # a method name, unless hostile
         raise FieldError(("method",), f'method must be "POST", got {shown}')
@@ -178,19 +167,22 @@ def _openai(
     if kind == "input":
         _reject_unknown(body, EMBEDDING_BODY_FIELDS, ("body",))
         try:
-            return {**entry, **embedding_body(body)}
+            request = embedding_body(body)
         except EmbeddingError as exc:
             raise FieldError(("body", exc.field), exc.message) from None
+        request.id = row_id
+        return request
     _reject_unknown(body, BODY_FIELDS, ("body",))
     other = "prompt" if kind == "messages" else "messages"
     if other in body:
         raise FieldError(("body", other), f"{value['url']} takes body.{kind}, not body.{other}")
     if kind not in body:
         raise FieldError(("body",), f"{value['url']} needs body.{kind}")
+    request = Request(id=row_id)
     if kind == "prompt":
-        entry["p"] = _prompt(body["prompt"], ("body", "prompt"))
+        request.prompt = _prompt(body["prompt"], ("body", "prompt"))
     else:
-        entry["m"] = _messages(body["messages"], ("body", "messages"))
+        request.messages = _messages(body["messages"], ("body", "messages"))
     try:
         params = body_params(body, chat=kind == "messages")
     except BodyError as exc:
@@ -200,10 +192,10 @@ def _openai(
     }
     paths["logprobs"] = ("body", "top_logprobs" if "top_logprobs" in body else "logprobs")
     _response_format(body, params, paths, ("body",))
-    entry["s"] = _params(params, defaults, ("body",), paths, vocab_size)
+    request.sampling = _params(params, defaults, ("body",), paths, vocab_size)
     if "metadata" in body:
-        entry["md"] = _metadata(body["metadata"], ("body", "metadata"), line_chars)
-    return entry
+        request.metadata = _metadata(body["metadata"], ("body", "metadata"), line_chars)
+    return request
 
 
 def _reject_unknown(value: dict[str, Any], allowed: frozenset[str], at: tuple[str, ...]) -> None:
@@ -337,7 +329,7 @@ def _metadata(value: Any, path: tuple[str, ...], line_chars: int) -> dict[str, A
         raise FieldError(path, "metadata must be an object")
     if line_chars * 4 < MAX_METADATA_BYTES:
         return value  # re-serialized, it cannot outgrow this short a line much
-    size = len(_ENCODER.encode(value).encode("utf-8", "surrogatepass"))
+    size = len(compact_json(value).encode("utf-8", "surrogatepass"))
     if size > MAX_METADATA_BYTES:
         raise FieldError(path, f"metadata is {size:,} bytes; at most {MAX_METADATA_BYTES:,}")
     return value

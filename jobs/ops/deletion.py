@@ -31,6 +31,7 @@ from batchgen.jobs.ops.job_record import JobRecord, queue_of_job
 from batchgen.jobs.ops.result import MANIFEST, RESULT
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys, text
 from batchgen.jobs.redis.lease import Lease, LeaseHeld
+from batchgen.jobs.schema.entry import job_of
 from batchgen.jobs.schema.errors import JobConflict
 from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.jobs.storage.ownership import MARKER
@@ -93,7 +94,7 @@ def delete_entries(conn: redis.Redis, qk: QueueKeys, job_id: str) -> int:
         batch: Any = conn.xrange(qk.stream, start, "+", count=SCAN_BATCH)
         if not batch:
             return removed
-        ids = [eid for eid, fields in batch if fields and fields.get(b"j") == mine]
+        ids = [eid for eid, fields in batch if fields and job_of(fields) == mine]
         if ids:
             pipe = conn.pipeline(transaction=True)
             pipe.xack(qk.stream, GROUP, *ids)

@@ -1,8 +1,7 @@
-"""The job record: one Redis hash per job (its states: lifecycle.py)."""
+"""The job record: one Redis hash per job (its states: lifecycle.py; its codec: hash_codec.py)."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,41 +9,10 @@ from typing import Any
 import redis
 
 from batchgen.jobs.ops.lifecycle import JobState
-from batchgen.jobs.redis.keys import Keys, QueueKeys, text, text_hash
+from batchgen.jobs.redis import hash_codec
+from batchgen.jobs.redis.hash_codec import OMIT_EMPTY, SORTED
+from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 from batchgen.jobs.schema.errors import JobNotFound
-
-_INT_FIELDS = (
-    "total",
-    "enqueued",
-    "done",
-    "failed",
-    "skipped",
-    "prompt_tokens",
-    "completion_tokens",
-    "cached_tokens",
-    "finalize_attempts",
-    "retention_s",
-    "retried",
-    "retry_rounds",
-    "retry_cursor",
-)
-_FLOAT_FIELDS = ("created_at", "started_at", "finished_at", "finalize_retry_at")
-_STR_FIELDS = (
-    "model",
-    "queue",
-    "tag",
-    "output",
-    "output_token",
-    "source",
-    "source_sha256",
-    "error",
-    "storage_error",
-    "refused",
-    "last_id",
-    "cache",
-    "input_format",
-    "table",
-)
 
 
 @dataclass(slots=True)
@@ -56,7 +24,8 @@ class JobRecord:
     tag: str = ""  # the queue's hash tag
     output: str = ""  # URI of the job's output directory
     output_token: str = ""  # the token of the output's marker (ownership.py)
-    defaults: dict[str, Any] = field(default_factory=dict)  # job-level sampling defaults
+    # job-level sampling defaults (sorted: the manifest shows them so)
+    defaults: dict[str, Any] = field(default_factory=dict, metadata=SORTED)
     source: str = ""  # input file name, for the manifest
     source_sha256: str = ""  # of the valid entries, so a re-submit can prove it is the same job
     total: int = 0  # valid input lines = rows the output will hold
@@ -78,7 +47,8 @@ class JobRecord:
     retention_s: int = 0  # the finished job's Redis state expires after this (retention.py)
     finalize_attempts: int = 0  # failed finalize runs (a killed finalizer is not one)
     finalize_retry_at: float = 0.0  # after a failed finalize: when the workers retry it
-    model_fingerprint: str = ""
+    # of the weights; "" for an HF id, left out of the hash for the first worker to set (HSETNX)
+    model_fingerprint: str = field(default="", metadata=OMIT_EMPTY)
     cache: str = ""  # the result cache's location (cache.py) when submitted with --cache
     retried: int = 0  # rows re-queued by `batchgen retry`, all rounds together (retry.py)
     retry_rounds: int = 0  # retries that re-opened the job
@@ -101,31 +71,11 @@ class JobRecord:
         return self.done + self.failed
 
     def to_hash(self) -> dict[str, str]:
-        out = {name: str(getattr(self, name)) for name in (*_INT_FIELDS, *_STR_FIELDS)}
-        out.update({name: repr(getattr(self, name)) for name in _FLOAT_FIELDS})
-        out["state"] = self.state.value
-        out["defaults"] = json.dumps(self.defaults, sort_keys=True)
-        out["closed"] = "1" if self.closed else "0"
-        out["kept_columns"] = json.dumps(self.kept_columns)
-        if self.model_fingerprint:  # else left for the first worker to set (HSETNX)
-            out["model_fingerprint"] = self.model_fingerprint
-        return out
+        return hash_codec.to_hash(self)
 
     @classmethod
     def from_hash(cls, job_id: str, raw: object) -> JobRecord:
-        data = text_hash(raw)
-        record = cls(id=job_id, state=JobState(data.get("state", "queued")))
-        for name in _INT_FIELDS:
-            setattr(record, name, int(data.get(name) or 0))
-        for name in _FLOAT_FIELDS:
-            setattr(record, name, float(data.get(name) or 0.0))
-        for name in _STR_FIELDS:
-            setattr(record, name, data.get(name, ""))
-        record.defaults = json.loads(data.get("defaults") or "{}")
-        record.closed = data.get("closed") == "1"
-        record.kept_columns = json.loads(data.get("kept_columns") or "[]")
-        record.model_fingerprint = data.get("model_fingerprint", "")
-        return record
+        return hash_codec.from_hash(cls, raw, id=job_id)
 
     def spec(self) -> dict[str, Any]:
         """What the user asked for, for the manifest."""

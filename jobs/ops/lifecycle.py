@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import enum
 
-from batchgen.jobs.redis.lua import LuaScript
+from batchgen.jobs.redis.lua import LuaScript, lua_moves
 
 
 class JobState(str, enum.Enum):
@@ -81,14 +81,10 @@ REOPEN: dict[JobState, JobState] = {
 
 def _lua_tables() -> str:
     states = ", ".join(f"{s.name} = '{s.value}'" for s in JobState)
-    moves = ", ".join(
-        f"{src.value} = {{{', '.join(f'{dst.value} = true' for dst in sorted(dsts))}}}"
-        for src, dsts in MOVES.items()
-    )
     final = ", ".join(f"{src.value} = '{dst.value}'" for src, dst in FINAL_STATE.items())
     reopen = ", ".join(f"{src.value} = '{dst.value}'" for src, dst in REOPEN.items())
     return (
-        f"local S = {{{states}}}\nlocal MOVES = {{{moves}}}\nlocal FINAL = {{{final}}}\n"
+        f"local S = {{{states}}}\nlocal MOVES = {lua_moves(MOVES)}\nlocal FINAL = {{{final}}}\n"
         f"local REOPEN = {{{reopen}}}\n"
     )
 

@@ -58,6 +58,7 @@ from batchgen.jobs.ops.submission import CHUNK_BYTES, CHUNK_ENTRIES, validate_in
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 from batchgen.jobs.redis.lease import Lease, LeaseHeld
 from batchgen.jobs.redis.sentinel import replicated
+from batchgen.jobs.schema.entry import LUA_FIELDS
 from batchgen.jobs.schema.errors import JobConflict, JobNotFound, JobNotReady, UsageError
 from batchgen.jobs.schema.rows import FinishReason
 from batchgen.jobs.schema.sampling import ParamError, job_defaults
@@ -122,7 +123,7 @@ RETRY_CHUNK = script(
         ("cursor", "the job's retry_cursor when this chunk was packed"),
         ("next", "the cursor after this chunk"),
         ("final", "'1': the last chunk (every retried input is queued after it)"),
-        ("*items", "input index, request (compact JSON), ..."),
+        ("*items", "input index, request (Request.encode), ..."),
     ],
     body="""
 local v = redis.call('HMGET', job, 'state', 'retry_cursor', 'total')
@@ -131,7 +132,7 @@ if v[1] ~= S.QUEUED and v[1] ~= S.RUNNING then return v[1] end
 if tonumber(v[2]) ~= tonumber(cursor) then return 'moved' end
 local id
 for k = 1, #items, 2 do
-  id = redis.call('XADD', stream, '*', 'j', job_id, 'i', items[k], 'r', items[k + 1])
+  id = redis.call('XADD', stream, '*', F.job, job_id, F.index, items[k], F.request, items[k + 1])
 end
 redis.call('HSET', job, 'retry_cursor', next)
 if id then redis.call('HSET', job, 'last_id', id) end
@@ -142,6 +143,7 @@ else
 end
 return 'ok'
 """,
+    prelude=LUA_FIELDS,
 )
 
 

@@ -48,6 +48,7 @@ from batchgen.jobs.redis.connection import describe_connection_error, is_oom, qu
 from batchgen.jobs.redis.keys import Keys, QueueKeys, queue_name, queue_tag, text
 from batchgen.jobs.redis.sentinel import replicated
 from batchgen.jobs.redis.stream import ensure_group
+from batchgen.jobs.schema.entry import LUA_FIELDS
 from batchgen.jobs.schema.errors import InvalidInput, JobConflict, RedisUnavailable, UsageError
 from batchgen.jobs.storage.names import check_job_id
 from batchgen.jobs.storage.output_store import OutputDir
@@ -62,7 +63,7 @@ APPEND_CHUNK = script(
     args=[
         ("job_id", ""),
         ("start", "entries the job had when this chunk was packed"),
-        ("*entries", "the chunk's requests, compact JSON"),
+        ("*entries", "the chunk's requests (Request.encode)"),
     ],
     body="""
 local v = redis.call('HMGET', job, 'enqueued', 'state')
@@ -72,12 +73,13 @@ local first = tonumber(start)
 if tonumber(v[1]) ~= first then return {tonumber(v[1]), ''} end
 local id
 for k, entry in ipairs(entries) do
-  id = redis.call('XADD', stream, '*', 'j', job_id, 'i', first + k - 1, 'r', entry)
+  id = redis.call('XADD', stream, '*', F.job, job_id, F.index, first + k - 1, F.request, entry)
 end
 local enqueued = first + #entries
 redis.call('HSET', job, 'enqueued', enqueued, 'last_id', id)
 return {enqueued, ''}
 """,
+    prelude=LUA_FIELDS,
 )
 
 
@@ -254,9 +256,7 @@ def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> 
     fields = [
         x for name, value in record.to_hash().items() if name != "state" for x in (name, value)
     ]
-    created = CREATE(
-        conn, job=jk.job, active=qk.active, job_id=job_id, fields=["id", job_id, *fields]
-    )
+    created = CREATE(conn, job=jk.job, active=qk.active, job_id=job_id, fields=fields)
     if created:
         return False, 0
     return _resume(JobRecord.from_hash(job_id, conn.hgetall(jk.job)), record)  # lost a race

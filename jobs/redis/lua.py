@@ -23,10 +23,11 @@ server that does not know the script yet (new, restarted) gets it loaded once
 
 from __future__ import annotations
 
+import enum
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from redis.exceptions import NoScriptError
@@ -130,6 +131,23 @@ class LuaScript:
         sha = conn.script_load(self.source)
         assert sha == self.sha, (sha, self.sha)
         return self.sha
+
+
+State = TypeVar("State", bound=enum.Enum)
+
+
+def lua_moves(moves: Mapping[State, Iterable[State]]) -> str:
+    """A table of allowed moves between states as a Lua table literal, by the states'
+    values: ``{queued = {running = true, ...}, ...}`` (MOVES[from][to] is true or nil)."""
+    rows = []
+    for src, dsts in moves.items():
+        allowed = ", ".join(f"{dst.value} = true" for dst in sorted(dsts, key=_value))
+        rows.append(f"{src.value} = {{{allowed}}}")
+    return "{" + ", ".join(rows) + "}"
+
+
+def _value(state: enum.Enum) -> Any:
+    return state.value
 
 
 # Ack entries and delete them (an acked entry left in the stream would grow it forever).

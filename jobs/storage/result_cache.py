@@ -96,8 +96,9 @@ def content_key(fingerprint: str, engine: str, token_ids: list[int], sampling: d
     """The content key of a request, or None when its output is not decided by its inputs
     (unseeded sampling) or the model has no fingerprint (not a local checkpoint).
 
-    ``sampling``: a queue entry's ``s`` (fields missing there take their defaults, as in
-    the engine's SamplingParams); ``engine``: the worker's numerics (device, dtype, ...).
+    ``sampling``: a request's sampling parameters (fields missing there take their
+    defaults, as in the engine's SamplingParams); ``engine``: the worker's numerics
+    (device, dtype, ...).
     """
     if not fingerprint:
         return None

@@ -59,7 +59,7 @@ class LoopCache:
         entry id. The misses' keys are kept for ``finished``."""
         by_uri: dict[str, list[tuple[Delivery, str]]] = {}
         for uri, d, token_ids in items:
-            key = content_key(self.fingerprint, self.engine, token_ids, d.request.get("s", {}))
+            key = content_key(self.fingerprint, self.engine, token_ids, d.request.sampling or {})
             if key is not None:
                 by_uri.setdefault(uri, []).append((d, key))
         rows: dict[str, Row] = {}

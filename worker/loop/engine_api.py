@@ -52,7 +52,7 @@ class EngineLike(Protocol):
 @dataclass(slots=True)
 class EngineAPI:
     engine: EngineLike
-    sampling_params: Callable[..., Any]  # SamplingParams(**entry["s"]); ValueError when bad
+    sampling_params: Callable[..., Any]  # SamplingParams(**request.sampling); ValueError when bad
     rejected: tuple[type[BaseException], ...]  # add_request's "can never run" errors
 
 

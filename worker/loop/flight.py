@@ -24,18 +24,18 @@ class Flight:
 
 
 def _metadata(delivery: Delivery) -> str | None:
-    md = delivery.request.get("md")
+    md = delivery.request.metadata
     return json.dumps(md, ensure_ascii=False, separators=(",", ":")) if md else None
 
 
 def _structured(delivery: Delivery) -> str | None:
-    return kind_of(delivery.request.get("s", {}).get("structured_output"))
+    return kind_of(delivery.request.param("structured_output"))
 
 
 def resumable(delivery: Delivery, tokens: list[int]) -> list[int]:
     """The tokens a hand-back carries: n > 1 samples restart (one token list cannot
     resume them all)."""
-    return tokens if delivery.request.get("s", {}).get("n", 1) == 1 else []
+    return tokens if delivery.request.param("n", 1) == 1 else []
 
 
 def now_ms() -> int:
@@ -48,7 +48,7 @@ def output_row(flight: Flight, out, worker: str, token_text: Callable[[int], str
     d = flight.delivery
     reason = _REASONS.get(out.finish_reason)
     token_ids = list(out.token_ids)
-    top_k = d.request.get("s", {}).get("logprobs")
+    top_k = d.request.param("logprobs")
     samples = out.samples if len(out.samples) > 1 else []
     choices = [
         {"index": i, "text": s.text, "token_ids": list(s.token_ids),
@@ -58,7 +58,7 @@ def output_row(flight: Flight, out, worker: str, token_text: Callable[[int], str
     ]  # fmt: skip
     return Row(
         index=d.index,
-        id=d.request.get("id"),
+        id=d.request.id,
         text=out.text if reason else "",
         token_ids=token_ids,
         finish_reason=reason or FinishReason.ERROR,
@@ -99,7 +99,7 @@ def error_row(delivery: Delivery, error: str, worker: str, prompt_tokens: int = 
     """The row of a request that cannot run: it fails alone, never the job or worker."""
     return Row(
         index=delivery.index,
-        id=delivery.request.get("id"),
+        id=delivery.request.id,
         finish_reason=FinishReason.ERROR,
         error=error,
         prompt_tokens=prompt_tokens,
@@ -118,7 +118,7 @@ def cached_row(delivery: Delivery, values: dict, source_job: str, worker: str) -
     counts) of the original row, this request's own id, index, metadata and timing."""
     return Row(
         index=delivery.index,
-        id=delivery.request.get("id"),
+        id=delivery.request.id,
         text=values["text"],
         token_ids=list(values["token_ids"]),
         finish_reason=FinishReason(values["finish_reason"]),

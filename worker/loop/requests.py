@@ -22,7 +22,6 @@ import redis
 
 from batchgen.jobs.consumer.queue import Delivery, HandBack
 from batchgen.jobs.consumer.sink import PartSink
-from batchgen.jobs.schema.rows import from_dict
 from batchgen.worker.loop.caching import LoopCache
 from batchgen.worker.loop.engine_api import EngineAPI
 from batchgen.worker.loop.flight import Flight, error_row, now_ms, output_row, resumable
@@ -199,18 +198,21 @@ class Requests:
         """(sampling params, prompt token ids) of a request to run; None when it was
         dealt with here (a carried row, an embedding, an error row)."""
         if d.finished is not None:  # made before its storage failed: only its part is missing
-            self.sink.add(d, output, from_dict(d.finished))
+            self.sink.add(d, output, d.finished)
             self.count("rows_carried", 1)
             return None
-        if "e" in d.request:
-            self._start_embedding(d, output)
+        if d.request.embed is not None:
+            self._start_embedding(d, output, d.request.embed)
+            return None
+        prompt = d.request.prompt_input
+        if prompt is None:
+            self.error(d, output, "the queue entry holds no prompt, messages or input")
             return None
         try:
-            params = self.api.sampling_params(**d.request["s"])
+            params = self.api.sampling_params(**(d.request.sampling or {}))
         except (TypeError, ValueError) as exc:
             self.error(d, output, f"invalid sampling parameters: {exc}")
             return None
-        prompt = d.request["p"] if "p" in d.request else d.request["m"]
         try:
             token_ids = self.engine.encode(prompt)
         except Exception as exc:  # a tokenizer or chat-template failure fails this row only
@@ -223,10 +225,10 @@ class Requests:
             return None
         return params, token_ids
 
-    def _start_embedding(self, d: Delivery, output: str) -> None:
+    def _start_embedding(self, d: Delivery, output: str, embed: str | list[int]) -> None:
         """An embedding entry: no sampling, no partial tokens (a hand-back restarts it)."""
         try:
-            self.engine.add_embedding(d.entry_id, d.request["e"], d.request.get("dim"))
+            self.engine.add_embedding(d.entry_id, embed, d.request.dimensions)
         except self.rejections as exc:
             reason = getattr(exc, "reason", None) or str(exc)
             return self.error(d, output, f"request rejected: {reason}")
