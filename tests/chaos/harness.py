@@ -272,6 +272,10 @@ class Chaos:
 class Reference:
     token_ids: list[list[int]]
     texts: list[str]
+    # (row, the tokens a run got) -> (tokens, text) of the fault-free run made to take the
+    # other side of that row's first divergence, or None unless HF's fp32 logits prove the
+    # divergence a near tie (two runs batch differently, so sums differ in the last bits)
+    through_tie: Callable[[int, list[int]], tuple[list[int], str] | None]
 
 
 def assert_exactly_once(
@@ -284,6 +288,7 @@ def assert_exactly_once(
     A lost row (its entry was deleted before anyone read it) has no id: the request
     went with the entry; its index still says which line it was."""
     errors = errors or {}
+    ties = []
     n = len(lines)
     assert rows["index"] == list(range(n))
     lost = {i for i, message in errors.items() if message.startswith("lost:")}
@@ -295,8 +300,14 @@ def assert_exactly_once(
             continue
         got = (rows["finish_reason"][i], rows["error"][i], rows["token_ids"][i], rows["text"][i])
         assert got[0] in OK_REASONS and got[1] is None, (i, got)
-        assert got[2] == reference.token_ids[i], f"row {i}: tokens differ from the fault-free run"
+        if got[2] != reference.token_ids[i]:
+            forced = reference.through_tie(i, got[2])
+            assert forced is not None, f"row {i}: tokens differ from the fault-free run"
+            assert (got[2], got[3]) == forced, f"row {i}: not the fault-free run past its near tie"
+            ties.append(i)
+            continue
         assert got[3] == reference.texts[i], f"row {i}: text differs from the fault-free run"
+    assert len(ties) <= 2, f"near ties decided the other way in rows {ties}"
 
 
 def assert_nothing_left(chaos: Chaos, job_id: str, output: Path | None = None) -> None:
