@@ -31,6 +31,7 @@ from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys
 from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.worker.engine_config import EngineConfig
 from batchgen.worker.loop.loop_config import LoopConfig
+from tests.chaos.reference import Reference
 
 KEYS = Keys("bg")
 HOOKS = Path(__file__).parent / "hooks"  # sitecustomize with the poison-request hook
@@ -266,16 +267,6 @@ class Chaos:
         out = self.cli("download", job_id, "-o", str(dest))
         assert out.returncode == 0, out.stderr
         return pq.read_table(dest).to_pydict()
-
-
-@dataclass(slots=True)
-class Reference:
-    token_ids: list[list[int]]
-    texts: list[str]
-    # (row, the tokens a run got) -> (tokens, text) of the fault-free run made to take the
-    # other side of that row's first divergence, or None unless HF's fp32 logits prove the
-    # divergence a near tie (two runs batch differently, so sums differ in the last bits)
-    through_tie: Callable[[int, list[int]], tuple[list[int], str] | None]
 
 
 def assert_exactly_once(
