@@ -33,8 +33,8 @@ def engine(b: Bench) -> dict[str, Any]:
         prompts = [b.torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
         # HF sizes its paged cache and a max_batch_tokens-square attention mask from free
         # memory; on the dry run that is gigabytes of RAM filled for 16 tokens (~25 s)
-        sized = {"num_blocks": 16, "max_batch_tokens": 64} if s is DRY_RUN else {}
-        hf = hf_continuous_batching(model_dir, prompts, s.max_new_tokens, b.device, **sized)
+        sized = (16, 64) if s is DRY_RUN else (None, None)
+        hf = hf_continuous_batching(model_dir, prompts, s.max_new_tokens, b.device, *sized)
         ours = engine_throughput(model_dir, prompts, s.max_new_tokens, b.device)
     return {
         "hf_continuous_batching": hf,
@@ -45,21 +45,22 @@ def engine(b: Bench) -> dict[str, Any]:
 
 
 def hf_continuous_batching(
-    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, device: Any, **sizes: int
-) -> dict[str, Any]:
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, device: Any,
+    num_blocks: int | None = None, max_batch_tokens: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """HF transformers' generate_batch on the workload: greedy, EOS ignored.
 
     generate_batch warms up (captures CUDA graphs) inside every call, before it
     admits the requests, so the rate is measured from the first request's
-    creation to the last one's end, not over the whole call. ``sizes`` (num_blocks,
-    max_batch_tokens) fix its cache's size; by default HF infers it from free memory.
+    creation to the last one's end, not over the whole call. ``num_blocks`` and
+    ``max_batch_tokens`` size its cache; None: HF infers them from free memory.
     """
     import torch
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
-    batching = ContinuousBatchingConfig(**sizes)  # with no sizes, what HF does without one
+    batching = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
     model.generate_batch(inputs=prompts[:4], generation_config=config,
                          continuous_batching_config=batching)  # compile, allocate  # fmt: skip
     t0 = time.perf_counter()
