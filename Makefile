@@ -27,8 +27,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/python scripts/typecheck.py
 
+# Two processes (pytest-xdist), a module's tests on one of them (its module fixtures
+# built once); tests/conftest.py says what keeps them apart.
+# PYTEST_WORKERS=0 runs them in this process, one by one.
+PYTEST_WORKERS ?= 2
 pytest: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 test: lint typecheck pytest
 
