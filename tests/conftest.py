@@ -47,6 +47,11 @@ if _XDIST_WORKERS > 1:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Modules that hold a slow test first, in their order, then the rest: a parallel run
+    # (make pytest: a module at a time, in this order) starts the long ones early and
+    # ends on short ones instead of one worker finishing the soak alone.
+    slow = {item.nodeid.split("::")[0] for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
