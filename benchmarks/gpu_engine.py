@@ -32,7 +32,7 @@ def engine(b: Bench) -> dict[str, Any]:
         vocab = size.tokenizer_vocab_size or size.vocab_size
         prompts = [b.torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
         # HF sizes its paged cache and a max_batch_tokens-square attention mask from free
-        # memory; on the dry run that is gigabytes of RAM filled for 16 tokens (~25 s)
+        # memory; on the dry run: gigabytes filled for 16 tokens, 29 s of system time
         sized = (16, 64) if s is DRY_RUN else (None, None)
         hf = hf_continuous_batching(model_dir, prompts, s.max_new_tokens, b.device, *sized)
         ours = engine_throughput(model_dir, prompts, s.max_new_tokens, b.device)
