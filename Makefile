@@ -27,8 +27,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/python scripts/typecheck.py
 
+# Two processes (pytest-xdist), a module's tests on one of them (its module fixtures
+# built once), modules handed out in collection order (tests/conftest.py puts the slow
+# ones first and says what keeps the processes apart). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 pytest: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: lint typecheck pytest
 

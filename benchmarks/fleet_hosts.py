@@ -17,20 +17,9 @@ from pathlib import Path
 
 from batchgen.toy import write_toy_checkpoint
 from tests.chaos.fleet import cut_one_worker, fleet
-from tests.chaos.harness import Reference, assert_exactly_once, prompt_lines
+from tests.chaos.harness import assert_exactly_once, prompt_lines
+from tests.chaos.reference import fault_free
 from tests.netns import unavailable
-
-
-def reference(model: Path, lines: list[dict]) -> Reference:
-    import torch
-
-    from batchgen.worker import Engine, SamplingParams
-
-    torch.set_num_threads(1)  # as the workers run
-    engine = Engine.from_pretrained(model, device="cpu")
-    params = [SamplingParams(max_tokens=line["max_tokens"]) for line in lines]
-    outs = engine.generate([line["prompt"] for line in lines], params)
-    return Reference([list(o.token_ids) for o in outs], [o.text for o in outs])
 
 
 def main() -> None:
@@ -47,7 +36,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="batchgen-fleet-") as folder:
         tmp = Path(folder)
         model = write_toy_checkpoint(tmp / "model", arch="llama", size="tiny")
-        expected = reference(model, lines)
+        from batchgen.worker import Engine
+
+        expected = fault_free(Engine.from_pretrained(model, device="cpu"), model, lines)
         with fleet(tmp, model, workers) as chaos:
             report = cut_one_worker(chaos, "fleet", lines, workers, args.claim_timeout)
             started = time.monotonic()

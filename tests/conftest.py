@@ -2,11 +2,22 @@
 
 No Redis is ever mocked: tests talk to a redis-server process started here,
 which they may kill -9 and restart on the same data dir.
+
+``make pytest`` runs the tests in two pytest-xdist worker processes (``-n 2
+--dist loadfile``: a module's tests, and so its module-scoped fixtures, stay
+on one worker). What two tests running at once could share is kept apart:
+each worker has its own session Redis and its own ``BATCHGEN_HOME`` (so the
+embedded Redis, fingerprint memos and result cache are never the user's or
+the other worker's); ports come from the kernel (``free_port``). Toy
+checkpoints are built once per run and read by both workers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,14 +36,79 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Under pytest-xdist each worker takes its share of the cores: torch's default (a
+# thread per core) in each of two workers oversubscribes them, and OpenMP threads
+# then spin against each other. Processes the tests start inherit the same share.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _XDIST_WORKERS > 1:
+    _THREADS = max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Modules that hold a slow test first, in their order, then the rest: a parallel run
+    # (make pytest: a module at a time, in this order) starts the long ones early and
+    # ends on short ones instead of one worker finishing the soak alone.
+    slow = {item.nodeid.split("::")[0] for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def shared_dir(factory: pytest.TempPathFactory) -> Path:
+    """A folder every xdist worker of this run sees (the run's base temp dir); the
+    session's own base temp dir when not under xdist."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def _flock(path: Path, mode: int) -> Iterator[None]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
+    """``<shared_dir>/name``, made by ``build(folder)`` in the first worker that asks;
+    a worker asking meanwhile waits on the lock, then reads the finished folder. For
+    what is costly and never modified by the tests that read it."""
+    shared = shared_dir(factory)
+    final = shared / name
+    with _flock(shared / f"{name}.lock", fcntl.LOCK_EX):
+        if not final.is_dir():
+            partial = shared / f"{name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            build(partial)
+            partial.rename(final)
+    return final
+
+
+@pytest.fixture(scope="session", autouse=True)
+def batchgen_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``BATCHGEN_HOME`` of this worker's session, inherited by every process a test
+    starts: nothing writes to the user's data dir or shares the other worker's. A
+    test that needs a home of its own still sets one."""
+    from batchgen.jobs.redis import embedded
+
+    home = tmp_path_factory.mktemp("batchgen-home")
+    saved = os.environ.get("BATCHGEN_HOME")
+    os.environ["BATCHGEN_HOME"] = str(home)
+    yield home
+    if embedded.redis_dir(home).is_dir():
+        embedded.stop(home)  # one a test started through the default home
+    if saved is None:
+        os.environ.pop("BATCHGEN_HOME", None)
+    else:
+        os.environ["BATCHGEN_HOME"] = saved
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +142,8 @@ def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="session")
 def toy_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """``toy_model(arch, size="tiny", **kw)``: a cached toy checkpoint directory."""
+    """``toy_model(arch, size="tiny", **kw)``: a toy checkpoint directory, built once per
+    run and shared by the xdist workers (tests only read it; copy it to change it)."""
     from batchgen.toy import write_toy_checkpoint
 
     cache: dict[tuple, Path] = {}
@@ -74,9 +151,11 @@ def toy_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     def make(arch: str = "llama", size: str = "tiny", **kwargs) -> Path:
         key = (arch, size, *sorted(kwargs.items()))
         if key not in cache:
-            name = "-".join(str(part) for part in (arch, size, *kwargs.values()))
-            out = tmp_path_factory.mktemp(f"toy-{name}")
-            cache[key] = write_toy_checkpoint(out, arch=arch, size=size, **kwargs)
+            name = "-".join([arch, size, *(f"{k}{v}" for k, v in key[2:])])
+            cache[key] = built_once(
+                tmp_path_factory, f"toy-{name}",
+                lambda out: write_toy_checkpoint(out, arch=arch, size=size, **kwargs),
+            )  # fmt: skip
         return cache[key]
 
     return make

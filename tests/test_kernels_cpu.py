@@ -144,12 +144,19 @@ def test_a_step_with_enough_to_read_takes_torchs_threads():
     if cpu_native.load() is None:
         pytest.skip("no C kernel on this machine")
     k_cache, v_cache, tables, _ = _paged([512] * 8, 2, 64, 16)
-    many = cpu_decode.plan_decode(
-        tables, torch.full((8,), 512, dtype=torch.int32), k_cache, v_cache
-    )
-    few = cpu_decode.plan_decode(tables, torch.full((8,), 3, dtype=torch.int32), k_cache, v_cache)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # not 1, whatever share of the cores this process has
+    try:
+        many = cpu_decode.plan_decode(
+            tables, torch.full((8,), 512, dtype=torch.int32), k_cache, v_cache
+        )
+        few = cpu_decode.plan_decode(
+            tables, torch.full((8,), 3, dtype=torch.int32), k_cache, v_cache
+        )
+    finally:
+        torch.set_num_threads(threads)
     assert isinstance(many, KernelDecode) and isinstance(few, KernelDecode)
-    assert (many.threads, few.threads) == (torch.get_num_threads(), 1)
+    assert (many.threads, few.threads) == (3, 1)
 
 
 def test_the_kernel_compiles_where_there_is_a_compiler():

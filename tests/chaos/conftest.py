@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from batchgen.jobs.redis.redis_server import RedisServer
-from tests.chaos.harness import Chaos, Reference
+from tests.chaos.harness import Chaos
+from tests.chaos.reference import Reference, fault_free
 
 
 @pytest.fixture(scope="session")
@@ -20,9 +21,7 @@ def model(toy_model) -> Path:
 @pytest.fixture(scope="session")
 def reference(model: Path) -> Iterator[Callable[[list[dict]], Reference]]:
     """Greedy outputs of ``Engine.generate`` on the same lines, with no fault at all."""
-    import torch
-
-    from batchgen.worker import Engine, SamplingParams
+    from batchgen.worker import Engine
 
     engine = Engine.from_pretrained(model, device="cpu")
     cache: dict[str, Reference] = {}
@@ -30,22 +29,10 @@ def reference(model: Path) -> Iterator[Callable[[list[dict]], Reference]]:
     def run(lines: list[dict]) -> Reference:
         key = json.dumps(lines, sort_keys=True)
         if key not in cache:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # as the workers run (OMP_NUM_THREADS=1)
-            try:
-                params = [SamplingParams(**{"max_tokens": 16, **sampling(line)}) for line in lines]
-                outs = engine.generate([line["prompt"] for line in lines], params)
-            finally:
-                torch.set_num_threads(threads)
-            cache[key] = Reference([list(o.token_ids) for o in outs], [o.text for o in outs])
+            cache[key] = fault_free(engine, model, lines)
         return cache[key]
 
     yield run
-
-
-def sampling(line: dict) -> dict:
-    """A native line's sampling fields (job defaults are greedy, max_tokens 16)."""
-    return {k: v for k, v in line.items() if k not in ("id", "prompt", "metadata")}
 
 
 @pytest.fixture

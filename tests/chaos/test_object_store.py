@@ -80,6 +80,8 @@ def test_input_and_output_on_s3_survive_the_store_going_away(
                           str(chaos.model), "--job-id", "s3job", "--output", output)  # fmt: skip
     assert submitted.returncode == 0, submitted.stderr
     assert chaos.record("s3job").source == f"s3://{BUCKET}/in/prompts.jsonl"
+    # the fault-free run first: made while the workers run, it let them past row 40
+    ref = reference(lines)
     workers = [chaos.loop_worker(name, max_num_seqs=1) for name in ("w1", "w2")]
     wait_until(lambda: chaos.record("s3job").done >= 2, 120, "some committed rows")
 
@@ -88,7 +90,6 @@ def test_input_and_output_on_s3_survive_the_store_going_away(
     assert partial.returncode == 0, partial.stderr
     early = pq.read_table(dest).to_pydict()
     assert 2 <= len(early["index"]) < 48
-    ref = reference(lines)
     for i, ids in zip(early["index"], early["token_ids"], strict=True):
         assert ids == ref.token_ids[i] and early["id"][early["index"].index(i)] == f"s3{i}"
 
