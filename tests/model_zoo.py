@@ -56,6 +56,10 @@ def _rope(theta: float = 10000.0, **extra: Any) -> dict[str, Any]:
 
 ZOO: dict[str, ZooEntry] = {
     "llama": ZooEntry("llama", dict(rope_parameters=_rope(500000.0))),
+    # dynamic NTK: transformers rescales only past max_position_embeddings
+    "llama-dynamic": ZooEntry(
+        "llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    ),
     # item 1 of issue 22: these loaded and silently dropped their o_proj / MLP biases
     "llama-biases": ZooEntry("llama", dict(attention_bias=True, mlp_bias=True)),
     "qwen3-bias": ZooEntry("qwen3", dict(attention_bias=True)),
@@ -103,6 +107,20 @@ ZOO: dict[str, ZooEntry] = {
         ),
     ),
     "phi3": ZooEntry("phi3", dict(sliding_window=24)),
+    # longrope: exact up to original_max_position_embeddings, where its short factors end
+    "phi3-longrope": ZooEntry(
+        "phi3",
+        dict(
+            original_max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 256,
+                "short_factor": [1.0 + i / 8 for i in range(8)],
+                "long_factor": [2.0 + i for i in range(8)],
+            },
+        ),
+    ),
     # use_parallel_residual with two norms, q/k/v stored head by head, partial rotary
     "gpt_neox": ZooEntry(
         "gpt_neox",
