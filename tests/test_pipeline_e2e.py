@@ -267,7 +267,7 @@ def test_a_sliding_window_model_end_to_end(zoo_model, workers, env, tmp_path):
     from tests.hf_reference import hf_greedy
 
     model = zoo_model("mistral")
-    lines = [{"id": f"w{i}", "prompt": f"Item {i}: the weather today is sunny with a light breeze "
+    lines: list[dict[str, Any]] = [{"id": f"w{i}", "prompt": f"Item {i}: the weather today is sunny with a light breeze "
               f"from the west, {'and rain ' * i}tomorrow.", "max_tokens": 70 + 9 * i}
              for i in range(6)]  # fmt: skip
     submit(env, model, write_jsonl(tmp_path / "p.jsonl", lines), "slide", tmp_path)
