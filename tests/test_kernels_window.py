@@ -109,9 +109,10 @@ def test_triton_decode_windowed_and_capped(softcap, num_splits):
     k_cache, v_cache, tables, dense_kv = _paged(CONTEXTS, [1] * len(CONTEXTS))
     q = torch.randn(len(CONTEXTS), 4, 16)
     lens = torch.tensor(CONTEXTS, dtype=torch.int32)
+    q_, k_, v_, tables_, lens_ = (t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens))
     out = decode_attention(
-        *(t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens)), 0.4, max(CONTEXTS),
-        window=WINDOW, softcap=softcap, num_splits=num_splits, tile_size=16,
+        q_, k_, v_, tables_, lens_, 0.4, max(CONTEXTS), window=WINDOW, softcap=softcap,
+        num_splits=num_splits, tile_size=16,
     ).cpu()  # fmt: skip
     _check(out, q, list(range(len(CONTEXTS) + 1)), dense_kv, 0.4, WINDOW, softcap, tol=2e-5)
 
@@ -128,8 +129,11 @@ def test_triton_prefill_windowed_and_capped(softcap):
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], 4, 16)
     lens, locs = torch.tensor(contexts, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
+    q_, k_, v_, tables_, lens_, locs_ = (
+        t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens, locs)
+    )
     out = prefill_attention(
-        *(t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens, locs)), 1 / math.sqrt(16),
-        max(q_lens), max(contexts), window=WINDOW, softcap=softcap, block_m=16, tile_size=16,
+        q_, k_, v_, tables_, lens_, locs_, 1 / math.sqrt(16), max(q_lens), max(contexts),
+        window=WINDOW, softcap=softcap, block_m=16, tile_size=16,
     ).cpu()  # fmt: skip
     _check(out, q, starts, dense_kv, 1 / math.sqrt(16), WINDOW, softcap, tol=2e-5)
