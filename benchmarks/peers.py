@@ -34,7 +34,7 @@ def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, An
     stats = engine.stats()
     return {
         "wall_s": wall,
-        "matmul_floor_s": matmul_floor_s(engine.runner.model.weights, shapes),
+        "matmul_floor_s": matmul_floor_s(engine.runner.model, shapes),
         "output_tokens": sum(len(o.token_ids) for o in outputs),
         "steps": stats.num_steps - steps_before,
         "preemptions": stats.num_preemptions,
@@ -46,9 +46,14 @@ def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, An
 def _hf_model(path: Path, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn
+        )
+    except ValueError:  # no SDPA for this architecture (Gemma 2's soft-capping): eager
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        )
     model.eval()
     model.generation_config.eos_token_id = None  # EOS off: else generate fills in the config's
     return model

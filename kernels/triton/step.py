@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.batch import AttentionBatch
+from batchgen.kernels.batch import AttentionBatch, AttentionKind
 from batchgen.kernels.triton.arg_checks import PagedAttentionShape
 from batchgen.kernels.triton.decode_attention import check_decode_args, launch_decode
 from batchgen.kernels.triton.prefill_attention import check_prefill_args, launch_prefill
@@ -22,10 +22,11 @@ class TritonAttention:
         batch: AttentionBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
+        kind: AttentionKind,
     ) -> None:
         self.batch = batch
-        self.scale = scale
+        self.kind = kind
+        self.scale = kind.scale
         self.decode_shape: PagedAttentionShape | None = None
         self.prefill_shape: PagedAttentionShape | None = None
         self.checked = False
@@ -61,13 +62,14 @@ class TritonAttention:
             out = launch_decode(
                 self.decode_shape, q[:nd], k_cache, v_cache, b.decode_block_tables,
                 b.decode_context_lens, self.scale, b.decode_max_context_len,
+                window=self.kind.window, softcap=self.kind.softcap,
             )  # fmt: skip
             parts.append(out)
         if self.prefill_shape is not None:
             out = launch_prefill(
                 self.prefill_shape, q[nd:], k_cache, v_cache, b.prefill_block_tables,
                 b.prefill_context_lens, b.prefill_query_start_loc, self.scale,
-                b.prefill_max_query_len,
+                b.prefill_max_query_len, window=self.kind.window, softcap=self.kind.softcap,
             )  # fmt: skip
             parts.append(out)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
