@@ -11,6 +11,7 @@ For each real model's expert shapes (bf16, random weights and routing):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,8 +92,8 @@ def _run_case(b: Bench, case: MoeCase, dry: bool) -> dict[str, Any]:
     timings = []
     for n in DRY_TIME_TOKENS if dry else GPU_TIME_TOKENS:
         args = inputs(n)
-        fused_s = b.median_seconds(lambda args=args: TRITON_OPS.fused_moe(*args))
-        torch_s = b.median_seconds(lambda args=args: grouped_torch(*args))
+        fused_s = b.median_seconds(functools.partial(TRITON_OPS.fused_moe, *args))
+        torch_s = b.median_seconds(functools.partial(grouped_torch, *args))
         chosen = int(torch.unique(args[3]).numel())
         timings.append({
             "tokens": n, "experts_chosen": chosen, "fused_ms": fused_s * 1e3,
