@@ -16,8 +16,18 @@ def sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int
     return cache[block_table.long()].flatten(0, 1)[:context_len]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (q_len, H, D) at the last q_len positions of k/v (ctx, Hk, D), causal -> (q_len, H, D)."""
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q (q_len, H, D) at the last q_len positions of k/v (ctx, Hk, D), causal -> (q_len, H, D).
+
+    sinks (H,): gpt-oss's per-head logit of a key no value goes with, one more
+    column of the softmax that takes its share of the weight and is dropped.
+    """
     q_len, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads  # query head h reads KV head h // group
@@ -26,7 +36,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     position = torch.arange(ctx - q_len, ctx, device=q.device)
     visible = torch.arange(ctx, device=q.device)[None, :] <= position[:, None]  # (q_len, ctx)
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.float()[:, None, None].expand(num_heads, q_len, 1)
+        scores = torch.cat((scores, sink_column), dim=-1)
+    weights = scores.softmax(dim=-1)[..., :ctx]
     return torch.einsum("hqk,khd->qhd", weights, v).to(q.dtype)
 
 
@@ -38,6 +52,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence; a context of 0 (a padding row) gives zeros."""
     out = torch.zeros_like(q)
@@ -45,7 +60,7 @@ def paged_decode_attention(
         if ctx:
             k = sequence_kv(k_cache, block_tables[i], ctx)
             v = sequence_kv(v_cache, block_tables[i], ctx)
-            out[i : i + 1] = attend(q[i : i + 1], k, v, scale)
+            out[i : i + 1] = attend(q[i : i + 1], k, v, scale, sinks)
     return out
 
 
@@ -59,6 +74,7 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     max_context_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sequence i's queries are rows query_start_loc[i]:query_start_loc[i + 1] of q."""
     out = torch.zeros_like(q)
@@ -68,5 +84,5 @@ def paged_prefill_attention(
         if end > first:
             k = sequence_kv(k_cache, block_tables[i], ctx)
             v = sequence_kv(v_cache, block_tables[i], ctx)
-            out[first:end] = attend(q[first:end], k, v, scale)
+            out[first:end] = attend(q[first:end], k, v, scale, sinks)
     return out

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from batchgen.kernels.batch import AttentionBatch
 from batchgen.kernels.cpu.decode import plan_decode
+from batchgen.kernels.cpu.sinks import attention_with_sinks
 from batchgen.kernels.reference import store_kv
 
 
@@ -37,18 +38,19 @@ class CpuAttention:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b = self.batch
         store_kv(k, v, k_cache, v_cache, b.slot_mapping)
         nd = b.num_decode_tokens
         parts = []
         if self.decode_plan is not None:
-            parts.append(self.decode_plan(q[:nd], k_cache, v_cache, self.scale))
+            parts.append(self.decode_plan(q[:nd], k_cache, v_cache, self.scale, sinks))
         if q.shape[0] > nd:
             out = paged_prefill_attention(
                 q[nd:], k_cache, v_cache, b.prefill_block_tables, b.prefill_context_lens,
                 b.prefill_query_start_loc, self.scale, b.prefill_max_query_len,
-                b.prefill_max_context_len,
+                b.prefill_max_context_len, sinks,
             )  # fmt: skip
             parts.append(out)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -64,13 +66,15 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     max_context_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length query chunks attending causally to their whole paged context.
 
     q (num_tokens, num_heads, head_dim) holds each sequence's new tokens back to
     back; query_start_loc (num_seqs + 1,) int32 their offsets; context_lens
     (num_seqs,) int32 the total length (cached + new), the new tokens being the
-    last ones, their K/V already stored. Returns (num_tokens, num_heads, head_dim).
+    last ones, their K/V already stored; sinks (num_heads,) gpt-oss's per-head
+    sink logits (``sinks.py``). Returns (num_tokens, num_heads, head_dim).
     """
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
@@ -91,14 +95,16 @@ def paged_prefill_attention(
             qpos = torch.arange(ctx - q_len, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # (q_len, ctx)
             causal = False
-        attn = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),  # (H, q_len, D)
-            keys.transpose(0, 1),  # (Hk, ctx, D)
-            values.transpose(0, 1),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=True,
-        )
+        chunk = q[start:end].transpose(0, 1)  # (H, q_len, D)
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # (Hk, ctx, D)
+        if sinks is None:
+            attn = F.scaled_dot_product_attention(
+                chunk, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+                enable_gqa=True,
+            )  # fmt: skip
+        else:
+            attn = attention_with_sinks(
+                chunk[None], keys[None], values[None], sinks, scale, mask, causal
+            )[0]
         out[start:end] = attn.transpose(0, 1)
     return out

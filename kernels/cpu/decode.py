@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels.cpu.decode_native import KernelDecode, plan_kernel_decode
+from batchgen.kernels.cpu.sinks import attention_with_sinks
 
 
 @dataclass(slots=True)
@@ -40,10 +41,17 @@ class TorchDecode:
     empty_rows: torch.Tensor | None  # (num_seqs,) bool: context 0, output zeros
 
     def __call__(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One layer: q (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim)."""
-        parts = [_attend(g, q[g.start : g.end], k_cache, v_cache, scale) for g in self.groups]
+        parts = [
+            _attend(g, q[g.start : g.end], k_cache, v_cache, scale, sinks) for g in self.groups
+        ]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.empty_rows is not None:
             # a padding row attends to nothing: its softmax is NaN; zeros out
@@ -59,15 +67,17 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (num_seqs, num_heads, head_dim); context_lens (num_seqs,) int32 count the
     current token, whose K/V are already stored (0 for a padding row, whose
-    output is zeros). Returns (num_seqs, num_heads, head_dim)."""
+    output is zeros); sinks (num_heads,) per-head sink logits (gpt-oss).
+    Returns (num_seqs, num_heads, head_dim)."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     use_kernel = q.dtype == torch.float32 and q.stride(2) == 1
     plan = plan_decode(block_tables, context_lens, k_cache, v_cache, use_kernel)
-    return plan(q, k_cache, v_cache, scale)
+    return plan(q, k_cache, v_cache, scale, sinks)
 
 
 def plan_decode(
@@ -107,20 +117,21 @@ def plan_torch_decode(
 
 
 def _attend(
-    group: _Group, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    group: _Group,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     rows = group.end - group.start
     keys = k_cache.index_select(0, group.gather).view(rows, -1, *k_cache.shape[2:])
     values = v_cache.index_select(0, group.gather).view(rows, -1, *v_cache.shape[2:])
     # SDPA's fused CPU kernel takes the strided (S, Hk, L, D) views and GQA as is
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # (S, H, 1, D)
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=group.mask,
-        scale=scale,
-        enable_gqa=True,
-    )
+    args = (q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2))  # q (S, H, 1, D)
+    if sinks is not None:
+        return attention_with_sinks(*args, sinks, scale, group.mask).squeeze(2)
+    out = F.scaled_dot_product_attention(*args, attn_mask=group.mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 

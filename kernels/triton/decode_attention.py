@@ -18,6 +18,7 @@ import triton.language as tl
 from batchgen.kernels.triton import arg_checks
 from batchgen.kernels.triton.attention_tile import (
     LOG2E,
+    fold_sink,
     kv_row_offsets,
     online_softmax_step,
     qk_scores,
@@ -44,6 +45,7 @@ def _decode_kernel(
     part_acc_ptr,  # (num_seqs, num_heads, NUM_SPLITS, HEAD_DIM_PAD) fp32, else
     part_max_ptr,  # (num_seqs, num_heads, NUM_SPLITS) fp32
     part_sum_ptr,  # (num_seqs, num_heads, NUM_SPLITS) fp32
+    sinks_ptr,  # (num_heads,) sink logits when HAS_SINKS (folded in by the merge when split)
     qk_scale,  # softmax scale * log2(e)
     q_stride_s,
     q_stride_h,
@@ -62,6 +64,7 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -111,6 +114,9 @@ def _decode_kernel(
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=float("-inf")).to(tl.float32)
+            m_i, l_i, acc = fold_sink(m_i, l_i, acc, sink * 1.4426950408889634)  # log2(e)
         # l_i == 0 only for context_len 0 (padding rows), where acc == 0 too:
         # dividing by 1 there writes zeros, not NaN.
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -132,6 +138,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context (``reference.paged_decode_attention``).
 
@@ -140,10 +147,13 @@ def paged_decode_attention(
     dtype (fp16, bf16 or fp32; fp32 accumulation). context_lens count the
     current token; a context of 0 (a padding row) yields zeros. max_context_len
     must bound context_lens; it only picks the number of splits, and any
-    choice is correct, so it need not be exact. Limits: head_dim <= 256, at most
-    64 query heads per KV head. Returns a new contiguous (num_seqs, num_heads, head_dim).
+    choice is correct, so it need not be exact. sinks (num_heads,): per-head sink
+    logits (gpt-oss), one more softmax column with no value. Limits: head_dim <= 256,
+    at most 64 query heads per KV head. Returns a new contiguous (num_seqs, num_heads, head_dim).
     """
-    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
+    return decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, sinks=sinks
+    )
 
 
 def decode_attention(
@@ -155,6 +165,7 @@ def decode_attention(
     scale: float,
     max_context_len: int,
     *,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     tile_size: int | None = None,
     num_warps: int = 4,
@@ -167,9 +178,10 @@ def decode_attention(
     ~96 registers without spills on sm_90).
     """
     shape = check_decode_args(q, k_cache, v_cache, block_tables, context_lens, max_context_len)
+    arg_checks.check_sinks(sinks, shape)
     return launch_decode(
         shape, q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
-        num_splits=num_splits, tile_size=tile_size, num_warps=num_warps,
+        sinks=sinks, num_splits=num_splits, tile_size=tile_size, num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -202,6 +214,7 @@ def launch_decode(
     scale: float,
     max_context_len: int,
     *,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     tile_size: int | None = None,
     num_warps: int = 4,
@@ -238,7 +251,7 @@ def launch_decode(
         part_sum = torch.empty_like(part_max)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_acc, part_max, part_sum,
+        out, part_acc, part_max, part_sum, out if sinks is None else sinks,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -251,12 +264,14 @@ def launch_decode(
         TILE_N=tile_size,
         NUM_SPLITS=num_splits,
         DOT_FP32=arg_checks.dot_in_fp32(q.dtype),
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_kernel[(num_seqs, num_heads)](
-            out, part_acc, part_max, part_sum,
+            out, part_acc, part_max, part_sum, out if sinks is None else sinks,
             out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+            HAS_SINKS=sinks is not None,
         )  # fmt: skip
     return out

@@ -22,6 +22,7 @@ import triton.language as tl
 from batchgen.kernels.triton import arg_checks
 from batchgen.kernels.triton.attention_tile import (
     LOG2E,
+    fold_sink,
     kv_row_offsets,
     online_softmax_step,
     qk_scores,
@@ -40,6 +41,7 @@ def _prefill_kernel(
     context_lens_ptr,  # (num_seqs,) cached + new tokens
     query_start_loc_ptr,  # (num_seqs + 1,) offsets of each sequence's rows in q
     out_ptr,  # (num_tokens, num_heads, head_dim)
+    sinks_ptr,  # (num_heads,) sink logits when HAS_SINKS
     qk_scale,  # softmax scale * log2(e)
     q_stride_t,
     q_stride_h,
@@ -58,6 +60,7 @@ def _prefill_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_blocks
     q_block = tl.program_id(0) % num_q_blocks
@@ -110,6 +113,9 @@ def _prefill_kernel(
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=float("-inf")).to(tl.float32)
+        m_i, l_i, acc = fold_sink(m_i, l_i, acc, sink * 1.4426950408889634)  # log2(e)
     # l_i == 0 (with acc == 0) only in idle programs, whose store is masked anyway.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + (q_start + q_idx)[:, None] * out_stride_t + heads[:, None] * out_stride_h
@@ -130,19 +136,21 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     max_context_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length causal attention over the paged context (``reference.paged_prefill_attention``).
 
     q (num_tokens, num_heads, head_dim) may be a strided view, contiguous in
     head_dim; caches share q's dtype (fp16, bf16 or fp32; fp32 accumulation).
     max_query_len must bound the chunks' lengths (it sizes the grid: rows past
-    it are not computed); max_context_len must bound context_lens. Limits:
-    head_dim <= 256, at most 128 query heads per KV head. Returns a new
-    contiguous (num_tokens, num_heads, head_dim).
+    it are not computed); max_context_len must bound context_lens. sinks
+    (num_heads,): per-head sink logits (gpt-oss). Limits: head_dim <= 256, at
+    most 128 query heads per KV head. Returns a new contiguous (num_tokens,
+    num_heads, head_dim).
     """
     return prefill_attention(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-        scale, max_query_len, max_context_len,
+        scale, max_query_len, max_context_len, sinks=sinks,
     )  # fmt: skip
 
 
@@ -157,6 +165,7 @@ def prefill_attention(
     max_query_len: int,
     max_context_len: int,
     *,
+    sinks: torch.Tensor | None = None,
     block_m: int | None = None,
     tile_size: int | None = None,
 ) -> torch.Tensor:
@@ -169,9 +178,10 @@ def prefill_attention(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
         max_query_len, max_context_len,
     )  # fmt: skip
+    arg_checks.check_sinks(sinks, shape)
     return launch_prefill(
         shape, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-        scale, max_query_len, block_m=block_m, tile_size=tile_size,
+        scale, max_query_len, sinks=sinks, block_m=block_m, tile_size=tile_size,
     )  # fmt: skip
 
 
@@ -206,6 +216,7 @@ def launch_prefill(
     scale: float,
     max_query_len: int,
     *,
+    sinks: torch.Tensor | None = None,
     block_m: int | None = None,
     tile_size: int | None = None,
 ) -> torch.Tensor:
@@ -233,6 +244,7 @@ def launch_prefill(
     num_q_blocks = triton.cdiv(max_query_len, block_q)
     _prefill_kernel[(num_seqs * num_q_blocks, num_kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
+        out if sinks is None else sinks,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -245,6 +257,7 @@ def launch_prefill(
         HEAD_DIM_PAD=head_dim_pad,
         TILE_N=tile_size,
         DOT_FP32=arg_checks.dot_in_fp32(q.dtype),
+        HAS_SINKS=sinks is not None,
         num_warps=4 if head_dim_pad <= 128 else 8,
     )  # fmt: skip
     return out

@@ -1,8 +1,9 @@
 """The Triton path's attention for one step: store K/V, decode rows, then prefill chunks.
 
 Every layer of a step passes arguments of the same shapes, dtypes and strides
-(one KV allocation, one model), so the first layer's are checked and the
-others go straight to the kernel launches.
+(one KV allocation, one model; sinks, where a model has them, in every layer),
+so the first layer's are checked and the others go straight to the kernel
+launches.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.kernels.batch import AttentionBatch
-from batchgen.kernels.triton.arg_checks import PagedAttentionShape
+from batchgen.kernels.triton.arg_checks import PagedAttentionShape, check_sinks
 from batchgen.kernels.triton.decode_attention import check_decode_args, launch_decode
 from batchgen.kernels.triton.prefill_attention import check_prefill_args, launch_prefill
 from batchgen.kernels.triton.store_kv import store_kv
@@ -30,7 +31,13 @@ class TritonAttention:
         self.prefill_shape: PagedAttentionShape | None = None
         self.checked = False
 
-    def _check(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def _check(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        sinks: torch.Tensor | None,
+    ) -> None:
         b, nd = self.batch, self.batch.num_decode_tokens
         if nd:
             self.decode_shape = check_decode_args(
@@ -42,6 +49,9 @@ class TritonAttention:
                 q[nd:], k_cache, v_cache, b.prefill_block_tables, b.prefill_context_lens,
                 b.prefill_query_start_loc, b.prefill_max_query_len, b.prefill_max_context_len,
             )  # fmt: skip
+        for shape in (self.decode_shape, self.prefill_shape):
+            if shape is not None:
+                check_sinks(sinks, shape)
         self.checked = True
 
     def __call__(
@@ -51,23 +61,24 @@ class TritonAttention:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not self.checked:
-            self._check(q, k_cache, v_cache)
+            self._check(q, k_cache, v_cache, sinks)
         b, nd = self.batch, self.batch.num_decode_tokens
         store_kv(k, v, k_cache, v_cache, b.slot_mapping)
         parts = []
         if self.decode_shape is not None:
             out = launch_decode(
                 self.decode_shape, q[:nd], k_cache, v_cache, b.decode_block_tables,
-                b.decode_context_lens, self.scale, b.decode_max_context_len,
+                b.decode_context_lens, self.scale, b.decode_max_context_len, sinks=sinks,
             )  # fmt: skip
             parts.append(out)
         if self.prefill_shape is not None:
             out = launch_prefill(
                 self.prefill_shape, q[nd:], k_cache, v_cache, b.prefill_block_tables,
                 b.prefill_context_lens, b.prefill_query_start_loc, self.scale,
-                b.prefill_max_query_len,
+                b.prefill_max_query_len, sinks=sinks,
             )  # fmt: skip
             parts.append(out)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
