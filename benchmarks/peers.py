@@ -34,7 +34,7 @@ def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, An
     stats = engine.stats()
     return {
         "wall_s": wall,
-        "matmul_floor_s": matmul_floor_s(engine.runner.model.weights, shapes),
+        "matmul_floor_s": matmul_floor_s(engine.runner.model, shapes),
         "output_tokens": sum(len(o.token_ids) for o in outputs),
         "steps": stats.num_steps - steps_before,
         "preemptions": stats.num_preemptions,

@@ -17,11 +17,10 @@ from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.pooling import load_pooling
 from batchgen.worker.engine.sampler import Sampler
 from batchgen.worker.engine_config import DTYPES, EngineConfig
-from batchgen.worker.models.llama import LlamaModel
-from batchgen.worker.models.loader import load_weights
-from batchgen.worker.models.model_config import (
+from batchgen.worker.models import (
     ModelConfig,
     UnsupportedModelError,
+    build_model,
     load_model_config,
 )
 
@@ -102,9 +101,6 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
         raise UnsupportedModelError(f"cannot load the tokenizer from {root}: {exc}") from exc
 
     limit = model_config.max_position_embeddings
-    if model_config.sliding_window is not None:
-        # within the window sliding attention equals full attention
-        limit = min(limit, model_config.sliding_window)
     max_model_len = config.max_model_len or limit
     if max_model_len > limit:
         raise UnsupportedModelError(
@@ -113,9 +109,8 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     max_num_batched_tokens = config.max_num_batched_tokens or (4096 if dev.type == "cuda" else 2048)
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
 
-    weights = load_weights(root, model_config, dev, torch_dtype)
     ops = select_ops(dev, config.use_triton)
-    model = LlamaModel(model_config, weights, ops, max_model_len, dev)
+    model = build_model(root, model_config, dev, torch_dtype, ops, max_model_len)
     num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
         model_config, block_size, torch_dtype, dev, config.kv_cache_bytes,
         config.gpu_memory_utilization,

@@ -19,7 +19,7 @@ from batchgen.worker.engine.pooling import EmbedSpan, Pooling, pool_step
 from batchgen.worker.engine.request import Request
 from batchgen.worker.engine.sampler import Sampler, SampleResult
 from batchgen.worker.engine.scheduler import SchedulerPlan
-from batchgen.worker.models.llama import LlamaModel
+from batchgen.worker.models import CausalLM
 
 
 @dataclass(slots=True)
@@ -56,7 +56,7 @@ def _block_table_array(requests: list[Request], num_blocks: int) -> np.ndarray:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         sampler: Sampler,
