@@ -42,8 +42,9 @@ def _config(arch: str, eos_id: int) -> Any:
             use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         )  # fmt: skip
     if arch == "qwen3_moe":
+        extra: dict[str, Any] = {"head_dim": 16}  # read by the config, not in its signature
         return tf.Qwen3MoeConfig(
-            **common, num_hidden_layers=3, head_dim=16, intermediate_size=96,
+            **common, **extra, num_hidden_layers=3, intermediate_size=96,
             moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
             decoder_sparse_step=2, mlp_only_layers=[], use_sliding_window=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},

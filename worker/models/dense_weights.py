@@ -9,15 +9,24 @@ is refused (``TensorStore.check_all_taken``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from batchgen.worker.models.decoder import DecoderLayer, DecoderWeights
-from batchgen.worker.models.mlp import DenseMlp
-from batchgen.worker.models.model_config import BlockKind, ModelConfig, NormSpec, QKNormScope
+from batchgen.worker.models.latent_attention import read_latent_attention
+from batchgen.worker.models.mlp import DenseMlp, MlpBlock
+from batchgen.worker.models.model_config import (
+    BlockKind,
+    LayerSpec,
+    MlpKind,
+    ModelConfig,
+    NormSpec,
+    QKNormScope,
+)
+from batchgen.worker.models.moe_weights import MoeLayout, read_moe
 from batchgen.worker.models.norms import Norm
-from batchgen.worker.models.self_attention import SelfAttention
+from batchgen.worker.models.self_attention import AttentionBlock, SelfAttention
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear, fuse
 
@@ -53,12 +62,17 @@ class CheckpointLayout:
     transposed: bool = False  # weights stored (in, out) (GPT-2's Conv1D)
     norm_offset: float = 0.0  # the norm scales by (offset + weight) (Gemma: 1)
     rope_interleaved: bool = False  # rotary pairs (2i, 2i+1) rather than (i, i + d/2)
+    sinks: str = "self_attn.sinks"  # (heads,) sink logits, where the config has them
+    moe: MoeLayout = field(
+        default_factory=MoeLayout
+    )  # the MoE layers' tensors, where the config has them
 
 
 def read_dense(store: TensorStore, config: ModelConfig, layout: CheckpointLayout) -> DecoderWeights:
     reader = _Reader(store, config, layout)
     layers = [
-        reader.layer(f"{layout.prefix}{layout.layers}.{i}.") for i in range(config.num_layers)
+        reader.layer(f"{layout.prefix}{layout.layers}.{i}.", config.layers[i])
+        for i in range(config.num_layers)
     ]
     embed = store.take(f"{layout.prefix}{layout.embed}.weight")
     position_embed = None
@@ -89,21 +103,14 @@ class _Reader:
         weight = (weight + self.layout.norm_offset).to(self.store.dtype)
         return Norm(spec, weight, self.store.take_if(spec.bias, f"{name}.bias"))
 
-    def layer(self, p: str) -> DecoderLayer:
+    def layer(self, p: str, spec: LayerSpec) -> DecoderLayer:
         cfg, lay, block = self.config, self.layout, self.config.block
-        a = cfg.attention
-        attention = SelfAttention(a, self.qkv(p), self.linear(p + lay.o, a.o_bias))
-        if a.qk_norm is not None:
-            attention.q_norm = self.qk_norm(p + lay.q_norm, a.num_heads)
-            attention.k_norm = self.qk_norm(p + lay.k_norm, a.num_kv_heads)
-        m = cfg.mlp
-        if m.gated and lay.gate_up is not None:
-            up = self.linear(p + lay.gate_up, m.bias)
-        elif m.gated:
-            up = self.fused([p + lay.gate, p + lay.up], m.bias)
+        attention = self.attention(p)
+        mlp: MlpBlock
+        if spec.mlp is MlpKind.MOE:
+            mlp = read_moe(self.store, cfg, lay.moe, p)
         else:
-            up = self.linear(p + lay.up, m.bias)
-        mlp = DenseMlp(m, up, self.linear(p + lay.down, m.bias))
+            mlp = self.dense_mlp(p)
         pre, post = block.pre_norms, block.post_norms
         shared = block.kind is BlockKind.PARALLEL and block.shared_norm
         return DecoderLayer(
@@ -114,6 +121,29 @@ class _Reader:
             post_attn_norm=self.norm(p + lay.post_attn_norm, cfg.norm) if post else None,
             post_mlp_norm=self.norm(p + lay.post_mlp_norm, cfg.norm) if post else None,
         )
+
+    def attention(self, p: str) -> AttentionBlock:
+        cfg, lay = self.config, self.layout
+        if cfg.latent is not None:
+            return read_latent_attention(self.store, cfg, p, lay.rope_interleaved)
+        a = cfg.attention
+        attention = SelfAttention(a, self.qkv(p), self.linear(p + lay.o, a.o_bias))
+        if a.qk_norm is not None:
+            attention.q_norm = self.qk_norm(p + lay.q_norm, a.num_heads)
+            attention.k_norm = self.qk_norm(p + lay.k_norm, a.num_kv_heads)
+        if a.sinks:
+            attention.sinks = self.store.take(p + lay.sinks, float32=True)
+        return attention
+
+    def dense_mlp(self, p: str) -> DenseMlp:
+        m, lay = self.config.mlp, self.layout
+        if m.gated and lay.gate_up is not None:
+            up = self.linear(p + lay.gate_up, m.bias)
+        elif m.gated:
+            up = self.fused([p + lay.gate, p + lay.up], m.bias)
+        else:
+            up = self.linear(p + lay.up, m.bias)
+        return DenseMlp(m, up, self.linear(p + lay.down, m.bias))
 
     def qkv(self, p: str) -> Linear:
         a, lay = self.config.attention, self.layout

@@ -1,8 +1,9 @@
 """Every family batchgen runs natively; ``registry.py`` finds one by HF architecture."""
 
 from batchgen.worker.models.families.llama import LLAMA, MISTRAL, QWEN2, QWEN3
+from batchgen.worker.models.families.moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from batchgen.worker.models.family import Family
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
 
 __all__ = ["FAMILIES"]
