@@ -72,7 +72,7 @@ def llama_like(
         num_layers=num_layers,
         max_position_embeddings=switches.context_length(r, ropes),
         tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
-        torch_dtype=_dtype_name(r),
+        torch_dtype=switches.dtype_name(r),
         norm=norm,
         attention=AttentionSpec(
             num_heads=num_heads,
@@ -98,11 +98,6 @@ def llama_like(
         head=HeadSpec(),
         hf_config=r.config.hf,
     )
-
-
-def _dtype_name(r: ConfigReader) -> str | None:
-    dtype = r.get("dtype") or r.get("torch_dtype")
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _read_llama(r: ConfigReader, architecture: str) -> ModelConfig:

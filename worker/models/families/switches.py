@@ -110,3 +110,9 @@ def positive_int(r: ConfigReader, key: str) -> int:
     if not isinstance(value, int) or value < 1:
         raise UnsupportedModelError(f"config {key} must be a positive integer, got {value!r}")
     return value
+
+
+def dtype_name(r: ConfigReader) -> str | None:
+    """The checkpoint's dtype as config.json names it (dtype, or torch_dtype before v5)."""
+    dtype = r.get("dtype") or r.get("torch_dtype")
+    return None if dtype is None else str(dtype).removeprefix("torch.")
