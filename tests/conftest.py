@@ -83,6 +83,25 @@ def toy_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
+def zoo_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``zoo_model(name)``: the tiny checkpoint ``tests/model_zoo.py`` describes, built once."""
+    from tests import model_zoo
+
+    cache: dict[str, Path] = {}
+    tokenizer: list[Path] = []
+
+    def make(name: str) -> Path:
+        if name not in cache:
+            if not tokenizer:
+                tokenizer.append(model_zoo.build_tokenizer(tmp_path_factory.mktemp("zoo-tok")))
+            out = tmp_path_factory.mktemp(f"zoo-{name}")
+            cache[name] = model_zoo.build(name, out, tokenizer[0])
+        return cache[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real S3 API: moto's standalone server (``moto_server``) on a free port, with a
     bucket ``batchgen-test``; pyarrow's own S3 client reaches it. Yields ``host:port``.

@@ -9,6 +9,7 @@ too, so an engine that ignores them cannot pass.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,12 @@ def _config(arch: str, size: ToySize, dtype: str, eos_id: int):
     raise ValueError(f"unknown toy architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 
 
-def _randomise(model, hidden_size: int, seed: int) -> None:
+# 1-D weights of norms whose names do not end in "norm.weight" (GPT-2's ln_1,
+# StableLM's per-head q_layernorm.norms.0): scales near 1 like the others
+_OTHER_NORMS = re.compile(r"(^|\.)(ln_\w*|\w*layernorm\.norms\.\d+|\w*layer_norm)\.weight$")
+
+
+def randomise(model, hidden_size: int, seed: int) -> None:
     """Fills every tensor from one seeded generator, in sorted-name order."""
     import torch
 
@@ -104,7 +110,7 @@ def _randomise(model, hidden_size: int, seed: int) -> None:
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict().items()):
             fresh = torch.empty(tensor.shape, dtype=torch.float32)
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or _OTHER_NORMS.search(name):
                 fresh.uniform_(0.5, 1.5, generator=gen)
             elif name.endswith(".bias"):
                 fresh.normal_(0.0, 0.1, generator=gen)
@@ -151,7 +157,7 @@ def write_toy_checkpoint(
     config = _config(arch, size, dtype, eos_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    _randomise(model, size.hidden_size, seed)
+    randomise(model, size.hidden_size, seed)
     model.generation_config = GenerationConfig(
         eos_token_id=[eos_id, im_end_id], pad_token_id=eos_id, do_sample=False
     )
