@@ -59,7 +59,9 @@ def allocate_kv_cache(
         cache = _lazy_zeros(shape, dtype)
     else:
         cache = torch.zeros(shape, dtype=dtype, device=device)
-    return [(cache[0, i], cache[tensors - 1, i]) for i in range(config.num_layers)]
+    if config.kv_shared:
+        return [(cache[0, i],) * 2 for i in range(config.num_layers)]
+    return [(cache[0, i], cache[1, i]) for i in range(config.num_layers)]
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
