@@ -21,12 +21,16 @@ def attend(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (q_len, H, D) at the last q_len positions of k/v (ctx, Hk, D), causal -> (q_len, H, D).
 
-    sinks (H,): gpt-oss's per-head logit of a key no value goes with, one more
-    column of the softmax that takes its share of the weight and is dropped.
+    window: a query at position p sees only keys p - window < j <= p; softcap:
+    scores become softcap * tanh(scores / softcap) before the softmax; sinks (H,):
+    gpt-oss's per-head logit of a key no value goes with, one more column of the
+    softmax that takes its share of the weight and is dropped.
     """
     q_len, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
@@ -34,8 +38,13 @@ def attend(
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     position = torch.arange(ctx - q_len, ctx, device=q.device)
-    visible = torch.arange(ctx, device=q.device)[None, :] <= position[:, None]  # (q_len, ctx)
+    keys = torch.arange(ctx, device=q.device)[None, :]
+    visible = keys <= position[:, None]  # (q_len, ctx)
+    if window is not None:
+        visible &= keys > position[:, None] - window
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         sink_column = sinks.float()[:, None, None].expand(num_heads, q_len, 1)
@@ -52,6 +61,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence; a context of 0 (a padding row) gives zeros."""
@@ -60,7 +71,7 @@ def paged_decode_attention(
         if ctx:
             k = sequence_kv(k_cache, block_tables[i], ctx)
             v = sequence_kv(v_cache, block_tables[i], ctx)
-            out[i : i + 1] = attend(q[i : i + 1], k, v, scale, sinks)
+            out[i : i + 1] = attend(q[i : i + 1], k, v, scale, window, softcap, sinks)
     return out
 
 
@@ -74,6 +85,8 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     max_context_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sequence i's queries are rows query_start_loc[i]:query_start_loc[i + 1] of q."""
@@ -84,5 +97,5 @@ def paged_prefill_attention(
         if end > first:
             k = sequence_kv(k_cache, block_tables[i], ctx)
             v = sequence_kv(v_cache, block_tables[i], ctx)
-            out[first:end] = attend(q[first:end], k, v, scale, sinks)
+            out[first:end] = attend(q[first:end], k, v, scale, window, softcap, sinks)
     return out

@@ -74,6 +74,13 @@ ZOO: dict[str, ZooEntry] = {
     "llama-biases": ZooEntry("llama", dict(attention_bias=True, mlp_bias=True)),
     "qwen3-bias": ZooEntry("qwen3", dict(attention_bias=True)),
     "qwen3": ZooEntry("qwen3", dict(tie_word_embeddings=True)),
+    # every layer slides: blocks that left the window are handed back
+    "mistral": ZooEntry("mistral", dict(sliding_window=16)),
+    # layers from max_window_layers on slide, the first attends to everything
+    "qwen2": ZooEntry(
+        "qwen2",
+        dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    ),
     # MoE: dense layers between sparse ones, shared experts and their gate, renormalised
     # and raw top-k weights, gpt-oss's sinks, biases, clamped SwiGLU, yarn and window 8,
     # DeepSeek's MLA with and without q LoRA, grouped routing and V3's correction bias

@@ -57,7 +57,7 @@ def test_the_oracle_is_gpt_oss_eager_attention():
         mask,
         SCALE,
     )
-    torch.testing.assert_close(dense.attend(q, k, v, SCALE, sinks), hf[0])
+    torch.testing.assert_close(dense.attend(q, k, v, SCALE, sinks=sinks), hf[0])
     # and the sinks change the output: without them it differs
     assert not torch.allclose(dense.attend(q, k, v, SCALE), hf[0], atol=1e-3)
 
@@ -81,7 +81,9 @@ def test_cpu_decode_with_sinks_matches_the_oracle(use_kernel):
     plan = cpu_decode.plan_decode(tables, lens, k_cache, v_cache, use_kernel)
     assert type(plan).__name__ == ("KernelDecode" if use_kernel else "TorchDecode")
     out = plan(q, k_cache, v_cache, scale, _sinks())
-    expected = dense.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, 40, _sinks())
+    expected = dense.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, scale, 40, sinks=_sinks()
+    )
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     assert torch.equal(out[3], torch.zeros_like(out[3]))  # the padding row
 
@@ -92,9 +94,10 @@ def test_cpu_prefill_with_sinks_matches_the_oracle():
     lens = torch.tensor(contexts, dtype=torch.int32)
     starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     q = _q(sum(q_lens))
-    args = (q, k_cache, v_cache, tables, lens, starts, SCALE, max(q_lens), max(contexts), _sinks())
-    out = cpu_attention.paged_prefill_attention(*args)
-    torch.testing.assert_close(out, dense.paged_prefill_attention(*args), atol=2e-5, rtol=2e-5)
+    args = (q, k_cache, v_cache, tables, lens, starts, SCALE, max(q_lens), max(contexts))
+    out = cpu_attention.paged_prefill_attention(*args, sinks=_sinks())
+    expected = dense.paged_prefill_attention(*args, sinks=_sinks())
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -124,7 +127,7 @@ def test_triton_prefill_with_sinks_matches_the_oracle_and_checks_them():
     args = (q, k_cache, v_cache, tables, lens, starts, SCALE, max(q_lens), max(contexts))
     sinks = _sinks().to(device)
     out = prefill_attention(*args, sinks=sinks, block_m=16, tile_size=16)
-    expected = dense.paged_prefill_attention(*args, sinks)
+    expected = dense.paged_prefill_attention(*args, sinks=sinks)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     with pytest.raises(ValueError, match="sinks must have shape"):
         prefill_attention(*args, sinks=sinks[:2])

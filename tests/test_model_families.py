@@ -7,9 +7,12 @@ import pytest
 from tests.family_parity import assert_matches_hf
 from tests.model_zoo import VOCAB
 
-DENSE = ["llama", "llama-biases", "qwen3", "qwen3-bias"]
+DENSE = ["llama", "llama-biases", "qwen3", "qwen3-bias", "mistral", "qwen2"]
+# every layer slides: the pool hands blocks back as sequences grow, so a smaller
+# one is needed before anything is preempted
+TIGHT_BLOCKS = {"mistral": 5}
 
 
 @pytest.mark.parametrize("name", DENSE)
 def test_family_matches_hf(zoo_model, name):
-    assert_matches_hf(zoo_model(name), VOCAB)
+    assert_matches_hf(zoo_model(name), VOCAB, tight_blocks=TIGHT_BLOCKS.get(name, 6))
