@@ -38,6 +38,9 @@ class KernelOps:
     attention: Callable[..., StepAttention]
     # (x, ExpertWeights, topk_weights, topk_ids) -> routed experts' weighted sum (experts.py)
     fused_moe: Callable[..., torch.Tensor]
+    # (num_heads, num_kv_heads, head_dim) -> why the attention kernels cannot take
+    # that shape, or None: checked when a model loads, not at its first step
+    attention_limits: Callable[..., str | None]
 
 
 CPU_OPS = KernelOps(
@@ -51,6 +54,7 @@ CPU_OPS = KernelOps(
     paged_prefill_attention=cpu_attention.paged_prefill_attention,
     attention=cpu_attention.CpuAttention,
     fused_moe=cpu_moe.fused_moe,
+    attention_limits=cpu_attention.attention_limits,
 )
 
 

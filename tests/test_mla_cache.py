@@ -54,3 +54,22 @@ def test_the_latent_cache_is_one_tensor_read_as_keys_and_values(zoo_model):
         assert k_cache.shape == (5, 16, 1, 32 + 8)  # kv_lora_rank + qk_rope_head_dim
     assert caches[0][0].data_ptr() != caches[1][0].data_ptr()
     assert bytes_per_block(config, 16, torch.float32) == 3 * 16 * 40 * 4
+
+
+def test_real_mla_sizes_on_the_triton_kernels_are_refused_at_load(zoo_model, tmp_path: Path):
+    """A 576-dim latent row for 128 heads is beyond the Triton attention kernels' register
+    budget: the load says so, rather than the first step failing inside the engine."""
+    import shutil
+
+    import pytest
+    from transformers import DeepseekV3Config
+
+    from batchgen.worker import Engine
+    from batchgen.worker.models import UnsupportedModelError
+
+    config = DeepseekV3Config(**DEEPSEEK_V3, architectures=["DeepseekV3ForCausalLM"])
+    config.save_pretrained(tmp_path)
+    for file in zoo_model("deepseek_v3").glob("*token*"):  # the tokenizer, no weights
+        shutil.copy(file, tmp_path / file.name)
+    with pytest.raises(UnsupportedModelError, match=r"head_dim 576 with 128 query heads per KV"):
+        Engine.from_pretrained(tmp_path, use_triton=True)

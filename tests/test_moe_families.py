@@ -3,6 +3,7 @@ Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek V2 and V3."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -61,3 +62,12 @@ def test_gpt_oss_with_fewer_stacked_experts_than_its_config_is_refused(zoo_model
     _edit_config(path, num_local_experts=3, num_experts_per_tok=2)
     with pytest.raises(UnsupportedModelError, match=r"gate_up_proj.*4 experts, config says 3"):
         Engine.from_pretrained(path, num_kv_blocks=8)
+
+
+def test_the_toy_qwen3_moe_matches_hf(toy_model):
+    """``batchgen toy-model --arch qwen3_moe`` (the benchmark's MoE): 16 experts, 4 per token."""
+    path = toy_model("qwen3_moe")
+    config = json.loads((path / "config.json").read_text())
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    assert (experts, config["num_experts_per_tok"]) == (16, 4)
+    assert_matches_hf(path, 8192)

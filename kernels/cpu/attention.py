@@ -58,6 +58,11 @@ class CpuAttention:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def attention_limits(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """The CPU path takes any attention shape."""
+    return None
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

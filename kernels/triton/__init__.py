@@ -31,6 +31,7 @@ TRITON_OPS = KernelOps(
     paged_prefill_attention=prefill_attention.paged_prefill_attention,
     attention=step.TritonAttention,
     fused_moe=fused_moe.fused_moe,
+    attention_limits=step.attention_limits,
 )
 
 __all__ = ["TRITON_OPS"]

@@ -44,7 +44,9 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
     num_pairs = flat.numel()
     device = flat.device
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not bincount: on CUDA it reads the largest id back to size its output (a host sync)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_ends = padded.cumsum(0)
     expert_of = flat[order]

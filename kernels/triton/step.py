@@ -12,6 +12,7 @@ import torch
 
 from batchgen.kernels.batch import AttentionBatch, AttentionKind
 from batchgen.kernels.triton.arg_checks import PagedAttentionShape, check_sinks
+from batchgen.kernels.triton import decode_attention, prefill_attention
 from batchgen.kernels.triton.decode_attention import check_decode_args, launch_decode
 from batchgen.kernels.triton.prefill_attention import check_prefill_args, launch_prefill
 from batchgen.kernels.triton.store_kv import store_kv
@@ -85,3 +86,21 @@ class TritonAttention:
             )  # fmt: skip
             parts.append(out)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def attention_limits(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why the decode and prefill kernels cannot take this shape (register budget), or None.
+
+    MLA at DeepSeek's real sizes (one 576-dim latent row for 16-128 heads) is
+    beyond them: it needs a kernel of its own, which tiles the latent dimension.
+    """
+    group = num_heads // max(num_kv_heads, 1)
+    max_dim = min(decode_attention.MAX_HEAD_DIM, prefill_attention.MAX_HEAD_DIM)
+    max_group = min(decode_attention.MAX_GROUP, prefill_attention.MAX_GROUP)
+    if head_dim > max_dim or group > max_group:
+        return (
+            f"attention head_dim {head_dim} with {group} query heads per KV head is beyond the "
+            f"Triton attention kernels (head_dim <= {max_dim}, <= {max_group} heads per KV "
+            "head); run it on the CPU path (use_triton=False)"
+        )
+    return None
