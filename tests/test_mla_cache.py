@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -10,7 +11,7 @@ from batchgen.worker.engine.kv_cache import allocate_kv_cache, bytes_per_block
 from batchgen.worker.models.registry import load_model_config
 
 # DeepSeek-V3 (671B) as its config.json has it, minus quantization
-DEEPSEEK_V3 = dict(
+DEEPSEEK_V3: dict[str, Any] = dict(
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
     num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
     n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,

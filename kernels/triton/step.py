@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from batchgen.kernels.batch import AttentionBatch, AttentionKind
-from batchgen.kernels.triton.arg_checks import PagedAttentionShape, check_sinks
 from batchgen.kernels.triton import decode_attention, prefill_attention
+from batchgen.kernels.triton.arg_checks import PagedAttentionShape, check_sinks
 from batchgen.kernels.triton.decode_attention import check_decode_args, launch_decode
 from batchgen.kernels.triton.prefill_attention import check_prefill_args, launch_prefill
 from batchgen.kernels.triton.store_kv import store_kv
