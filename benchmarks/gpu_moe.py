@@ -4,7 +4,7 @@ For each real model's expert shapes (bf16, random weights and routing):
 - correctness: relative error (Frobenius) of ``TRITON_OPS.fused_moe`` against
   ``moe_reference.fused_moe`` (fp32) at a decode-sized and a prefill-sized batch;
 - timing: ms per call of the fused kernel and of the same grouped algorithm
-  in plain torch (``kernels/cpu/moe.py``, one matmul pair per chosen expert,
+  in plain torch (``kernels/cpu/routed_experts.py``, one matmul pair per chosen expert,
   run on the GPU), with the fused kernel's expert-weight bandwidth (bytes of
   the experts actually chosen / time: the bound at decode sizes) and TFLOP/s.
 """
@@ -60,7 +60,7 @@ def moe(b: Bench) -> dict[str, Any]:
 
 def _run_case(b: Bench, case: MoeCase, dry: bool) -> dict[str, Any]:
     from batchgen.kernels import moe_reference
-    from batchgen.kernels.cpu.moe import fused_moe as grouped_torch
+    from batchgen.kernels.cpu.routed_experts import fused_moe as grouped_torch
     from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights
     from batchgen.kernels.routing import softmax_topk
     from batchgen.kernels.triton import TRITON_OPS

@@ -19,7 +19,7 @@ from batchgen.kernels.batch import AttentionBatch, AttentionKind, StepAttention
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import decode as cpu_decode
 from batchgen.kernels.cpu import elementwise as cpu_elementwise
-from batchgen.kernels.cpu import moe as cpu_moe
+from batchgen.kernels.cpu import routed_experts as cpu_routed_experts
 from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights
 from batchgen.kernels.reference import PAD_SLOT_ID
 
@@ -53,7 +53,7 @@ CPU_OPS = KernelOps(
     paged_decode_attention=cpu_decode.paged_decode_attention,
     paged_prefill_attention=cpu_attention.paged_prefill_attention,
     attention=cpu_attention.CpuAttention,
-    fused_moe=cpu_moe.fused_moe,
+    fused_moe=cpu_routed_experts.fused_moe,
     attention_limits=cpu_attention.attention_limits,
 )
 

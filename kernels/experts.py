@@ -1,7 +1,7 @@
 """One MoE layer's routed experts: their stacked weights and how each expert activates.
 
 Every op that runs experts (``moe_reference.fused_moe``, the CPU path in
-``cpu/moe.py``, the Triton kernel in ``triton/fused_moe.py``) takes the same
+``cpu/routed_experts.py``, the Triton kernel in ``triton/fused_moe.py``) takes the same
 ``ExpertWeights`` and the router's choice, ``topk_ids`` (num_tokens, top_k)
 expert ids in [0, num_experts) and ``topk_weights`` (num_tokens, top_k), and
 returns (num_tokens, hidden): for each token the sum over its top_k experts of

@@ -18,7 +18,7 @@ from batchgen.worker.models.config_keys import ConfigReader
 from batchgen.worker.models.decoder import DecoderWeights
 from batchgen.worker.models.dense_weights import CheckpointLayout, read_dense
 from batchgen.worker.models.families import switches
-from batchgen.worker.models.families.moe import num_experts, read_training_only
+from batchgen.worker.models.families.llama_moe import num_experts, read_training_only
 from batchgen.worker.models.family import Family
 from batchgen.worker.models.model_config import (
     AttentionSpec,

@@ -15,7 +15,7 @@ from batchgen.worker.models.config_keys import ConfigReader
 from batchgen.worker.models.dense_weights import CheckpointLayout, read_dense
 from batchgen.worker.models.families import switches
 from batchgen.worker.models.families.llama import Windows, llama_like
-from batchgen.worker.models.families.moe import num_experts, with_moe
+from batchgen.worker.models.families.llama_moe import num_experts, with_moe
 from batchgen.worker.models.family import Family
 from batchgen.worker.models.model_config import ModelConfig, MoeSpec, RouterKind
 from batchgen.worker.models.moe_weights import MoeLayout

@@ -2,7 +2,7 @@
 
 The attention is Llama's with each family's switches (``llama_like``); the
 MLP of every layer, or of the layers the config makes sparse, is a
-``SparseMoe`` (``moe.py``): softmax top-k routing, Mixtral renormalising the
+``SparseMoe`` (``sparse_moe.py``): softmax top-k routing, Mixtral renormalising the
 top-k weights and Qwen as ``norm_topk_prob`` says, Qwen2-MoE adding a shared
 expert scaled by its sigmoid gate.
 """
