@@ -47,9 +47,14 @@ def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, An
 def _hf_model(path: Path, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn
+        )
+    except ValueError:  # no SDPA for this architecture (Gemma 2's soft-capping): eager
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        )
     model.eval()
     model.generation_config.eos_token_id = None  # EOS off: else generate fills in the config's
     return model

@@ -9,24 +9,23 @@ is refused (``TensorStore.check_all_taken``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from batchgen.worker.models.decoder import DecoderLayer, DecoderWeights
-from batchgen.worker.models.latent_attention import read_latent_attention
-from batchgen.worker.models.mlp import DenseMlp, MlpBlock
+from batchgen.worker.models.mlp import DenseMlp
 from batchgen.worker.models.model_config import (
     BlockKind,
-    LayerSpec,
     MlpKind,
     ModelConfig,
     NormSpec,
     QKNormScope,
 )
-from batchgen.worker.models.moe_weights import MoeLayout, read_moe
 from batchgen.worker.models.norms import Norm
-from batchgen.worker.models.self_attention import AttentionBlock, SelfAttention
+from batchgen.worker.models.self_attention import SelfAttention
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear, fuse
 
@@ -63,16 +62,26 @@ class CheckpointLayout:
     norm_offset: float = 0.0  # the norm scales by (offset + weight) (Gemma: 1)
     rope_interleaved: bool = False  # rotary pairs (2i, 2i+1) rather than (i, i + d/2)
     sinks: str = "self_attn.sinks"  # (heads,) sink logits, where the config has them
-    moe: MoeLayout = field(
-        default_factory=MoeLayout
-    )  # the MoE layers' tensors, where the config has them
 
 
-def read_dense(store: TensorStore, config: ModelConfig, layout: CheckpointLayout) -> DecoderWeights:
-    reader = _Reader(store, config, layout)
+# (store, config, layer prefix, layer index) -> that layer's block, for the layers a
+# family builds itself: an MoE family's expert MLPs, MLA attention
+BlockReader = Callable[[TensorStore, ModelConfig, str, int], Any]
+
+
+def read_dense(
+    store: TensorStore,
+    config: ModelConfig,
+    layout: CheckpointLayout,
+    *,
+    mlp: BlockReader | None = None,
+    attention: BlockReader | None = None,
+) -> DecoderWeights:
+    """Every tensor of the layout; ``mlp`` builds the MLP of each layer whose
+    ``LayerSpec.mlp`` is not dense, ``attention`` every layer's attention."""
+    reader = _Reader(store, config, layout, mlp, attention)
     layers = [
-        reader.layer(f"{layout.prefix}{layout.layers}.{i}.", config.layers[i])
-        for i in range(config.num_layers)
+        reader.layer(f"{layout.prefix}{layout.layers}.{i}.", i) for i in range(config.num_layers)
     ]
     embed = store.take(f"{layout.prefix}{layout.embed}.weight")
     position_embed = None
@@ -82,11 +91,22 @@ def read_dense(store: TensorStore, config: ModelConfig, layout: CheckpointLayout
     return DecoderWeights(embed, layers, final_norm, reader.lm_head(embed), position_embed)
 
 
+def weights_for(layout: CheckpointLayout) -> Callable[[TensorStore, ModelConfig], DecoderWeights]:
+    """A family's weight mapping that is ``read_dense`` with its layout."""
+
+    def read(store: TensorStore, config: ModelConfig) -> DecoderWeights:
+        return read_dense(store, config, layout)
+
+    return read
+
+
 @dataclass(slots=True)
 class _Reader:
     store: TensorStore
     config: ModelConfig
     layout: CheckpointLayout
+    mlp_reader: BlockReader | None = None
+    attention_reader: BlockReader | None = None
 
     def linear(self, name: str, bias: bool) -> Linear:
         return self.fused([name], bias)
@@ -103,14 +123,17 @@ class _Reader:
         weight = (weight + self.layout.norm_offset).to(self.store.dtype)
         return Norm(spec, weight, self.store.take_if(spec.bias, f"{name}.bias"))
 
-    def layer(self, p: str, spec: LayerSpec) -> DecoderLayer:
+    def layer(self, p: str, i: int) -> DecoderLayer:
         cfg, lay, block = self.config, self.layout, self.config.block
-        attention = self.attention(p)
-        mlp: MlpBlock
-        if spec.mlp is MlpKind.MOE:
-            mlp = read_moe(self.store, cfg, lay.moe, p)
+        if self.attention_reader is not None:
+            attention = self.attention_reader(self.store, cfg, p, i)
         else:
+            attention = self.self_attention(p)
+        if cfg.layers[i].mlp is MlpKind.DENSE:
             mlp = self.dense_mlp(p)
+        else:
+            assert self.mlp_reader is not None, f"no reader for {cfg.layers[i].mlp} MLPs"
+            mlp = self.mlp_reader(self.store, cfg, p, i)
         pre, post = block.pre_norms, block.post_norms
         shared = block.kind is BlockKind.PARALLEL and block.shared_norm
         return DecoderLayer(
@@ -122,11 +145,8 @@ class _Reader:
             post_mlp_norm=self.norm(p + lay.post_mlp_norm, cfg.norm) if post else None,
         )
 
-    def attention(self, p: str) -> AttentionBlock:
-        cfg, lay = self.config, self.layout
-        if cfg.latent is not None:
-            return read_latent_attention(self.store, cfg, p, lay.rope_interleaved)
-        a = cfg.attention
+    def self_attention(self, p: str) -> SelfAttention:
+        a, lay = self.config.attention, self.layout
         attention = SelfAttention(a, self.qkv(p), self.linear(p + lay.o, a.o_bias))
         if a.qk_norm is not None:
             attention.q_norm = self.qk_norm(p + lay.q_norm, a.num_heads)

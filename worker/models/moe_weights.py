@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.kernels import ClampedSwiGLU, ExpertWeights
+from batchgen.worker.models.dense_weights import BlockReader
 from batchgen.worker.models.mlp import DenseMlp
 from batchgen.worker.models.model_config import MlpSpec, ModelConfig, RouterKind
 from batchgen.worker.models.sparse_moe import Router, SparseMoe, route_fn
@@ -34,6 +35,15 @@ class MoeLayout:
     stacked: bool = False  # gpt-oss: experts.gate_up_proj (E, hidden, 2 * inter) interleaved
     shared: str = "shared_expert"  # DeepSeek: shared_experts
     shared_gate: str = "shared_expert_gate"
+
+
+def moe_reader(layout: MoeLayout) -> BlockReader:
+    """``read_dense``'s reader of MoE layers' MLPs for a family with this layout."""
+
+    def read(store: TensorStore, config: ModelConfig, p: str, layer: int) -> SparseMoe:
+        return read_moe(store, config, layout, p)
+
+    return read
 
 
 def read_moe(store: TensorStore, config: ModelConfig, layout: MoeLayout, p: str) -> SparseMoe:

@@ -20,6 +20,7 @@ from batchgen.worker.models.dense_weights import CheckpointLayout, read_dense
 from batchgen.worker.models.families import switches
 from batchgen.worker.models.families.llama_moe import num_experts, read_training_only
 from batchgen.worker.models.family import Family
+from batchgen.worker.models.latent_attention import LatentAttention, read_latent_attention
 from batchgen.worker.models.model_config import (
     AttentionSpec,
     BlockSpec,
@@ -35,7 +36,7 @@ from batchgen.worker.models.model_config import (
     RopeSpec,
     RouterKind,
 )
-from batchgen.worker.models.moe_weights import MoeLayout
+from batchgen.worker.models.moe_weights import MoeLayout, moe_reader
 from batchgen.worker.models.tensor_store import TensorStore
 
 
@@ -155,8 +156,12 @@ def _read_weights(store: TensorStore, config: ModelConfig, v3: bool) -> DecoderW
         extra = int(getattr(config.hf_config, "num_nextn_predict_layers", 0) or 0)
         for i in range(config.num_layers, config.num_layers + extra):
             store.discard_prefix(f"model.layers.{i}.")
-    layout = CheckpointLayout(rope_interleaved=interleaved, moe=MoeLayout(shared="shared_experts"))
-    return read_dense(store, config, layout)
+
+    def attention(store: TensorStore, config: ModelConfig, p: str, layer: int) -> LatentAttention:
+        return read_latent_attention(store, config, p, interleaved)
+
+    moe = moe_reader(MoeLayout(shared="shared_experts"))
+    return read_dense(store, config, CheckpointLayout(), mlp=moe, attention=attention)
 
 
 DEEPSEEK_V2 = Family(

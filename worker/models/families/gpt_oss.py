@@ -9,22 +9,21 @@ the gate-then-up halves every expert kernel takes (``moe_weights.py``).
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 from batchgen.worker.models.config_keys import ConfigReader
-from batchgen.worker.models.dense_weights import CheckpointLayout, read_dense
+from batchgen.worker.models.dense_weights import CheckpointLayout
 from batchgen.worker.models.families import switches
-from batchgen.worker.models.families.llama import Windows, llama_like
-from batchgen.worker.models.families.llama_moe import num_experts, with_moe
+from batchgen.worker.models.families.decoder_config import Shape, Windows, decoder_config
+from batchgen.worker.models.families.llama_moe import moe_weights, num_experts, with_moe
 from batchgen.worker.models.family import Family
 from batchgen.worker.models.model_config import ModelConfig, MoeSpec, RouterKind
 from batchgen.worker.models.moe_weights import MoeLayout
 
 
 def _read_gpt_oss(r: ConfigReader, architecture: str) -> ModelConfig:
-    # hidden_act is read by llama_like for the MLP spec; transformers' gpt-oss
-    # experts do not use it (their activation is the clamped SwiGLU below)
-    config = llama_like(r, architecture, mlp_bias=False, windows=Windows.LAYER_TYPES)
+    # hidden_act is read for the MLP spec; transformers' gpt-oss experts do not
+    # use it (their activation is the clamped SwiGLU below)
+    config = decoder_config(r, architecture, Shape(mlp_bias=False, windows=Windows.LAYER_TYPES))
     spec = MoeSpec(
         num_experts=num_experts(r),
         top_k=switches.positive_int(r, "num_experts_per_tok"),
@@ -42,5 +41,5 @@ def _read_gpt_oss(r: ConfigReader, architecture: str) -> ModelConfig:
 
 GPT_OSS = Family(
     "gpt_oss", ("GptOssForCausalLM",), _read_gpt_oss,
-    partial(read_dense, layout=CheckpointLayout(moe=MoeLayout(router="router", stacked=True))),
+    moe_weights(CheckpointLayout(), MoeLayout(router="router", stacked=True)),
 )  # fmt: skip

@@ -1,6 +1,6 @@
 """Llama-shaped attention with routed experts: Mixtral, Qwen2-MoE, Qwen3-MoE, and what they share.
 
-The attention is Llama's with each family's switches (``llama_like``); the
+The attention is Llama's with each family's switches (``decoder_config``); the
 MLP of every layer, or of the layers the config makes sparse, is a
 ``SparseMoe`` (``sparse_moe.py``): softmax top-k routing, Mixtral renormalising the
 top-k weights and Qwen as ``norm_topk_prob`` says, Qwen2-MoE adding a shared
@@ -10,12 +10,13 @@ expert scaled by its sigmoid gate.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
+from collections.abc import Callable
 
 from batchgen.worker.models.config_keys import ConfigReader
+from batchgen.worker.models.decoder import DecoderWeights
 from batchgen.worker.models.dense_weights import CheckpointLayout, read_dense
 from batchgen.worker.models.families import switches
-from batchgen.worker.models.families.llama import Windows, llama_like
+from batchgen.worker.models.families.decoder_config import Shape, Windows, decoder_config
 from batchgen.worker.models.family import Family
 from batchgen.worker.models.model_config import (
     MlpKind,
@@ -24,7 +25,8 @@ from batchgen.worker.models.model_config import (
     QKNormScope,
     RouterKind,
 )
-from batchgen.worker.models.moe_weights import MoeLayout
+from batchgen.worker.models.moe_weights import MoeLayout, moe_reader
+from batchgen.worker.models.tensor_store import TensorStore
 
 # Keys that only matter in training (the router's auxiliary loss, its jitter) or
 # ask for extra outputs (router logits): the forward's tokens do not depend on them.
@@ -72,8 +74,8 @@ def _qwen_sparse_layers(r: ConfigReader, num_layers: int) -> list[bool]:
 
 
 def _read_mixtral(r: ConfigReader, architecture: str) -> ModelConfig:
-    config = llama_like(r, architecture, qkv_bias=False, o_bias=False, mlp_bias=False,
-                        windows=Windows.EVERY_LAYER)  # fmt: skip
+    shape = Shape(qkv_bias=False, o_bias=False, mlp_bias=False, windows=Windows.EVERY_LAYER)
+    config = decoder_config(r, architecture, shape)
     spec = MoeSpec(
         num_experts=num_experts(r),
         top_k=switches.positive_int(r, "num_experts_per_tok"),
@@ -100,8 +102,9 @@ def _qwen_moe(r: ConfigReader, config: ModelConfig, shared: bool) -> ModelConfig
 
 
 def _read_qwen2_moe(r: ConfigReader, architecture: str) -> ModelConfig:
-    config = llama_like(r, architecture, qkv_bias=bool(r.get("qkv_bias", True)), o_bias=False,
-                        mlp_bias=False, windows=Windows.LAYER_TYPES)  # fmt: skip
+    qkv_bias = bool(r.get("qkv_bias", True))
+    shape = Shape(qkv_bias=qkv_bias, o_bias=False, mlp_bias=False, windows=Windows.LAYER_TYPES)
+    config = decoder_config(r, architecture, shape)
     return _qwen_moe(r, config, shared=True)
 
 
@@ -110,25 +113,27 @@ def _read_qwen3_moe(r: ConfigReader, architecture: str) -> ModelConfig:
     # clears sliding_window otherwise) and ignores max_window_layers
     r.get("use_sliding_window")
     r.get("max_window_layers")
-    config = llama_like(r, architecture, mlp_bias=False, qk_norm=QKNormScope.HEAD,
-                        windows=Windows.EVERY_LAYER)  # fmt: skip
+    shape = Shape(mlp_bias=False, qk_norm=QKNormScope.HEAD, windows=Windows.EVERY_LAYER)
+    config = decoder_config(r, architecture, shape)
     return _qwen_moe(r, config, shared=False)
 
 
-MIXTRAL_LAYOUT = CheckpointLayout(moe=MoeLayout("block_sparse_moe", gate="w1", up="w3", down="w2"))
+def moe_weights(
+    layout: CheckpointLayout, moe: MoeLayout
+) -> Callable[[TensorStore, ModelConfig], DecoderWeights]:
+    """A family's weight mapping: ``read_dense`` with its layout, its MoE layers' MLPs read
+    from ``moe``."""
+
+    def read(store: TensorStore, config: ModelConfig) -> DecoderWeights:
+        return read_dense(store, config, layout, mlp=moe_reader(moe))
+
+    return read
+
+
+QWEN_MOE_WEIGHTS = moe_weights(CheckpointLayout(), MoeLayout())
 MIXTRAL = Family(
     "mixtral", ("MixtralForCausalLM",), _read_mixtral,
-    partial(read_dense, layout=MIXTRAL_LAYOUT),
+    moe_weights(CheckpointLayout(), MoeLayout("block_sparse_moe", gate="w1", up="w3", down="w2")),
 )  # fmt: skip
-QWEN2_MOE = Family(
-    "qwen2_moe",
-    ("Qwen2MoeForCausalLM",),
-    _read_qwen2_moe,
-    partial(read_dense, layout=CheckpointLayout()),
-)
-QWEN3_MOE = Family(
-    "qwen3_moe",
-    ("Qwen3MoeForCausalLM",),
-    _read_qwen3_moe,
-    partial(read_dense, layout=CheckpointLayout()),
-)
+QWEN2_MOE = Family("qwen2_moe", ("Qwen2MoeForCausalLM",), _read_qwen2_moe, QWEN_MOE_WEIGHTS)
+QWEN3_MOE = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), _read_qwen3_moe, QWEN_MOE_WEIGHTS)
