@@ -49,11 +49,17 @@ def test_a_routing_switch_transformers_does_not_compute_is_refused(
         Engine.from_pretrained(path, num_kv_blocks=8)
 
 
-def test_real_deepseek_v3_bookkeeping_keys_load(zoo_model, tmp_path):
-    """What DeepSeek-V3's own config.json carries beyond transformers' fields."""
-    path = _copy(zoo_model, tmp_path, "deepseek_v3")
-    _edit_config(path, topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1,
-                 aux_loss_alpha=0.001, seq_aux=True, ep_size=1)  # fmt: skip
+@pytest.mark.parametrize(
+    "name,keys",
+    [  # what the real checkpoints' config.json carry beyond transformers' config fields
+        ("deepseek_v3", dict(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1,
+                             aux_loss_alpha=0.001, seq_aux=True, ep_size=1)),
+        ("qwen3_moe", dict(max_window_layers=48, use_sliding_window=False)),
+    ],
+)  # fmt: skip
+def test_real_checkpoints_bookkeeping_keys_load(zoo_model, tmp_path, name, keys):
+    path = _copy(zoo_model, tmp_path, name)
+    _edit_config(path, **keys)
     Engine.from_pretrained(path, num_kv_blocks=8)
 
 

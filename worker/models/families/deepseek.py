@@ -51,7 +51,8 @@ def _attention_scale(head_dim: int, rope: RopeSpec) -> float:
 
 
 def _expect(r: ConfigReader, key: str, allowed: tuple[object, ...]) -> object:
-    value = r.get(key, allowed[0])
+    """A routing key of DeepSeek's own configs, which transformers' config class may lack."""
+    value = r.extra(key, allowed[0])
     if value not in allowed:
         raise r.refuse(key, f"transformers' DeepSeek code computes {', '.join(map(str, allowed))}")
     return value

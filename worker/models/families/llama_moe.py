@@ -47,7 +47,7 @@ def num_experts(r: ConfigReader) -> int:
 
 def read_training_only(r: ConfigReader) -> None:
     for key in TRAINING_ONLY:
-        r.get(key)
+        r.extra(key)  # some are fields of transformers' config class, some only of the checkpoints
 
 
 def with_moe(
@@ -112,7 +112,7 @@ def _read_qwen3_moe(r: ConfigReader, architecture: str) -> ModelConfig:
     # Qwen3-MoE slides every layer when use_sliding_window is set (transformers
     # clears sliding_window otherwise) and ignores max_window_layers
     r.get("use_sliding_window")
-    r.get("max_window_layers")
+    r.extra("max_window_layers")  # not a field of transformers' Qwen3-MoE config class
     shape = Shape(mlp_bias=False, qk_norm=QKNormScope.HEAD, windows=Windows.EVERY_LAYER)
     config = decoder_config(r, architecture, shape)
     return _qwen_moe(r, config, shared=False)
