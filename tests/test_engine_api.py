@@ -190,14 +190,13 @@ def test_loading_errors_name_the_problem(tmp_path, toy_model):
     src = toy_model("llama")
     with pytest.raises(UnsupportedModelError, match="is not a directory"):
         Engine.from_pretrained(tmp_path / "missing")
-    bad = tmp_path / "gpt2"
+    bad = tmp_path / "unknown"
     shutil.copytree(src, bad)
     config = json.loads((bad / "config.json").read_text())
-    config["architectures"] = ["GPT2LMHeadModel"]
-    config["model_type"] = "gpt2"
+    config["architectures"] = ["NoSuchModelForCausalLM"]
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        UnsupportedModelError, match=r"architecture GPT2LMHeadModel .* is not supported"
+        UnsupportedModelError, match=r"architecture NoSuchModelForCausalLM .* is not supported"
     ):
         Engine.from_pretrained(bad)
     noweights = tmp_path / "noweights"
