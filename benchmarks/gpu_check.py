@@ -16,6 +16,9 @@ Prints a short table on stderr and the JSON result on stdout. Sections:
    attention (32 heads, 8 KV heads, head_dim 128). Target: >= 70% at 128 x 2k.
 3. engine: output tok/s of batchgen's engine against HF transformers'
    continuous batching on a random Llama-3.2-1B-shaped bf16 checkpoint.
+4. moe: the Triton fused-MoE kernel against the per-expert loop oracle at
+   Mixtral, Qwen3-MoE, gpt-oss and DeepSeek-V3 expert shapes, and its ms per
+   call against the same grouped algorithm in plain torch (gpu_moe.py).
 
 An exception inside a section (or a case) is reported in the JSON and the
 script goes on.
@@ -42,11 +45,13 @@ if str(REPO) not in sys.path:
 from benchmarks.gpu_bench import DRY_RUN, GPU, Bench  # noqa: E402
 from benchmarks.gpu_engine import engine  # noqa: E402
 from benchmarks.gpu_kernels import bandwidth, correctness  # noqa: E402
+from benchmarks.gpu_moe import moe, table_lines  # noqa: E402
 
 SECTIONS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "correctness": correctness,
     "bandwidth": bandwidth,
     "engine": engine,
+    "moe": moe,
 }
 
 
@@ -71,6 +76,8 @@ def table(result: dict[str, Any]) -> str:
             lines.append(
                 f"  {r['batch']:5}  {r['context']:7}  {r['num_splits']:6}  {r['ms']:6.3f}  {r['gb_per_s']:6.0f}  {r['fraction_of_copy']:6.0%}"
             )
+    if "moe" in result["sections"]:
+        lines.extend(table_lines(result["sections"]["moe"]))
     for name, section in result["sections"].items():
         if "error" in section:
             lines.append(f"  {name}: ERROR {section['error']}")

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from batchgen.worker.models.mlp import DenseMlp
+
 
 def record_step_shapes(engine: Any) -> Counter[tuple[int, int]]:
     """Counts (tokens, sampled rows) of every step the engine runs from now on."""
@@ -42,10 +44,13 @@ def _step_matmuls(weights: Any, x: torch.Tensor, attn: torch.Tensor, act: torch.
     weights.lm_head(rows)
 
 
-def matmul_floor_s(model: Any, shapes: Counter[tuple[int, int]], repeats: int = 3) -> float:
+def matmul_floor_s(model: Any, shapes: Counter[tuple[int, int]], repeats: int = 3) -> float | None:
     """Sum over the recorded shapes of (best of ``repeats`` timings) x (times used);
-    ``model`` is the native ``Decoder`` (its ``weights``)."""
+    ``model`` is the native ``Decoder`` (its ``weights``). None for a model whose
+    MLPs are not all dense (MoE): its matmuls' shapes depend on the routing."""
     weights = model.weights
+    if not all(isinstance(layer.mlp, DenseMlp) for layer in weights.layers):
+        return None
     hidden = weights.embed.shape[1]
     q_size = weights.layers[0].attention.o.weight.shape[0]
     inter = weights.layers[0].mlp.down.weight.shape[0]

@@ -32,9 +32,10 @@ def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, An
     outputs = engine.generate(wl.prompts, params)
     wall = time.perf_counter() - start
     stats = engine.stats()
+    floor = matmul_floor_s(engine.runner.model, shapes)
     return {
         "wall_s": wall,
-        "matmul_floor_s": matmul_floor_s(engine.runner.model, shapes),
+        **({} if floor is None else {"matmul_floor_s": floor}),
         "output_tokens": sum(len(o.token_ids) for o in outputs),
         "steps": stats.num_steps - steps_before,
         "preemptions": stats.num_preemptions,

@@ -4,7 +4,7 @@ The engine asks ``select_ops(device)`` once and calls the ops through the
 returned ``KernelOps``: Triton on CUDA, the CPU path elsewhere. Both sets
 share signatures (see ``reference.py`` for layouts and shapes); both are
 tested against the plain versions: ``reference.py`` for the elementwise ops,
-``dense.py`` for attention.
+``dense.py`` for attention, ``moe_reference.py`` for routed experts.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from batchgen.kernels.batch import AttentionBatch, AttentionKind, StepAttention
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import decode as cpu_decode
 from batchgen.kernels.cpu import elementwise as cpu_elementwise
+from batchgen.kernels.cpu import routed_experts as cpu_routed_experts
+from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights
 from batchgen.kernels.reference import PAD_SLOT_ID
 
 
@@ -34,6 +36,11 @@ class KernelOps:
     paged_prefill_attention: Callable[..., torch.Tensor]
     # (batch, k_cache, v_cache, AttentionKind) -> what every layer of that kind calls in the step
     attention: Callable[..., StepAttention]
+    # (x, ExpertWeights, topk_weights, topk_ids) -> routed experts' weighted sum (experts.py)
+    fused_moe: Callable[..., torch.Tensor]
+    # (num_heads, num_kv_heads, head_dim) -> why the attention kernels cannot take
+    # that shape, or None: checked when a model loads, not at its first step
+    attention_limits: Callable[..., str | None]
 
 
 CPU_OPS = KernelOps(
@@ -46,6 +53,8 @@ CPU_OPS = KernelOps(
     paged_decode_attention=cpu_decode.paged_decode_attention,
     paged_prefill_attention=cpu_attention.paged_prefill_attention,
     attention=cpu_attention.CpuAttention,
+    fused_moe=cpu_routed_experts.fused_moe,
+    attention_limits=cpu_attention.attention_limits,
 )
 
 
@@ -70,6 +79,8 @@ __all__ = [
     "PAD_SLOT_ID",
     "AttentionBatch",
     "AttentionKind",
+    "ClampedSwiGLU",
+    "ExpertWeights",
     "KernelOps",
     "StepAttention",
     "select_ops",

@@ -52,6 +52,10 @@ class StepAttention(Protocol):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One layer: q (T, H, D), k/v (T, Hk, D) -> (T, H, D); stores k/v into the cache first."""
+        """One layer: q (T, H, D), k/v (T, Hk, D) -> (T, H, D); stores k/v into the cache first.
+
+        sinks (H,): the layer's per-head sink logits (gpt-oss), if it has them.
+        """
         ...

@@ -23,11 +23,15 @@ def attend(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (q_len, H, D) at the last q_len positions of k/v (ctx, Hk, D), causal -> (q_len, H, D).
 
     window: a query at position p sees only keys p - window < j <= p; softcap:
-    scores become softcap * tanh(scores / softcap) before the softmax."""
+    scores become softcap * tanh(scores / softcap) before the softmax; sinks (H,):
+    gpt-oss's per-head logit of a key no value goes with, one more column of the
+    softmax that takes its share of the weight and is dropped.
+    """
     q_len, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads  # query head h reads KV head h // group
@@ -41,7 +45,11 @@ def attend(
     visible = keys <= position[:, None]  # (q_len, ctx)
     if window is not None:
         visible &= keys > position[:, None] - window
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.float()[:, None, None].expand(num_heads, q_len, 1)
+        scores = torch.cat((scores, sink_column), dim=-1)
+    weights = scores.softmax(dim=-1)[..., :ctx]
     return torch.einsum("hqk,khd->qhd", weights, v).to(q.dtype)
 
 
@@ -55,6 +63,7 @@ def paged_decode_attention(
     max_context_len: int,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence; a context of 0 (a padding row) gives zeros."""
     out = torch.zeros_like(q)
@@ -62,7 +71,7 @@ def paged_decode_attention(
         if ctx:
             k = sequence_kv(k_cache, block_tables[i], ctx)
             v = sequence_kv(v_cache, block_tables[i], ctx)
-            out[i : i + 1] = attend(q[i : i + 1], k, v, scale, window, softcap)
+            out[i : i + 1] = attend(q[i : i + 1], k, v, scale, window, softcap, sinks)
     return out
 
 
@@ -78,6 +87,7 @@ def paged_prefill_attention(
     max_context_len: int,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sequence i's queries are rows query_start_loc[i]:query_start_loc[i + 1] of q."""
     out = torch.zeros_like(q)
@@ -87,5 +97,5 @@ def paged_prefill_attention(
         if end > first:
             k = sequence_kv(k_cache, block_tables[i], ctx)
             v = sequence_kv(v_cache, block_tables[i], ctx)
-            out[first:end] = attend(q[first:end], k, v, scale, window, softcap)
+            out[first:end] = attend(q[first:end], k, v, scale, window, softcap, sinks)
     return out

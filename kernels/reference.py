@@ -22,6 +22,7 @@ import torch.nn.functional as F
 __all__ = [
     "PAD_SLOT_ID",
     "apply_rotary",
+    "clamped_swiglu",
     "fused_add_rms_norm",
     "rms_norm",
     "silu_and_mul",
@@ -53,6 +54,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x (num_tokens, 2 * inter) -> silu(x[:, :inter]) * x[:, inter:]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation; x (num_tokens, 2 * inter), gate then up halves.
+
+    gate is clamped to <= limit and up to [-limit, limit]; then
+    (up + 1) * gate * sigmoid(alpha * gate), in transformers' order of operations.
+    """
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def apply_rotary(

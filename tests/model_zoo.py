@@ -55,6 +55,20 @@ def _rope(theta: float = 10000.0, **extra: Any) -> dict[str, Any]:
     return {"rope_type": "default", "rope_theta": theta, **extra}
 
 
+def _yarn(theta: float, **extra: Any) -> dict[str, Any]:
+    return {"rope_type": "yarn", "rope_theta": theta, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 128, **extra}  # fmt: skip
+
+
+# DeepSeek's shapes: MLA (K/V heads are every head, head_dim is the rope part), 8 experts
+# in 4 groups, the first layer dense
+MLA: dict[str, Any] = dict(
+    num_hidden_layers=3, num_key_value_heads=4, head_dim=8, kv_lora_rank=32,
+    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, intermediate_size=96,
+    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+    topk_group=2, first_k_dense_replace=1,
+)  # fmt: skip
+
 ZOO: dict[str, ZooEntry] = {
     "llama": ZooEntry("llama", dict(rope_parameters=_rope(500000.0))),
     # dynamic NTK: transformers rescales only past max_position_embeddings
@@ -182,7 +196,40 @@ ZOO: dict[str, ZooEntry] = {
         dict(n_inner=128, activation_function="gelu_new", bos_token_id=EOS_ID),
         drop=("num_key_value_heads", "head_dim", "intermediate_size"),
     ),
-}
+    # MoE: dense layers between sparse ones, shared experts and their gate, renormalised
+    # and raw top-k weights, gpt-oss's sinks, biases, clamped SwiGLU, yarn and window 8,
+    # DeepSeek's MLA with and without q LoRA, grouped routing and V3's correction bias
+    "mixtral": ZooEntry("mixtral", dict(
+        intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+        rope_parameters=_rope(1e6),
+    )),
+    "qwen2_moe": ZooEntry("qwen2_moe", dict(
+        num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, mlp_only_layers=[1], decoder_sparse_step=1,
+        rope_parameters=_rope(1e6),
+    )),
+    "qwen3_moe": ZooEntry("qwen3_moe", dict(
+        num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[],
+        rope_parameters=_rope(1e6),
+    )),
+    "gpt_oss": ZooEntry("gpt_oss", dict(
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], attention_bias=True,
+        rope_parameters=_yarn(150000.0, truncate=False),
+    )),
+    "deepseek_v2": ZooEntry("deepseek_v2", dict(
+        **MLA, q_lora_rank=None, n_shared_experts=1, routed_scaling_factor=1.5,
+        topk_method="group_limited_greedy", rope_parameters=_rope(),
+    )),
+    "deepseek_v3": ZooEntry("deepseek_v3", dict(
+        **MLA, q_lora_rank=24, n_shared_experts=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rope_interleave=True,
+        rope_parameters=_yarn(10000.0, mscale=1.0, mscale_all_dim=1.0),
+    )),
+}  # fmt: skip
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
 
 
 def build(name: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:

@@ -65,6 +65,25 @@ def test_dry_run_engine_section_runs_batchgen_and_hf_on_the_same_prompts(tmp_pat
     assert f"CUDA-graph replays 0 of {ours['steps']} steps" in proc.stderr
 
 
+def test_dry_run_moe_section_checks_the_fused_kernel_against_the_oracle(tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--sections", "moe"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    section = json.loads(proc.stdout)["sections"]["moe"]
+    assert section["all_pass"] is True, section
+    for name in ("tiny", "tiny_gpt_oss"):
+        case = section[name]
+        assert set(case["checks"]) == {"tokens_3", "tokens_20"}
+        assert all(0 < c["relative_error"] < 3e-2 for c in case["checks"].values())
+        assert [t["tokens"] for t in case["timing"]] == [1, 5]
+        assert all(t["fused_ms"] > 0 and t["grouped_torch_ms"] > 0 for t in case["timing"])
+        assert all(1 <= t["experts_chosen"] <= 4 for t in case["timing"])
+    assert "moe tiny_gpt_oss" in proc.stderr and "fused" in proc.stderr  # the table
+
+
 def test_a_failing_section_is_reported_and_the_rest_still_run(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
-from batchgen.toy import ARCHS, SIZES
+from batchgen.toy import ARCHS, MOE_ARCHS, SIZES
 
 
 @click.command("toy-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, writable=True))
-@click.option("--arch", type=click.Choice(ARCHS), default="llama", show_default=True)
+@click.option("--arch", type=click.Choice(ARCHS + MOE_ARCHS), default="llama", show_default=True)
 @click.option("--size", type=click.Choice(list(SIZES)), default="tiny", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same bytes.")
 @click.option(
@@ -37,6 +37,7 @@ def toy_model(
     \b
     Sizes: tiny ≈ 6M parameters (hidden 256, 4 layers, vocab 8192),
            small ≈ 100M parameters (hidden 768, 12 layers, vocab 32000).
+    qwen3_moe: 16 experts, 4 per token, each a quarter of the dense MLP.
     """
     from batchgen.toy import write_toy_checkpoint
 

@@ -20,6 +20,10 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mistral-v0.1")
 # the window of the sliding-window archs: shorter than the contexts benchmarks and
 # demos run, so it matters
 TOY_WINDOW = 256
+# MoE: 16 experts of a quarter of the size's intermediate, 4 per token, so a token's
+# MLP costs what the dense toy's does
+MOE_ARCHS = ("qwen3_moe",)
+MOE_EXPERTS, MOE_TOP_K = 16, 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +122,16 @@ def _config(arch: str, size: ToySize, dtype: str, eos_id: int):
             sliding_window=TOY_WINDOW,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        extra: dict[str, Any] = {"head_dim": size.hidden_size // size.num_heads}
+        return Qwen3MoeConfig(
+            **common, **extra, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            moe_intermediate_size=size.intermediate_size // MOE_TOP_K, num_experts=MOE_EXPERTS,
+            num_experts_per_tok=MOE_TOP_K, norm_topk_prob=True, use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )  # fmt: skip
     raise ValueError(f"unknown toy architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 
 
@@ -160,8 +174,9 @@ def write_toy_checkpoint(
 
     hf_logging.disable_progress_bar()
 
-    if arch not in ARCHS:
-        raise ValueError(f"unknown toy architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    if arch not in ARCHS + MOE_ARCHS:
+        known = ", ".join(ARCHS + MOE_ARCHS)
+        raise ValueError(f"unknown toy architecture {arch!r}; choose one of {known}")
     if isinstance(size, str):
         if size not in SIZES:
             raise ValueError(f"unknown toy size {size!r}; choose one of {', '.join(SIZES)}")

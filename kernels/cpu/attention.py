@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from batchgen.kernels.batch import AttentionBatch, AttentionKind
 from batchgen.kernels.cpu.decode import plan_decode
+from batchgen.kernels.cpu.sinks import attention_with_sinks
 from batchgen.kernels.reference import store_kv
 
 
@@ -39,21 +40,27 @@ class CpuAttention:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b = self.batch
         store_kv(k, v, k_cache, v_cache, b.slot_mapping)
         nd = b.num_decode_tokens
         parts = []
         if self.decode_plan is not None:
-            parts.append(self.decode_plan(q[:nd], k_cache, v_cache, self.scale))
+            parts.append(self.decode_plan(q[:nd], k_cache, v_cache, self.scale, sinks))
         if q.shape[0] > nd:
             out = paged_prefill_attention(
                 q[nd:], k_cache, v_cache, b.prefill_block_tables, b.prefill_context_lens,
                 b.prefill_query_start_loc, self.scale, b.prefill_max_query_len,
-                b.prefill_max_context_len, self.kind.window, self.kind.softcap,
+                b.prefill_max_context_len, self.kind.window, self.kind.softcap, sinks,
             )  # fmt: skip
             parts.append(out)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def attention_limits(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """The CPU path takes any attention shape."""
+    return None
 
 
 def paged_prefill_attention(
@@ -68,6 +75,7 @@ def paged_prefill_attention(
     max_context_len: int,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length query chunks attending causally to their whole paged context.
 
@@ -78,6 +86,7 @@ def paged_prefill_attention(
     sees keys p - window < j <= p, and blocks wholly before its chunk's first
     visible key are not read (they may have been handed to another sequence).
     softcap: scores -> softcap * tanh(scores / softcap) before the softmax.
+    sinks (num_heads,): gpt-oss's per-head sink logits (``sinks.py``).
     Returns (num_tokens, num_heads, head_dim).
     """
     out = torch.empty_like(q)
@@ -101,7 +110,7 @@ def paged_prefill_attention(
             mask = kpos <= qpos  # (q_len, ctx - base)
             if window is not None:
                 mask &= kpos > qpos - window
-        out[start:end] = _attend(q[start:end], keys, values, mask, scale, softcap)
+        out[start:end] = _attend(q[start:end], keys, values, mask, scale, softcap, sinks)
     return out
 
 
@@ -112,9 +121,14 @@ def _attend(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """q (q_len, H, D) over keys/values (n, Hk, D); mask (q_len, n) bool, None: causal
     with q at the last q_len positions. Returns (q_len, H, D)."""
+    if sinks is not None and softcap is None:
+        q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, keys, values))
+        out = attention_with_sinks(q4, k4, v4, sinks, scale, mask, is_causal=mask is None)
+        return out[0].transpose(0, 1)
     if softcap is None:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),  # (H, q_len, D)
@@ -134,4 +148,8 @@ def _attend(
     scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1).to(q.dtype)
+    if sinks is not None:  # one more column per head, no value
+        column = sinks.float()[:, None, None].expand(scores.shape[0], scores.shape[1], 1)
+        scores = torch.cat((scores, column), dim=-1)
+    weights = scores.softmax(dim=-1)[..., : v.shape[1]]
+    return torch.matmul(weights, v).transpose(0, 1).to(q.dtype)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels.cpu.decode_native import KernelDecode, plan_kernel_decode
+from batchgen.kernels.cpu.sinks import attention_with_sinks
 
 
 @dataclass(slots=True)
@@ -41,11 +42,16 @@ class TorchDecode:
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
 
     def __call__(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One layer: q (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim)."""
         parts = [
-            _attend(g, q[g.start : g.end], k_cache, v_cache, scale, self.softcap)
+            _attend(g, q[g.start : g.end], k_cache, v_cache, scale, self.softcap, sinks)
             for g in self.groups
         ]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -65,17 +71,18 @@ def paged_decode_attention(
     max_context_len: int,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (num_seqs, num_heads, head_dim); context_lens (num_seqs,) int32 count the
     current token, whose K/V are already stored (0 for a padding row, whose
     output is zeros). window: the query sees only its last `window` keys;
-    softcap: scores -> softcap * tanh(scores / softcap). Returns (num_seqs,
-    num_heads, head_dim)."""
+    softcap: scores -> softcap * tanh(scores / softcap); sinks (num_heads,):
+    per-head sink logits (gpt-oss). Returns (num_seqs, num_heads, head_dim)."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     use_kernel = q.dtype == torch.float32 and q.stride(2) == 1
     plan = plan_decode(block_tables, context_lens, k_cache, v_cache, use_kernel, window, softcap)
-    return plan(q, k_cache, v_cache, scale)
+    return plan(q, k_cache, v_cache, scale, sinks)
 
 
 def plan_decode(
@@ -141,21 +148,18 @@ def _attend(
     v_cache: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     rows = group.end - group.start
     keys = k_cache.index_select(0, group.gather).view(rows, -1, *k_cache.shape[2:])
     values = v_cache.index_select(0, group.gather).view(rows, -1, *v_cache.shape[2:])
     if softcap is not None:
-        return _softcapped(q, keys, values, group.mask, scale, softcap)
+        return _softcapped(q, keys, values, group.mask, scale, softcap, sinks)
     # SDPA's fused CPU kernel takes the strided (S, Hk, L, D) views and GQA as is
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # (S, H, 1, D)
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=group.mask,
-        scale=scale,
-        enable_gqa=True,
-    )
+    args = (q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2))  # q (S, H, 1, D)
+    if sinks is not None:
+        return attention_with_sinks(*args, sinks, scale, group.mask).squeeze(2)
+    out = F.scaled_dot_product_attention(*args, attn_mask=group.mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)
 
 
@@ -166,6 +170,7 @@ def _softcapped(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """SDPA has no soft-capping: q (S, H, D) over keys/values (S, L, Hk, D) by hand, in fp32."""
     group = q.shape[1] // keys.shape[2]
@@ -175,7 +180,12 @@ def _softcapped(
     scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores + mask.float()
-    return torch.matmul(scores.softmax(dim=-1), v).squeeze(2).to(q.dtype)
+    if sinks is not None:  # one more column per head, no value
+        scores = torch.cat(
+            (scores, sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)), -1
+        )
+    weights = scores.softmax(dim=-1)[..., : v.shape[2]]
+    return torch.matmul(weights, v).squeeze(2).to(q.dtype)
 
 
 def _length_groups(lengths: list[int], max_waste: float = 0.3) -> list[tuple[int, int]]:

@@ -26,15 +26,24 @@ class KernelDecode:
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
 
     def __call__(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q (num_seqs, num_heads, head_dim) fp32, unit stride in head_dim -> a new (num_seqs, num_heads, head_dim)."""
+        """q (num_seqs, num_heads, head_dim) fp32, unit stride in head_dim -> a new
+        (num_seqs, num_heads, head_dim); sinks (num_heads,) per-head sink logits."""
         assert (
             q.dtype == torch.float32
             and q.stride(2) == 1
             and q.shape[0] == self.context_lens.shape[0]
         )
         num_seqs, num_heads, head_dim = q.shape
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()
+            assert sinks.shape == (num_heads,) and sinks.device.type == "cpu"
         _, block_size, num_kv_heads, _ = k_cache.shape
         out = torch.empty(num_seqs, num_heads, head_dim)
         status = self.native.paged_decode_attention_f32(
@@ -42,7 +51,8 @@ class KernelDecode:
             self.block_tables.data_ptr(), self.block_tables.stride(0),
             self.context_lens.data_ptr(), out.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, self.max_context_len,
-            self.window or 0, self.softcap or 0.0, self.threads,  # 0: none, as the C code reads it
+            self.window or 0, self.softcap or 0.0,  # 0: none, as the C code reads it
+            None if sinks is None else sinks.data_ptr(), self.threads,
         )  # fmt: skip
         if status != 0:
             raise MemoryError("paged decode attention: no memory for the scores")

@@ -3,8 +3,9 @@
 - paged decode attention: torch can only attend over paged K/V by first
   gathering each sequence's blocks into a dense copy (every layer, every
   step) and reading the copy again; this reads K and V once, straight from
-  the blocks the table names (with a sliding window, only the window's): the scores of all query heads of a position
-  (GQA: head h reads KV head h // group), a softmax per head, the weighted
+  the blocks the table names (with a sliding window, only the window's): the
+  scores of all query heads of a position (GQA: head h reads KV head h // group),
+  a softmax per head (with its sink's column when there are sinks, gpt-oss), the weighted
   sum of V; a step's rows split over torch's thread count (pthreads) when
   there is enough K/V to read;
 - RMSNorm with an optional residual add, and neox rotary: one pass each
@@ -49,6 +50,7 @@ typedef struct {
     const int32_t *tables; int64_t table_stride; const int32_t *lens;
     float *out; int64_t H, HK, D, BS; float scale; int64_t max_len;
     int64_t window; float softcap; /* 0: no sliding window, no soft-capping */
+    const float *sinks; /* (H,) per-head sink logits, or NULL */
     int64_t first, last; /* the rows [first, last) this thread does */
     int status; /* 0, or 1 when out of memory */
 } DecodeRows;
@@ -84,9 +86,11 @@ static void *decode_rows(void *arg)
                 if (dot > top[h]) top[h] = dot;
             }
         }
-        for (int64_t h = 0; h < H; h++) { /* softmax per head */
+        for (int64_t h = 0; h < H; h++) { /* softmax per head, with its sink's column */
             float sum = 0.f, *sh = scores + h * n;
+            if (a->sinks && a->sinks[h] > top[h]) top[h] = a->sinks[h];
             for (int64_t p = lo; p < n; p++) { sh[p] = expf(sh[p] - top[h]); sum += sh[p]; }
+            if (a->sinks) sum += expf(a->sinks[h] - top[h]);
             const float inv = 1.f / sum;
             for (int64_t p = lo; p < n; p++) sh[p] *= inv;
         }
@@ -113,7 +117,8 @@ int paged_decode_attention_f32(
     const float *k_cache, const float *v_cache,
     const int32_t *tables, int64_t table_stride, const int32_t *lens,
     float *out, int64_t S, int64_t H, int64_t HK, int64_t D, int64_t BS,
-    float scale, int64_t max_len, int64_t window, float softcap, int64_t threads)
+    float scale, int64_t max_len, int64_t window, float softcap, const float *sinks,
+    int64_t threads)
 {
     enum { MAX_THREADS = 64 };
     DecodeRows parts[MAX_THREADS];
@@ -134,7 +139,7 @@ int paged_decode_attention_f32(
         }
         parts[t] = (DecodeRows){q, q_stride_s, q_stride_h, k_cache, v_cache, tables,
                                 table_stride, lens, out, H, HK, D, BS, scale, max_len,
-                                window, softcap, first, last, 0};
+                                window, softcap, sinks, first, last, 0};
         first = last;
     }
     for (int64_t t = 1; t < threads; t++)
@@ -209,7 +214,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "paged_decode_attention_f32": (
         [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
-         _F32, _I64, _I64, _F32, _I64], ctypes.c_int,
+         _F32, _I64, _I64, _F32, _PTR, _I64], ctypes.c_int,
     ),
     "add_rms_norm_f32": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "rotary_f32": (

@@ -12,6 +12,7 @@ from batchgen.kernels import KernelOps
 from batchgen.kernels.triton import (
     activation,
     decode_attention,
+    fused_moe,
     norm,
     prefill_attention,
     rotary,
@@ -29,6 +30,8 @@ TRITON_OPS = KernelOps(
     paged_decode_attention=decode_attention.paged_decode_attention,
     paged_prefill_attention=prefill_attention.paged_prefill_attention,
     attention=step.TritonAttention,
+    fused_moe=fused_moe.fused_moe,
+    attention_limits=step.attention_limits,
 )
 
 __all__ = ["TRITON_OPS"]

@@ -146,3 +146,15 @@ def check_paged_attention(
             f"k_cache and v_cache strides differ: {k_cache.stride()} vs {v_cache.stride()}"
         )
     return PagedAttentionShape(num_heads, num_kv_heads, head_dim, block_size, group, device)
+
+
+def check_sinks(sinks: torch.Tensor | None, shape: PagedAttentionShape) -> None:
+    """Sink logits: (num_heads,) float, contiguous, on the attention's device."""
+    if sinks is None:
+        return
+    check_shape("sinks", sinks, (shape.num_heads,))
+    check_dtype("sinks", sinks, FLOAT_DTYPES)
+    if sinks.device != shape.device:
+        raise ValueError(f"sinks must be on {shape.device}, got {sinks.device}")
+    if sinks.stride(0) != 1:
+        raise ValueError("sinks must be contiguous")

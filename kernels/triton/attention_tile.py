@@ -82,3 +82,17 @@ def online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32: tl.constexpr):
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
+
+
+@triton.jit
+def fold_sink(m_i, l_i, acc, sink):
+    """Adds one more softmax column with log2-domain logit ``sink`` (M,) and no value.
+
+    gpt-oss's attention sinks: the column takes its share of the weight and
+    contributes nothing to the output. Returns the new (m_i, l_i, acc).
+    """
+    m_new = tl.maximum(m_i, sink)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.exp2(sink - m_safe)
+    return m_new, l_i, acc * alpha[:, None]

@@ -19,6 +19,7 @@ from batchgen.kernels.triton import arg_checks
 from batchgen.kernels.triton.attention_tile import (
     LOG2E,
     NO_WINDOW,
+    fold_sink,
     kv_row_offsets,
     online_softmax_step,
     qk_scores,
@@ -46,6 +47,7 @@ def _decode_kernel(
     part_acc_ptr,  # (num_seqs, num_heads, NUM_SPLITS, HEAD_DIM_PAD) fp32, else
     part_max_ptr,  # (num_seqs, num_heads, NUM_SPLITS) fp32
     part_sum_ptr,  # (num_seqs, num_heads, NUM_SPLITS) fp32
+    sinks_ptr,  # (num_heads,) sink logits when HAS_SINKS (folded in by the merge when split)
     qk_scale,  # softmax scale * log2(e); with SOFTCAP the scale alone
     softcap,
     window,  # a query sees its last `window` keys (NO_WINDOW: all)
@@ -67,6 +69,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -120,6 +123,9 @@ def _decode_kernel(
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
 
     if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=float("-inf")).to(tl.float32)
+            m_i, l_i, acc = fold_sink(m_i, l_i, acc, sink * 1.4426950408889634)  # log2(e)
         # l_i == 0 only for context_len 0 (padding rows), where acc == 0 too:
         # dividing by 1 there writes zeros, not NaN.
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -143,6 +149,7 @@ def paged_decode_attention(
     max_context_len: int,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context (``dense.paged_decode_attention``).
 
@@ -154,11 +161,13 @@ def paged_decode_attention(
     choice is correct, so it need not be exact. Limits: head_dim <= 256, at most
     64 query heads per KV head. window: the query sees its last `window` keys,
     and blocks before them are not read; softcap: scores -> softcap *
-    tanh(scores / softcap). Returns a new contiguous (num_seqs, num_heads, head_dim).
+    tanh(scores / softcap); sinks (num_heads,): per-head sink logits (gpt-oss),
+    one more softmax column with no value. Returns a new contiguous (num_seqs,
+    num_heads, head_dim).
     """
     return decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
-        window=window, softcap=softcap,
+        window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
 
 
@@ -173,6 +182,7 @@ def decode_attention(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     tile_size: int | None = None,
     num_warps: int = 4,
@@ -185,10 +195,11 @@ def decode_attention(
     ~96 registers without spills on sm_90).
     """
     shape = check_decode_args(q, k_cache, v_cache, block_tables, context_lens, max_context_len)
+    arg_checks.check_sinks(sinks, shape)
     return launch_decode(
         shape, q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
-        window=window, softcap=softcap, num_splits=num_splits, tile_size=tile_size,
-        num_warps=num_warps,
+        window=window, softcap=softcap, sinks=sinks, num_splits=num_splits,
+        tile_size=tile_size, num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -223,6 +234,7 @@ def launch_decode(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     tile_size: int | None = None,
     num_warps: int = 4,
@@ -259,7 +271,7 @@ def launch_decode(
         part_sum = torch.empty_like(part_max)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_acc, part_max, part_sum,
+        out, part_acc, part_max, part_sum, out if sinks is None else sinks,
         scale if softcap is not None else scale * LOG2E, softcap or 1.0, window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -273,12 +285,14 @@ def launch_decode(
         NUM_SPLITS=num_splits,
         DOT_FP32=arg_checks.dot_in_fp32(q.dtype),
         SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_kernel[(num_seqs, num_heads)](
-            out, part_acc, part_max, part_sum,
+            out, part_acc, part_max, part_sum, out if sinks is None else sinks,
             out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+            HAS_SINKS=sinks is not None,
         )  # fmt: skip
     return out

@@ -23,6 +23,7 @@ from batchgen.kernels.triton import arg_checks
 from batchgen.kernels.triton.attention_tile import (
     LOG2E,
     NO_WINDOW,
+    fold_sink,
     kv_row_offsets,
     online_softmax_step,
     qk_scores,
@@ -42,6 +43,7 @@ def _prefill_kernel(
     context_lens_ptr,  # (num_seqs,) cached + new tokens
     query_start_loc_ptr,  # (num_seqs + 1,) offsets of each sequence's rows in q
     out_ptr,  # (num_tokens, num_heads, head_dim)
+    sinks_ptr,  # (num_heads,) sink logits when HAS_SINKS
     qk_scale,  # softmax scale * log2(e); with SOFTCAP the scale alone
     softcap,
     window,  # a query at p sees keys p - window < j <= p (NO_WINDOW: all of them)
@@ -63,6 +65,7 @@ def _prefill_kernel(
     TILE_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_blocks
     q_block = tl.program_id(0) % num_q_blocks
@@ -119,6 +122,9 @@ def _prefill_kernel(
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=float("-inf")).to(tl.float32)
+        m_i, l_i, acc = fold_sink(m_i, l_i, acc, sink * 1.4426950408889634)  # log2(e)
     # l_i == 0 (with acc == 0) only in idle programs, whose store is masked anyway.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + (q_start + q_idx)[:, None] * out_stride_t + heads[:, None] * out_stride_h
@@ -141,6 +147,7 @@ def paged_prefill_attention(
     max_context_len: int,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length causal attention over the paged context (``dense.paged_prefill_attention``).
 
@@ -150,12 +157,13 @@ def paged_prefill_attention(
     it are not computed); max_context_len must bound context_lens. Limits:
     head_dim <= 256, at most 128 query heads per KV head. window: a query at
     p sees keys p - window < j <= p, and blocks before its chunk's window are
-    not read; softcap: scores -> softcap * tanh(scores / softcap). Returns a
-    new contiguous (num_tokens, num_heads, head_dim).
+    not read; softcap: scores -> softcap * tanh(scores / softcap); sinks
+    (num_heads,): per-head sink logits (gpt-oss). Returns a new contiguous
+    (num_tokens, num_heads, head_dim).
     """
     return prefill_attention(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-        scale, max_query_len, max_context_len, window=window, softcap=softcap,
+        scale, max_query_len, max_context_len, window=window, softcap=softcap, sinks=sinks,
     )  # fmt: skip
 
 
@@ -172,6 +180,7 @@ def prefill_attention(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block_m: int | None = None,
     tile_size: int | None = None,
 ) -> torch.Tensor:
@@ -184,9 +193,10 @@ def prefill_attention(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
         max_query_len, max_context_len,
     )  # fmt: skip
+    arg_checks.check_sinks(sinks, shape)
     return launch_prefill(
         shape, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-        scale, max_query_len, window=window, softcap=softcap, block_m=block_m,
+        scale, max_query_len, window=window, softcap=softcap, sinks=sinks, block_m=block_m,
         tile_size=tile_size,
     )  # fmt: skip
 
@@ -224,6 +234,7 @@ def launch_prefill(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     block_m: int | None = None,
     tile_size: int | None = None,
 ) -> torch.Tensor:
@@ -251,6 +262,7 @@ def launch_prefill(
     num_q_blocks = triton.cdiv(max_query_len, block_q)
     _prefill_kernel[(num_seqs * num_q_blocks, num_kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
+        out if sinks is None else sinks,
         scale if softcap is not None else scale * LOG2E, softcap or 1.0, window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -264,6 +276,7 @@ def launch_prefill(
         TILE_N=tile_size,
         DOT_FP32=arg_checks.dot_in_fp32(q.dtype),
         SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         num_warps=4 if head_dim_pad <= 128 else 8,
     )  # fmt: skip
     return out

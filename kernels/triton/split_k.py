@@ -50,12 +50,14 @@ def merge_splits_kernel(
     part_acc_ptr,  # (num_seqs, num_heads, NUM_SPLITS, HEAD_DIM_PAD) fp32, unnormalised p @ v
     part_max_ptr,  # (num_seqs, num_heads, NUM_SPLITS) fp32, log2-domain running max
     part_sum_ptr,  # (num_seqs, num_heads, NUM_SPLITS) fp32, sum of exp2(s - max)
+    sinks_ptr,  # (num_heads,) sink logits when HAS_SINKS: one more column, no value
     out_stride_s,
     out_stride_h,
     num_heads,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # One program per (sequence, query head) merges that head's splits.
     seq = tl.program_id(0).to(tl.int64)
@@ -67,11 +69,16 @@ def merge_splits_kernel(
     part_m = tl.load(part_max_ptr + row * NUM_SPLITS + offs_s)  # (NUM_SPLITS,)
     part_l = tl.load(part_sum_ptr + row * NUM_SPLITS + offs_s)
     m_all = tl.max(part_m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 domain
+        m_all = tl.maximum(m_all, sink)
     # Empty splits (short contexts) hold m = -inf, l = 0, acc = 0 and weigh
     # nothing; an all-empty row (context 0) keeps total = 0 and yields zeros.
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.exp2(part_m - m_all)  # (NUM_SPLITS,), 0 for empty splits
     total = tl.sum(w * part_l, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_all)
     acc_ptrs = part_acc_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :]
     acc = tl.sum(tl.load(acc_ptrs) * w[:, None], 0)  # (HEAD_DIM_PAD,)
     out = acc / tl.where(total > 0.0, total, 1.0)

@@ -1,8 +1,9 @@
 """The Triton path's attention for one step: store K/V, decode rows, then prefill chunks.
 
 Every layer of a step passes arguments of the same shapes, dtypes and strides
-(one KV allocation, one model), so the first layer's are checked and the
-others go straight to the kernel launches.
+(one KV allocation, one model; sinks, where a model has them, in every layer),
+so the first layer's are checked and the others go straight to the kernel
+launches.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from batchgen.kernels.batch import AttentionBatch, AttentionKind
-from batchgen.kernels.triton.arg_checks import PagedAttentionShape
+from batchgen.kernels.triton import decode_attention, prefill_attention
+from batchgen.kernels.triton.arg_checks import PagedAttentionShape, check_sinks
 from batchgen.kernels.triton.decode_attention import check_decode_args, launch_decode
 from batchgen.kernels.triton.prefill_attention import check_prefill_args, launch_prefill
 from batchgen.kernels.triton.store_kv import store_kv
@@ -31,7 +33,13 @@ class TritonAttention:
         self.prefill_shape: PagedAttentionShape | None = None
         self.checked = False
 
-    def _check(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def _check(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        sinks: torch.Tensor | None,
+    ) -> None:
         b, nd = self.batch, self.batch.num_decode_tokens
         if nd:
             self.decode_shape = check_decode_args(
@@ -43,6 +51,9 @@ class TritonAttention:
                 q[nd:], k_cache, v_cache, b.prefill_block_tables, b.prefill_context_lens,
                 b.prefill_query_start_loc, b.prefill_max_query_len, b.prefill_max_context_len,
             )  # fmt: skip
+        for shape in (self.decode_shape, self.prefill_shape):
+            if shape is not None:
+                check_sinks(sinks, shape)
         self.checked = True
 
     def __call__(
@@ -52,9 +63,10 @@ class TritonAttention:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not self.checked:
-            self._check(q, k_cache, v_cache)
+            self._check(q, k_cache, v_cache, sinks)
         b, nd = self.batch, self.batch.num_decode_tokens
         store_kv(k, v, k_cache, v_cache, b.slot_mapping)
         parts = []
@@ -62,7 +74,7 @@ class TritonAttention:
             out = launch_decode(
                 self.decode_shape, q[:nd], k_cache, v_cache, b.decode_block_tables,
                 b.decode_context_lens, self.scale, b.decode_max_context_len,
-                window=self.kind.window, softcap=self.kind.softcap,
+                window=self.kind.window, softcap=self.kind.softcap, sinks=sinks,
             )  # fmt: skip
             parts.append(out)
         if self.prefill_shape is not None:
@@ -70,6 +82,25 @@ class TritonAttention:
                 self.prefill_shape, q[nd:], k_cache, v_cache, b.prefill_block_tables,
                 b.prefill_context_lens, b.prefill_query_start_loc, self.scale,
                 b.prefill_max_query_len, window=self.kind.window, softcap=self.kind.softcap,
+                sinks=sinks,
             )  # fmt: skip
             parts.append(out)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def attention_limits(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why the decode and prefill kernels cannot take this shape (register budget), or None.
+
+    MLA at DeepSeek's real sizes (one 576-dim latent row for 16-128 heads) is
+    beyond them: it needs a kernel of its own, which tiles the latent dimension.
+    """
+    group = num_heads // max(num_kv_heads, 1)
+    max_dim = min(decode_attention.MAX_HEAD_DIM, prefill_attention.MAX_HEAD_DIM)
+    max_group = min(decode_attention.MAX_GROUP, prefill_attention.MAX_GROUP)
+    if head_dim > max_dim or group > max_group:
+        return (
+            f"attention head_dim {head_dim} with {group} query heads per KV head is beyond the "
+            f"Triton attention kernels (head_dim <= {max_dim}, <= {max_group} heads per KV "
+            "head); run it on the CPU path (use_triton=False)"
+        )
+    return None

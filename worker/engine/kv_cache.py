@@ -14,9 +14,10 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for block_size tokens."""
+    """K and V of every layer for block_size tokens (MLA: the one latent tensor)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+    tensors = 1 if config.kv_shared else 2
+    return tensors * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
 
 def num_blocks_for_budget(
@@ -46,12 +47,20 @@ def num_blocks_for_budget(
 def allocate_kv_cache(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One allocation; per layer a (k, v) pair of (num_blocks, block_size, num_kv_heads, head_dim)."""
-    shape = (2, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    """One allocation; per layer a (k, v) pair of (num_blocks, block_size, num_kv_heads, head_dim).
+
+    MLA (``config.kv_shared``): k and v are one tensor, the latent, which
+    attention reads as keys and as values.
+    """
+    tensors = 1 if config.kv_shared else 2
+    shape = (tensors, config.num_layers, num_blocks, block_size, config.num_kv_heads,
+             config.head_dim)  # fmt: skip
     if device.type == "cpu":
         cache = _lazy_zeros(shape, dtype)
     else:
         cache = torch.zeros(shape, dtype=dtype, device=device)
+    if config.kv_shared:
+        return [(cache[0, i],) * 2 for i in range(config.num_layers)]
     return [(cache[0, i], cache[1, i]) for i in range(config.num_layers)]
 
 

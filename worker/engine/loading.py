@@ -110,6 +110,10 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
 
     ops = select_ops(dev, config.use_triton)
+    a = model_config.attention
+    problem = ops.attention_limits(a.num_heads, a.num_kv_heads, a.head_dim)
+    if problem is not None:
+        raise UnsupportedModelError(f"{model_config.family} on the {ops.name} kernels: {problem}")
     model = build_model(root, model_config, dev, torch_dtype, ops, max_model_len)
     num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
         model_config, block_size, torch_dtype, dev, config.kv_cache_bytes,

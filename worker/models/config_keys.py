@@ -86,6 +86,14 @@ class ConfigReader:
         value = getattr(self.config.hf, key, None)
         return default if value is None else value
 
+    def extra(self, key: str, default: Any = None) -> Any:
+        """A key the family's transformers config class lacks but the family's own
+        checkpoints carry (DeepSeek-V3's topk_method): its value as config.json writes
+        it, counted as read. The family checks it names what transformers computes."""
+        self.read.add(key)
+        value = self.config.raw.get(key)
+        return default if value is None else value
+
     def require(self, key: str) -> Any:
         value = self.get(key)
         if value is None:

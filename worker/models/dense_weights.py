@@ -61,6 +61,7 @@ class CheckpointLayout:
     transposed: bool = False  # weights stored (in, out) (GPT-2's Conv1D)
     norm_offset: float = 0.0  # the norm scales by (offset + weight) (Gemma: 1)
     rope_interleaved: bool = False  # rotary pairs (2i, 2i+1) rather than (i, i + d/2)
+    sinks: str = "self_attn.sinks"  # (heads,) sink logits, where the config has them
 
 
 # (store, config, layer prefix, layer index) -> that layer's block, for the layers a
@@ -150,6 +151,8 @@ class _Reader:
         if a.qk_norm is not None:
             attention.q_norm = self.qk_norm(p + lay.q_norm, a.num_heads)
             attention.k_norm = self.qk_norm(p + lay.k_norm, a.num_kv_heads)
+        if a.sinks:
+            attention.sinks = self.store.take(p + lay.sinks, float32=True)
         return attention
 
     def dense_mlp(self, p: str) -> DenseMlp:

@@ -67,6 +67,7 @@ class AttentionSpec:
     qk_norm: QKNormSpec | None = None
     rotary_dim: int = 0  # the leading head_dim channels that rotate (partial rotary); 0: none
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    sinks: bool = False  # a learned sink logit per head joins each softmax (gpt-oss)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +93,49 @@ class BlockSpec:
 
 
 class MlpKind(str, enum.Enum):
-    DENSE = "dense"  # the only kind this branch builds; MoE families add theirs
+    DENSE = "dense"
+    MOE = "moe"  # routed experts (``ModelConfig.moe``), plus a shared expert where it has one
+
+
+class RouterKind(str, enum.Enum):
+    SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, then top-k (Mixtral, Qwen-MoE)
+    TOPK_SOFTMAX = "topk_softmax"  # top-k logits, softmaxed among themselves (gpt-oss)
+    GROUPED_TOPK = "grouped_topk"  # DeepSeek: best groups first, then top-k among them
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """The routed experts of the layers whose ``LayerSpec.mlp`` is MOE."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    router: RouterKind
+    renormalize: bool = False  # top-k weights rescaled to sum to 1
+    router_bias: bool = False  # the router linear has a bias (gpt-oss)
+    expert_bias: bool = False  # the experts' projections have biases (gpt-oss)
+    clamped_swiglu: tuple[float, float] | None = None  # (alpha, limit): gpt-oss's activation
+    # GROUPED_TOPK: groups kept of num_groups; sigmoid scores (V3) or softmax (V2)
+    num_groups: int = 1
+    topk_group: int = 1
+    sigmoid: bool = False
+    correction_bias: bool = False  # V3: a per-expert bias on the choice, not the weights
+    scaling_factor: float = 1.0  # routed weights times this (DeepSeek's routed_scaling_factor)
+    shared_intermediate_size: int = 0  # a shared expert on every token; 0: none
+    shared_gate: bool = False  # sigmoid(x @ gate) scales the shared expert (Qwen2-MoE)
+
+
+@dataclass(frozen=True, slots=True)
+class LatentAttentionSpec:
+    """DeepSeek's multi-head latent attention (MLA). The cache holds, per token, one
+    (kv_lora_rank + qk_rope_head_dim) row shared by every head: ``AttentionSpec`` is
+    then one KV head of that dim, rotary_dim the rope part, and K and V the same tensor."""
+
+    q_lora_rank: int | None  # q through a low-rank bottleneck with a norm, or one projection
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +176,13 @@ class ModelConfig:
     embedding_scale: float | None = None  # Gemma's sqrt(hidden), Granite's multiplier
     learned_positions: bool = False  # GPT-2: a position embedding added to the token's
     hf_config: Any = None  # the transformers config object (rope init, EOS)
+    moe: MoeSpec | None = None  # the experts of MOE layers
+    latent: LatentAttentionSpec | None = None  # MLA instead of per-head K/V
+
+    @property
+    def kv_shared(self) -> bool:
+        """One cache tensor per layer serves as both K and V (MLA's latent)."""
+        return self.latent is not None
 
     @property
     def num_kv_heads(self) -> int:

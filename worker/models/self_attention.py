@@ -40,6 +40,7 @@ class SelfAttention:
     o: Linear  # (num_heads * head_dim, hidden)
     q_norm: Norm | None = None
     k_norm: Norm | None = None
+    sinks: torch.Tensor | None = None  # (num_heads,) fp32 sink logits (gpt-oss)
 
     def __call__(
         self,
@@ -66,7 +67,7 @@ class SelfAttention:
         v = v.reshape(num_tokens, s.num_kv_heads, dim)
         if rope is not None:
             q, k = _rotate(q, k, positions, rope, s.rotary_dim, ops)
-        out = attend(q, k, v, k_cache, v_cache)
+        out = attend(q, k, v, k_cache, v_cache, self.sinks)
         return self.o(out.reshape(num_tokens, q_size))
 
 

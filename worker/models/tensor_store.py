@@ -56,6 +56,12 @@ class TensorStore:
         """Drops a buffer the family knows transformers skips too (GPT-2's mask)."""
         self._tensors.pop(name, None)
 
+    def discard_prefix(self, prefix: str) -> None:
+        """Drops every tensor under ``prefix``: modules transformers' forward skips too
+        (DeepSeek-V3's multi-token prediction layers)."""
+        for name in [n for n in self._tensors if n.startswith(prefix)]:
+            del self._tensors[name]
+
     def refuse(self, name: str, why: str) -> None:
         raise UnsupportedModelError(f"checkpoint {self.path}: tensor {name!r}: {why}")
 

@@ -89,7 +89,7 @@ def decoder_config(r: ConfigReader, architecture: str, shape: Shape) -> ModelCon
         num_layers=num_layers,
         max_position_embeddings=context,
         tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
-        torch_dtype=_dtype_name(r),
+        torch_dtype=switches.dtype_name(r),
         norm=norm,
         attention=AttentionSpec(
             num_heads=num_heads,
@@ -126,8 +126,3 @@ def reader_for(shape: Shape) -> Callable[[ConfigReader, str], ModelConfig]:
 
 def parallel_block(shared_norm: bool) -> BlockSpec:
     return BlockSpec(kind=BlockKind.PARALLEL, shared_norm=shared_norm)
-
-
-def _dtype_name(r: ConfigReader) -> str | None:
-    dtype = r.get("dtype") or r.get("torch_dtype")
-    return None if dtype is None else str(dtype).removeprefix("torch.")

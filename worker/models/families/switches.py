@@ -91,6 +91,8 @@ def windows(r: ConfigReader, types: list[str], every_layer: bool = False) -> lis
     """Each layer's sliding window: sliding_window on the layers typed sliding_attention
     (or on every layer, for families whose transformers code applies it to all)."""
     window = r.get("sliding_window")
+    if not every_layer and "sliding_attention" not in types:
+        return [None] * len(types)  # no layer slides: the value is not used (Qwen2-MoE sets 0)
     if window is not None and (not isinstance(window, int) or window < 1):
         raise r.refuse("sliding_window", "a positive number of tokens")
     if every_layer:
@@ -110,3 +112,9 @@ def positive_int(r: ConfigReader, key: str) -> int:
     if not isinstance(value, int) or value < 1:
         raise UnsupportedModelError(f"config {key} must be a positive integer, got {value!r}")
     return value
+
+
+def dtype_name(r: ConfigReader) -> str | None:
+    """The checkpoint's dtype as config.json names it (dtype, or torch_dtype before v5)."""
+    dtype = r.get("dtype") or r.get("torch_dtype")
+    return None if dtype is None else str(dtype).removeprefix("torch.")
