@@ -19,6 +19,7 @@ from benchmarks.workloads import Workload
 def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, Any]:
     """Also times the run's matmuls alone (benchmarks/matmul_floor.py), after the run."""
     from batchgen.worker import Engine, SamplingParams
+    from batchgen.worker.models import LlamaModel
     from benchmarks.matmul_floor import matmul_floor_s, record_step_shapes
 
     engine = Engine.from_pretrained(path, **engine_kwargs)
@@ -32,15 +33,27 @@ def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, An
     outputs = engine.generate(wl.prompts, params)
     wall = time.perf_counter() - start
     stats = engine.stats()
+    model = engine.runner.model
+    # the floor is timed on batchgen's own weight layout; the transformers backend has none
+    floor = (
+        {"matmul_floor_s": matmul_floor_s(model.weights, shapes)}
+        if isinstance(model, LlamaModel)
+        else {}
+    )
     return {
         "wall_s": wall,
-        "matmul_floor_s": matmul_floor_s(engine.runner.model.weights, shapes),
+        **floor,
         "output_tokens": sum(len(o.token_ids) for o in outputs),
         "steps": stats.num_steps - steps_before,
         "preemptions": stats.num_preemptions,
         "prefix_cache_hit_rate": round(stats.prefix_cache_hit_rate, 3),
         "token_ids": [o.token_ids for o in outputs],
     }
+
+
+def run_batchgen_transformers(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, Any]:
+    """batchgen's engine on transformers' own modules (``model_impl="transformers"``)."""
+    return run_batchgen(path, wl, **engine_kwargs, model_impl="transformers")
 
 
 def _hf_model(path: Path, attn: str = "sdpa"):
@@ -124,6 +137,7 @@ def run_hf_continuous(path: Path, wl: Workload, block_size: int = 16) -> dict[st
 
 PEERS: dict[str, Callable[..., dict[str, Any]]] = {
     "batchgen": run_batchgen,
+    "batchgen-transformers": run_batchgen_transformers,
     "hf-static": run_hf_static,
     "hf-continuous": run_hf_continuous,
 }

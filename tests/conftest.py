@@ -83,6 +83,22 @@ def toy_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
+def backend_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``backend_model(arch)``: a cached tiny checkpoint of an architecture only the
+    transformers backend runs (tests/backend_checkpoints.py)."""
+    from tests.backend_checkpoints import write_backend_checkpoint
+
+    cache: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = write_backend_checkpoint(tmp_path_factory.mktemp(f"hf-{arch}"), arch)
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real S3 API: moto's standalone server (``moto_server``) on a free port, with a
     bucket ``batchgen-test``; pyarrow's own S3 client reaches it. Yields ``host:port``.

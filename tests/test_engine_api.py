@@ -199,6 +199,12 @@ def test_loading_errors_name_the_problem(tmp_path, toy_model):
     with pytest.raises(
         UnsupportedModelError, match=r"architecture GPT2LMHeadModel .* is not supported"
     ):
+        Engine.from_pretrained(bad, model_impl="native")
+    # auto takes it to the transformers backend, which finds Llama's tensors, not GPT-2's
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"lacks 'lm_head.weight', .* never reads: 'model.embed_tokens.weight'",
+    ):
         Engine.from_pretrained(bad)
     noweights = tmp_path / "noweights"
     shutil.copytree(src, noweights)

@@ -95,8 +95,10 @@ def _config(arch: str, size: ToySize, dtype: str, eos_id: int):
     raise ValueError(f"unknown toy architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 
 
-def _randomise(model, hidden_size: int, seed: int) -> None:
-    """Fills every tensor from one seeded generator, in sorted-name order."""
+def randomise(model, hidden_size: int, seed: int) -> None:
+    """Fills every tensor from one seeded generator, in sorted-name order: norm
+    scales (every 1-d weight, whatever the architecture calls it) near 1, biases
+    small, the rest N(0, 1.5/sqrt(hidden))."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -104,7 +106,7 @@ def _randomise(model, hidden_size: int, seed: int) -> None:
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict().items()):
             fresh = torch.empty(tensor.shape, dtype=torch.float32)
-            if name.endswith("norm.weight"):
+            if tensor.ndim == 1 and not name.endswith(".bias"):
                 fresh.uniform_(0.5, 1.5, generator=gen)
             elif name.endswith(".bias"):
                 fresh.normal_(0.0, 0.1, generator=gen)
@@ -151,7 +153,7 @@ def write_toy_checkpoint(
     config = _config(arch, size, dtype, eos_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    _randomise(model, size.hidden_size, seed)
+    randomise(model, size.hidden_size, seed)
     model.generation_config = GenerationConfig(
         eos_token_id=[eos_id, im_end_id], pad_token_id=eos_id, do_sample=False
     )

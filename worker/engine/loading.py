@@ -17,12 +17,15 @@ from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.pooling import load_pooling
 from batchgen.worker.engine.sampler import Sampler
 from batchgen.worker.engine_config import DTYPES, EngineConfig
+from batchgen.worker.models.hf_backend import HfCausalLM
 from batchgen.worker.models.llama import LlamaModel
 from batchgen.worker.models.loader import load_weights
 from batchgen.worker.models.model_config import (
-    ModelConfig,
     UnsupportedModelError,
+    checkpoint_dtype,
+    is_native,
     load_model_config,
+    read_hf_config,
 )
 
 if TYPE_CHECKING:
@@ -59,24 +62,25 @@ def pick_device(device: str | None) -> torch.device:
     return dev
 
 
-def pick_dtype(dtype: str | None, device: torch.device, config: ModelConfig) -> torch.dtype:
+def pick_dtype(dtype: str | None, device: torch.device, saved: str | None) -> torch.dtype:
+    """The asked dtype, else fp32 on CPU, else the checkpoint's half type (``saved``) or bf16."""
     if dtype is not None:
         return _DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32
-    if config.torch_dtype in ("float16", "bfloat16"):
-        return _DTYPES[config.torch_dtype]
+    if saved in ("float16", "bfloat16"):
+        return _DTYPES[saved]
     return torch.bfloat16
 
 
-def eos_token_ids(path: Path, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
     """generation_config.json's EOS list, else the model config's, else the tokenizer's."""
     candidates: Any = None
     gen = path / "generation_config.json"
     if gen.is_file():
         candidates = json.loads(gen.read_text()).get("eos_token_id")
     if candidates is None:
-        candidates = getattr(config.hf_config, "eos_token_id", None)
+        candidates = getattr(hf_config, "eos_token_id", None)
     if candidates is None:
         candidates = tokenizer.eos_token_id
     if candidates is None:
@@ -93,39 +97,54 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     root = Path(path)
     if not root.is_dir():
         raise UnsupportedModelError(f"model path {path} is not a directory")
-    model_config = load_model_config(root)
+    hf_config = read_hf_config(root)
+    native = config.model_impl == "native" or (config.model_impl == "auto" and is_native(hf_config))
+    # what the config alone refuses is refused before the tokenizer and weights load
+    if native:
+        model_config = load_model_config(root, hf_config)
+        max_model_len = _max_model_len(
+            config, model_config.max_position_embeddings, [model_config.sliding_window]
+        )
+    else:
+        windows = HfCausalLM.windows(hf_config)
+        positions = getattr(hf_config, "max_position_embeddings", None) or config.max_model_len
+        if positions is None:
+            raise UnsupportedModelError(
+                f"{root / 'config.json'} gives no max_position_embeddings; set max_model_len"
+            )
+        max_model_len = _max_model_len(config, positions, windows)
+        HfCausalLM.check_config(hf_config, max_model_len)
     dev = pick_device(config.device)
-    torch_dtype = pick_dtype(config.dtype, dev, model_config)
+    torch_dtype = pick_dtype(config.dtype, dev, checkpoint_dtype(hf_config))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(root))
     except (OSError, ValueError) as exc:
         raise UnsupportedModelError(f"cannot load the tokenizer from {root}: {exc}") from exc
-
-    limit = model_config.max_position_embeddings
-    if model_config.sliding_window is not None:
-        # within the window sliding attention equals full attention
-        limit = min(limit, model_config.sliding_window)
-    max_model_len = config.max_model_len or limit
-    if max_model_len > limit:
-        raise UnsupportedModelError(
-            f"max_model_len {max_model_len} exceeds what the model supports ({limit})"
-        )
     max_num_batched_tokens = config.max_num_batched_tokens or (4096 if dev.type == "cuda" else 2048)
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
-
-    weights = load_weights(root, model_config, dev, torch_dtype)
     ops = select_ops(dev, config.use_triton)
-    model = LlamaModel(model_config, weights, ops, max_model_len, dev)
+    model: LlamaModel | HfCausalLM
+    if native:
+        weights = load_weights(root, model_config, dev, torch_dtype)
+        model = LlamaModel(model_config, weights, ops, max_model_len, dev)
+    else:
+        model = HfCausalLM.load(root, hf_config, ops, dev, torch_dtype, max_model_len)
     num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
-        model_config, block_size, torch_dtype, dev, config.kv_cache_bytes,
+        model.config, block_size, torch_dtype, dev, config.kv_cache_bytes,
         config.gpu_memory_utilization,
     )  # fmt: skip
     if num_kv_blocks < 1:
         raise UnsupportedModelError("no memory left for the KV cache; lower the model size")
-    kv_caches = allocate_kv_cache(model_config, num_kv_blocks, block_size, torch_dtype, dev)
-    eos = eos_token_ids(root, model_config, tokenizer)
+    kv_caches = allocate_kv_cache(model.config, num_kv_blocks, block_size, torch_dtype, dev)
+    eos = eos_token_ids(root, hf_config, tokenizer)
     graphs = None
-    if config.use_cuda_graphs and dev.type == "cuda" and ops.name == "triton":
+    # graphs capture batchgen's own forward; transformers' modules may sync or branch on values
+    if (
+        config.use_cuda_graphs
+        and dev.type == "cuda"
+        and ops.name == "triton"
+        and isinstance(model, LlamaModel)
+    ):
         graphs = CudaGraphDecoder(
             model, kv_caches, min(max_num_seqs, 256), max_model_len, block_size, dev
         )
@@ -141,3 +160,15 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
         num_kv_blocks=num_kv_blocks,
     )
     return LoadedEngine(runner, tokenizer, limits, eos)
+
+
+def _max_model_len(config: EngineConfig, positions: int, windows: list[int | None]) -> int:
+    """The context: what the model supports (within its smallest sliding window, where
+    sliding attention equals full attention), or less if asked."""
+    limit = min([positions, *(w for w in windows if w is not None)])
+    max_model_len = config.max_model_len or limit
+    if max_model_len > limit:
+        raise UnsupportedModelError(
+            f"max_model_len {max_model_len} exceeds what the model supports ({limit})"
+        )
+    return max_model_len

@@ -40,17 +40,29 @@ class ModelConfig:
     hf_config: Any  # the transformers config object, for rope init
 
 
-def load_model_config(path: str | Path) -> ModelConfig:
-    """Reads config.json with transformers and checks we support what it asks for."""
+def read_hf_config(path: str | Path) -> Any:
+    """config.json as transformers reads it (its config object)."""
     from transformers import AutoConfig
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise UnsupportedModelError(f"{path} has no config.json: not a checkpoint directory")
     try:
-        hf = AutoConfig.from_pretrained(str(path))
+        return AutoConfig.from_pretrained(str(path))
     except (ValueError, KeyError, OSError) as exc:
         raise UnsupportedModelError(f"cannot read {path / 'config.json'}: {exc}") from exc
+
+
+def is_native(hf: Any) -> bool:
+    """Whether one of the checkpoint's architectures is a family batchgen has its own code for."""
+    return any(a in SUPPORTED_ARCHITECTURES for a in getattr(hf, "architectures", None) or [])
+
+
+def load_model_config(path: str | Path, hf: Any = None) -> ModelConfig:
+    """Reads config.json with transformers (unless given) and checks we support what it asks for."""
+    path = Path(path)
+    if hf is None:
+        hf = read_hf_config(path)
     archs = list(getattr(hf, "architectures", None) or [])
     supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
     if not supported:
@@ -71,7 +83,6 @@ def load_model_config(path: str | Path) -> ModelConfig:
     window = getattr(hf, "sliding_window", None)
     if family in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
         window = None
-    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
     return ModelConfig(
         architecture=family,
         vocab_size=hf.vocab_size,
@@ -89,6 +100,12 @@ def load_model_config(path: str | Path) -> ModelConfig:
         qk_norm=family == "qwen3",
         rope_parameters=rope,
         sliding_window=window,
-        torch_dtype=str(dtype).removeprefix("torch.") if dtype is not None else None,
+        torch_dtype=checkpoint_dtype(hf),
         hf_config=hf,
     )
+
+
+def checkpoint_dtype(hf: Any) -> str | None:
+    """The dtype the checkpoint was saved in ("bfloat16", ...), when its config says."""
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else None

@@ -1,0 +1,142 @@
+"""What a transformers model asks of its attention, learned by running it once.
+
+Before a model serves, one forward over two tokens runs with a recording
+attention function. Each call tells which module is which cache layer (the
+order of the calls), the K/V shape of that layer, its scale, its window, and
+every argument the module passed; anything batchgen's paged attention would
+not honour (an attention mask the model built itself, soft-capping, a layer
+that never calls the registry) is a refusal that names it. A checkpoint that
+loads therefore runs exactly the math transformers runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchgen.worker.models.hf_backend.registered_attention import ACTIVE
+from batchgen.worker.models.model_config import UnsupportedModelError
+
+# Arguments an attention function may receive that change nothing here: how
+# transformers threads its cache and positions through, and output switches.
+_IGNORED_KWARGS = frozenset(
+    {"position_ids", "cache", "past_key_values", "use_cache", "cache_position",
+     "output_attentions", "layer_idx", "is_causal", "dropout"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlan:
+    """One attention layer as the paged kernels run it."""
+
+    index: int  # its KV cache layer, in call order
+    scale: float
+    window: int | None  # a query sees the `window` latest keys, itself included; None: all
+
+
+@dataclass(frozen=True, slots=True)
+class ProbedLayout:
+    layers: dict[torch.nn.Module, LayerPlan]  # keyed by the attention module
+    num_kv_heads: int
+    head_dim: int
+
+
+class _Recorder:
+    """The attention sink of the probe: records each call and returns zeros."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.nn.Module, tuple[int, ...], tuple[int, ...], dict]] = []
+
+    def attend(self, module, query, key, value, attention_mask, kwargs) -> torch.Tensor:
+        if attention_mask is not None:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} receives an attention mask its model built itself; "
+                "batchgen's paged attention masks by position and cannot honour it"
+            )
+        self.calls.append((module, tuple(key.shape), tuple(value.shape), dict(kwargs)))
+        return torch.zeros_like(query).transpose(1, 2)
+
+
+def probe_layout(
+    base_model: torch.nn.Module, num_layers: int, windows: list[int | None], device: torch.device
+) -> ProbedLayout:
+    """Runs ``base_model`` once on two tokens and plans each attention layer.
+
+    ``windows`` is the sliding window of each layer as the config says
+    (transformers' own reading of it); a window the module passes must agree.
+    """
+    recorder = _Recorder()
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    positions = torch.arange(2, device=device)[None]
+    token = ACTIVE.set(recorder)
+    try:
+        with torch.inference_mode():
+            base_model(input_ids=ids, position_ids=positions, use_cache=False)
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:  # the model's own code failed with our attention: say so
+        raise UnsupportedModelError(
+            f"{type(base_model).__name__} does not run with a registered attention function "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+    finally:
+        ACTIVE.reset(token)
+    calls = recorder.calls
+    name = type(base_model).__name__
+    if not calls:
+        raise UnsupportedModelError(
+            f"{name}'s layers never call transformers' attention registry (its attention is "
+            "written into the model, or it has no attention); batchgen cannot page its KV"
+        )
+    modules = [c[0] for c in calls]
+    if len(set(map(id, modules))) != len(modules) or len(calls) != num_layers:
+        raise UnsupportedModelError(
+            f"{len(calls)} attention calls through transformers' registry for {num_layers} layers "
+            f"in {name}: the other layers keep state batchgen's paged KV cache does not hold "
+            "(recurrent or linear attention, shared KV), or attend more than once"
+        )
+    shapes = {(c[1][1], c[1][3], c[2][1], c[2][3]) for c in calls}
+    if len(shapes) != 1:
+        raise UnsupportedModelError(
+            f"{name}'s layers differ in K/V heads or head size; batchgen's KV cache has one shape"
+        )
+    ((hk, dk, hv, dv),) = shapes
+    if (hk, dk) != (hv, dv):
+        raise UnsupportedModelError(
+            f"{name}'s values ({hv} heads of {dv}) are not shaped like its keys ({hk} of {dk})"
+        )
+    layers = {
+        module: _plan(i, module, kwargs, windows[i], dk)
+        for i, (module, _, _, kwargs) in enumerate(calls)
+    }
+    return ProbedLayout(layers=layers, num_kv_heads=hk, head_dim=dk)
+
+
+def _plan(
+    index: int, module: torch.nn.Module, kwargs: dict[str, Any], window: int | None, head_dim: int
+) -> LayerPlan:
+    what = f"layer {index} ({type(module).__name__})"
+    if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+        raise UnsupportedModelError(f"{what} attends bidirectionally; batchgen attends causally")
+    if kwargs.get("dropout"):
+        raise UnsupportedModelError(f"{what} applies attention dropout at inference")
+    passed = kwargs.get("sliding_window")
+    if passed is not None and passed != window:
+        raise UnsupportedModelError(
+            f"{what} passes sliding_window={passed} but its config gives it {window}"
+        )
+    unknown = sorted(
+        k for k, v in kwargs.items()
+        if v is not None and k not in _IGNORED_KWARGS and k not in ("scaling", "sliding_window")
+    )  # fmt: skip
+    if unknown:
+        raise UnsupportedModelError(
+            f"{what} passes {', '.join(unknown)} to its attention, which batchgen's paged "
+            "attention does not honour"
+        )
+    scale = kwargs.get("scaling")
+    return LayerPlan(
+        index=index, scale=float(head_dim**-0.5 if scale is None else scale), window=window
+    )

@@ -1,0 +1,114 @@
+"""Whether a checkpoint's config can run through the transformers backend, read before any weight.
+
+Everything here is a refusal with its reason, named after the architecture:
+what the config alone shows batchgen's paged attention cannot do. What only
+running the model shows (a layer that never calls the registry, an argument
+the kernels do not honour) is the probe's (``probe.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchgen.worker.models.model_config import UnsupportedModelError
+
+# What a layer type (transformers' ``layer_types``) would need that batchgen does not have.
+_RECURRENT = (
+    "keeps a recurrent state per sequence (linear attention, gated DeltaNet, state-space or "
+    "convolution layers); batchgen keeps only the paged KV cache. Running it would take a "
+    "per-sequence state beside the KV blocks, carried from step to step, that preemption and "
+    "hand-back save or recompute, and a prefix-cache hit restores"
+)
+_LAYER_TYPE_REASONS = {
+    "linear_attention": _RECURRENT,
+    "conv": _RECURRENT,
+    "hybrid": _RECURRENT,
+    "hybrid_sliding": _RECURRENT,
+    "chunked_attention": "attends within fixed chunks (attention_chunk_size); batchgen's "
+    "kernels attend causally, within a sliding window at most",
+    "dummy": "has layers that reuse another layer's KV cache or have no attention",
+}
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# rope types whose frequencies transformers picks per forward from the longest
+# sequence in the batch once past ``original_max_position_embeddings``
+_BATCH_DEPENDENT_ROPE = ("longrope",)
+
+
+def causal_lm_class(hf_config: Any) -> Any:
+    """The ``*ForCausalLM`` class transformers builds for this config, or a refusal."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    named = ", ".join(archs) or f"model_type {hf_config.model_type!r}"
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{named} is an encoder-decoder model; batchgen runs decoder-only causal LMs"
+        )
+    if getattr(hf_config, "auto_map", None):
+        raise UnsupportedModelError(
+            f"{named} needs its own code from the checkpoint (auto_map, trust_remote_code); "
+            "batchgen runs only transformers' own model classes"
+        )
+    try:
+        cls: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"{named} is not a causal LM transformers can build (no AutoModelForCausalLM "
+            f"class for model_type {hf_config.model_type!r})"
+        ) from None
+    if archs and cls.__name__ not in archs:
+        raise UnsupportedModelError(
+            f"{named} is not the causal LM transformers builds for model_type "
+            f"{hf_config.model_type!r} ({cls.__name__})"
+        )
+    return cls
+
+
+def layer_windows(hf_config: Any, name: str) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers reads the config."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, kwargs = get_layer_types_and_kwargs(hf_config)
+    for kind in dict.fromkeys(types):
+        if kind not in _ATTENTION_LAYER_TYPES:
+            layers = [i for i, t in enumerate(types) if t == kind]
+            reason = _LAYER_TYPE_REASONS.get(kind, "is a kind of layer batchgen cannot run")
+            raise UnsupportedModelError(
+                f"{name} cannot run: its layers {_span(layers)} are {kind!r}; this model {reason}"
+            )
+    return [kw.get("sliding_window") if t == "sliding_attention" else None
+            for t, kw in zip(types, kwargs)]  # fmt: skip
+
+
+def check_config(hf_config: Any, name: str, max_model_len: int) -> None:
+    """The switches outside the model's own modules that batchgen would have to honour."""
+    if getattr(hf_config, "add_cross_attention", False):
+        raise UnsupportedModelError(f"{name} has cross-attention layers (add_cross_attention)")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"{name} attends bidirectionally (use_bidirectional_attention); batchgen attends causally"
+        )
+    if getattr(hf_config, "quantization_config", None):
+        raise UnsupportedModelError(f"{name} is a quantized checkpoint (quantization_config)")
+    for rope in _rope_parameter_sets(hf_config):
+        kind = rope.get("rope_type", rope.get("type"))
+        original = rope.get("original_max_position_embeddings")
+        if kind in _BATCH_DEPENDENT_ROPE and original is not None and max_model_len > original:
+            raise UnsupportedModelError(
+                f"{name}'s rope {kind!r} changes its frequencies once a sequence passes "
+                f"{original} tokens, and transformers decides that per batch, not per sequence; "
+                f"run it with max_model_len {original} or less"
+            )
+
+
+def _rope_parameter_sets(hf_config: Any) -> list[dict[str, Any]]:
+    """rope_parameters is one dict, or one per layer type (Gemma 3)."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        return list(rope.values())
+    return [rope]
+
+
+def _span(layers: list[int]) -> str:
+    shown = ", ".join(map(str, layers[:6]))
+    return shown + (f" and {len(layers) - 6} more" if len(layers) > 6 else "")
