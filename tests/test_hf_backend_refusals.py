@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from batchgen.worker import Engine
-from batchgen.worker.engine_config import EngineConfig, InvalidEngineConfig
 from batchgen.worker.models import UnsupportedModelError
 from tests.backend_checkpoints import write_checkpoint
 
@@ -146,10 +145,3 @@ def test_native_asked_for_an_architecture_batchgen_has_no_code_for(backend_model
     message = _refusal(backend_model("gpt_neox"), model_impl="native")
     assert message.startswith("architecture GPTNeoXForCausalLM in ")
     assert "is not supported" in message
-
-
-def test_model_impl_must_be_one_of_the_three():
-    assert EngineConfig(model_impl="transformers").model_impl == "transformers"
-    with pytest.raises(InvalidEngineConfig, match="model_impl must be one of auto, native, "
-                       "transformers, got 'hf'"):  # fmt: skip
-        EngineConfig(model_impl="hf")

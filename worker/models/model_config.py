@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchgen.jobs.schema.errors import BatchgenError
+
 # HF architecture name -> the features our one Llama-family model turns on.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -15,8 +17,9 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint is not one batchgen can run (architecture, file or feature)."""
+class UnsupportedModelError(BatchgenError, ValueError):
+    """The checkpoint is not one batchgen can run (architecture, file or feature); the CLI
+    reports it in one line."""
 
 
 @dataclass(frozen=True, slots=True)
