@@ -3,6 +3,8 @@ with ``--model-impl``, rows equal to ``Engine.generate`` on the same prompts."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow.parquet as pq
 
 from batchgen.worker import Engine, SamplingParams
@@ -10,7 +12,7 @@ from tests.test_pipeline_e2e import batchgen, download, submit, write_jsonl
 from tests.test_pipeline_e2e import env as env  # fixtures
 from tests.test_pipeline_e2e import workers as workers
 
-LINES = [{"prompt": f"Line {i}: tell me about item {i * 7 % 13}.", "max_tokens": 4 + i % 5}
+LINES: list[dict[str, Any]] = [{"prompt": f"Line {i}: tell me about item {i * 7 % 13}.", "max_tokens": 4 + i % 5}
          for i in range(8)]  # fmt: skip
 
 
