@@ -24,9 +24,9 @@ sys.path.insert(0, str(REPO))
 
 PARTS = {
     "prepare": ("batchgen.worker.engine.model_runner", "ModelRunner", "prepare"),
-    "forward": ("batchgen.worker.models.llama", "LlamaModel", "forward"),
+    "forward": ("batchgen.worker.models.decoder", "Decoder", "forward"),
     "attention": ("batchgen.kernels.cpu.attention", "CpuAttention", "__call__"),
-    "logits": ("batchgen.worker.models.llama", "LlamaModel", "compute_logits"),
+    "logits": ("batchgen.worker.models.decoder", "Decoder", "compute_logits"),
     "sampling": ("batchgen.worker.engine.sampler", "Sampler", "__call__"),
 }
 BATCH_BUCKETS = (("1-7", 1, 7), ("8-16", 8, 16), ("17-32", 17, 32), ("33-64", 33, 64),

@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-from batchgen.worker.models.weights import linear
-
 
 def record_step_shapes(engine: Any) -> Counter[tuple[int, int]]:
     """Counts (tokens, sampled rows) of every step the engine runs from now on."""
@@ -36,19 +34,21 @@ def record_step_shapes(engine: Any) -> Counter[tuple[int, int]]:
 
 def _step_matmuls(weights: Any, x: torch.Tensor, attn: torch.Tensor, act: torch.Tensor,
                   rows: torch.Tensor) -> None:  # fmt: skip
-    for layer in weights.layers:
-        linear(x, layer.qkv, layer.qkv_bias)
-        linear(attn, layer.o_proj)
-        linear(x, layer.gate_up)
-        linear(act, layer.down)
-    linear(rows, weights.lm_head)
+    for layer in weights.layers:  # DecoderLayer: SelfAttention and DenseMlp's Linear modules
+        layer.attention.qkv(x)
+        layer.attention.o(attn)
+        layer.mlp.up(x)
+        layer.mlp.down(act)
+    weights.lm_head(rows)
 
 
-def matmul_floor_s(weights: Any, shapes: Counter[tuple[int, int]], repeats: int = 3) -> float:
-    """Sum over the recorded shapes of (best of ``repeats`` timings) x (times used)."""
+def matmul_floor_s(model: Any, shapes: Counter[tuple[int, int]], repeats: int = 3) -> float:
+    """Sum over the recorded shapes of (best of ``repeats`` timings) x (times used);
+    ``model`` is the native ``Decoder`` (its ``weights``)."""
+    weights = model.weights
     hidden = weights.embed.shape[1]
-    q_size = weights.layers[0].o_proj.shape[0]
-    inter = weights.layers[0].down.shape[0]
+    q_size = weights.layers[0].attention.o.weight.shape[0]
+    inter = weights.layers[0].mlp.down.weight.shape[0]
     total = 0.0
     for (tokens, rows), count in sorted(shapes.items()):
         x, attn, act = (

@@ -19,7 +19,7 @@ from benchmarks.workloads import Workload
 def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, Any]:
     """Also times the run's matmuls alone (benchmarks/matmul_floor.py), after the run."""
     from batchgen.worker import Engine, SamplingParams
-    from batchgen.worker.models import LlamaModel
+    from batchgen.worker.models.hf_backend import HfCausalLM
     from benchmarks.matmul_floor import matmul_floor_s, record_step_shapes
 
     engine = Engine.from_pretrained(path, **engine_kwargs)
@@ -34,11 +34,9 @@ def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, An
     wall = time.perf_counter() - start
     stats = engine.stats()
     model = engine.runner.model
-    # the floor is timed on batchgen's own weight layout; the transformers backend has none
+    # the floor is timed on batchgen's own weights; the transformers backend has none
     floor = (
-        {"matmul_floor_s": matmul_floor_s(model.weights, shapes)}
-        if isinstance(model, LlamaModel)
-        else {}
+        {} if isinstance(model, HfCausalLM) else {"matmul_floor_s": matmul_floor_s(model, shapes)}
     )
     return {
         "wall_s": wall,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.kernels import reference
-from batchgen.kernels.batch import AttentionBatch, StepAttention
+from batchgen.kernels.batch import AttentionBatch, AttentionKind, StepAttention
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import decode as cpu_decode
 from batchgen.kernels.cpu import elementwise as cpu_elementwise
@@ -32,7 +32,7 @@ class KernelOps:
     store_kv: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
-    # (batch, k_cache, v_cache, scale) -> what every layer of the step calls
+    # (batch, k_cache, v_cache, AttentionKind) -> what every layer of that kind calls in the step
     attention: Callable[..., StepAttention]
 
 
@@ -69,6 +69,7 @@ __all__ = [
     "CPU_OPS",
     "PAD_SLOT_ID",
     "AttentionBatch",
+    "AttentionKind",
     "KernelOps",
     "StepAttention",
     "select_ops",

@@ -3,7 +3,8 @@
 Every layer of a step attends over the same sequences, so whatever can be
 worked out from the batch alone (argument checks, how to cut the decode rows,
 masks) is worked out once, when the step begins: ``KernelOps.attention(batch,
-...)`` returns a ``StepAttention`` that each layer then calls.
+k_cache, v_cache, kind)`` returns a ``StepAttention`` that each layer of that
+``AttentionKind`` then calls (a model with local and global layers plans two).
 """
 
 from __future__ import annotations
@@ -12,6 +13,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionKind:
+    """What a layer's attention computes beyond softmax(q.k * scale) v over its causal context."""
+
+    scale: float
+    window: int | None = None  # sliding window: a query at p sees keys p - window < j <= p
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax
 
 
 @dataclass(slots=True)

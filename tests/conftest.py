@@ -83,17 +83,20 @@ def toy_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
-def backend_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """``backend_model(arch)``: a cached tiny checkpoint of an architecture only the
-    transformers backend runs (tests/backend_checkpoints.py)."""
-    from tests.backend_checkpoints import write_backend_checkpoint
+def zoo_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``zoo_model(name)``: the tiny checkpoint ``tests/model_zoo.py`` describes, built once."""
+    from tests import model_zoo
 
     cache: dict[str, Path] = {}
+    tokenizer: list[Path] = []
 
-    def make(arch: str) -> Path:
-        if arch not in cache:
-            cache[arch] = write_backend_checkpoint(tmp_path_factory.mktemp(f"hf-{arch}"), arch)
-        return cache[arch]
+    def make(name: str) -> Path:
+        if name not in cache:
+            if not tokenizer:
+                tokenizer.append(model_zoo.build_tokenizer(tmp_path_factory.mktemp("zoo-tok")))
+            out = tmp_path_factory.mktemp(f"zoo-{name}")
+            cache[name] = model_zoo.build(name, out, tokenizer[0])
+        return cache[name]
 
     return make
 

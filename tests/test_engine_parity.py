@@ -14,40 +14,10 @@ import torch
 
 from batchgen.toy import ARCHS
 from batchgen.worker import Engine, SamplingParams
+from tests.family_parity import engine_prompt_logits
 from tests.hf_reference import first_divergence_is_tie, hf_greedy, hf_logits
 
 LOGIT_ATOL = 2e-4  # fp32; logits are O(10)
-
-
-def engine_prompt_logits(engine: Engine, token_ids: list[int]) -> tuple[torch.Tensor, int]:
-    """Logits at every computed position of token_ids and where they start
-    (after prefix-cache hits), through the real scheduler and runner.
-
-    Drives one request step by step (so chunking and prefix hits apply) and
-    reads the logits of every row the step computed for it.
-    """
-    rid = f"tf-{random.random()}"
-    engine.add_request(rid, token_ids, SamplingParams(max_tokens=1, ignore_eos=True))
-    rows: list[torch.Tensor] = []
-    first = None
-    done = False
-    while not done:
-        plan = engine.scheduler.schedule()
-        (req,) = plan.prefills + plan.decodes  # the one request in the engine
-        if first is None:
-            first = req.num_computed_tokens  # prefix-cache hits are not recomputed
-        inputs = engine.runner.prepare(plan)
-        model = engine.runner.model
-        hidden = model.forward(
-            inputs.input_ids, inputs.positions, inputs.batch, engine.runner.kv_caches
-        )
-        rows.append(model.compute_logits(hidden))
-        sampled = [0] * len(inputs.sampling)
-        engine.scheduler.update(plan, sampled)
-        done = req.num_computed_tokens == len(token_ids)
-    engine.abort(rid)
-    assert first is not None
-    return torch.cat(rows)[: len(token_ids) - first], first
 
 
 def _prompts(vocab: int, count: int, seed: int) -> list[list[int]]:

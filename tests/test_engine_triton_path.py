@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchgen.worker import Engine, SamplingParams
-from tests.test_engine_parity import engine_prompt_logits
+from tests.family_parity import engine_prompt_logits
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -22,8 +22,8 @@ def _reference(model) -> list[list[int]]:
     return [o.token_ids for o in engine.generate([line["prompt"] for line in LINES], params)]
 
 
-def test_run_and_worker_take_model_impl(backend_model, env, workers, tmp_path):
-    model = backend_model("gpt_neox")
+def test_run_and_worker_take_model_impl(zoo_model, env, workers, tmp_path):
+    model = zoo_model("gptj")
     expected = _reference(model)
     prompts = write_jsonl(tmp_path / "p.jsonl", LINES)
     # auto: no native family matches, so the backend runs it
@@ -37,7 +37,7 @@ def test_run_and_worker_take_model_impl(backend_model, env, workers, tmp_path):
                        "--job-output", str(tmp_path / "native-job"))  # fmt: skip
     assert refused.returncode != 0
     (line,) = refused.stderr.strip().splitlines()
-    assert "architecture GPTNeoXForCausalLM" in line and "is not supported" in line
+    assert "architecture GPTJForCausalLM" in line and "is not supported" in line
 
     submit(env, model, prompts, "w", tmp_path)
     proc = workers(model, "--burst", "--model-impl", "transformers")

@@ -16,7 +16,6 @@ import torch
 
 from batchgen.worker import Engine
 from batchgen.worker.models import UnsupportedModelError
-from tests.backend_checkpoints import write_checkpoint
 
 TINY: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=512
@@ -71,7 +70,8 @@ def test_remote_code_is_refused(tmp_path):
     config = GPTNeoXConfig(**TINY)
     config.auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
     path = _config_only(tmp_path, config, "GPTNeoXForCausalLM")
-    assert "GPTNeoXForCausalLM needs its own code from the checkpoint" in _refusal(path)
+    message = _refusal(path, model_impl="transformers")
+    assert "GPTNeoXForCausalLM needs its own code from the checkpoint" in message
 
 
 def test_longrope_is_refused_past_its_switch_and_accepted_below(tmp_path):
@@ -90,25 +90,15 @@ def test_longrope_is_refused_past_its_switch_and_accepted_below(tmp_path):
     HfCausalLM.check_config(config, 256)  # within the original length it is plain rope
 
 
-def test_attention_outside_the_registry_is_refused(tmp_path):
-    from transformers import FalconConfig
-
-    config = FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          vocab_size=512)  # fmt: skip
-    config.architectures = ["FalconForCausalLM"]
-    path = write_checkpoint(tmp_path, config)
-    assert _refusal(path, model_impl="transformers") == (
+def test_attention_outside_the_registry_is_refused(zoo_model):
+    assert _refusal(zoo_model("falcon-refused"), model_impl="transformers") == (
         "transformers cannot build FalconForCausalLM with batchgen's attention (its attention "
         "does not go through transformers' attention registry)"
     )
 
 
-def test_state_space_model_is_refused(tmp_path):
-    from transformers import MambaConfig
-
-    config = MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=512, state_size=4)
-    config.architectures = ["MambaForCausalLM"]
-    message = _refusal(write_checkpoint(tmp_path, config))
+def test_state_space_model_is_refused(zoo_model):
+    message = _refusal(zoo_model("mamba-refused"))
     assert message.startswith("MambaForCausalLM cannot run: its layers 0, 1 are 'linear_attention'")
 
 
@@ -122,26 +112,26 @@ def _rewrite_weights(src: Path, dst: Path, change) -> Path:
     return dst
 
 
-def test_a_tensor_the_model_never_reads_is_refused(backend_model, tmp_path):
+def test_a_tensor_the_model_never_reads_is_refused(zoo_model, tmp_path):
     def add(tensors):
-        tensors["gpt_neox.layers.0.attention.extra.weight"] = torch.ones(4)
+        tensors["transformer.h.0.attn.extra.weight"] = torch.ones(4)
 
-    path = _rewrite_weights(backend_model("gpt_neox"), tmp_path / "m", add)
+    path = _rewrite_weights(zoo_model("gptj"), tmp_path / "m", add)
     message = _refusal(path)
     assert message.endswith(
-        "holds tensors GPTNeoXForCausalLM never reads: 'gpt_neox.layers.0.attention.extra.weight'"
+        "holds tensors GPTJForCausalLM never reads: 'transformer.h.0.attn.extra.weight'"
     )
 
 
-def test_a_missing_tensor_is_refused(backend_model, tmp_path):
+def test_a_missing_tensor_is_refused(zoo_model, tmp_path):
     def drop(tensors):
-        del tensors["gpt_neox.layers.1.mlp.dense_4h_to_h.bias"]
+        del tensors["transformer.h.1.mlp.fc_out.bias"]
 
-    path = _rewrite_weights(backend_model("gpt_neox"), tmp_path / "m", drop)
-    assert _refusal(path).endswith("lacks 'gpt_neox.layers.1.mlp.dense_4h_to_h.bias'")
+    path = _rewrite_weights(zoo_model("gptj"), tmp_path / "m", drop)
+    assert _refusal(path).endswith("lacks 'transformer.h.1.mlp.fc_out.bias'")
 
 
-def test_native_asked_for_an_architecture_batchgen_has_no_code_for(backend_model):
-    message = _refusal(backend_model("gpt_neox"), model_impl="native")
-    assert message.startswith("architecture GPTNeoXForCausalLM in ")
+def test_native_asked_for_an_architecture_batchgen_has_no_code_for(zoo_model):
+    message = _refusal(zoo_model("gptj"), model_impl="native")
+    assert message.startswith("architecture GPTJForCausalLM in ")
     assert "is not supported" in message

@@ -9,6 +9,7 @@ too, so an engine that ignores them cannot pass.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,10 +96,13 @@ def _config(arch: str, size: ToySize, dtype: str, eos_id: int):
     raise ValueError(f"unknown toy architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 
 
+# 1-D weights of norms whose names do not end in "norm.weight" (GPT-2's ln_1,
+# StableLM's per-head q_layernorm.norms.0): scales near 1 like the others
+_OTHER_NORMS = re.compile(r"(^|\.)(ln_\w*|\w*layernorm\.norms\.\d+|\w*layer_norm)\.weight$")
+
+
 def randomise(model, hidden_size: int, seed: int) -> None:
-    """Fills every tensor from one seeded generator, in sorted-name order: norm
-    scales (every 1-d weight, whatever the architecture calls it) near 1, biases
-    small, the rest N(0, 1.5/sqrt(hidden))."""
+    """Fills every tensor from one seeded generator, in sorted-name order."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -106,7 +110,7 @@ def randomise(model, hidden_size: int, seed: int) -> None:
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict().items()):
             fresh = torch.empty(tensor.shape, dtype=torch.float32)
-            if tensor.ndim == 1 and not name.endswith(".bias"):
+            if name.endswith("norm.weight") or _OTHER_NORMS.search(name):
                 fresh.uniform_(0.5, 1.5, generator=gen)
             elif name.endswith(".bias"):
                 fresh.normal_(0.0, 0.1, generator=gen)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels.batch import AttentionBatch
+from batchgen.kernels.batch import AttentionBatch, AttentionKind
 from batchgen.kernels.cpu.decode import plan_decode
 from batchgen.kernels.reference import store_kv
 
@@ -20,10 +20,11 @@ class CpuAttention:
         batch: AttentionBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
+        kind: AttentionKind,
     ) -> None:
         self.batch = batch
-        self.scale = scale
+        self.kind = kind
+        self.scale = kind.scale
         self.decode_plan = None
         if batch.num_decode_tokens:
             self.decode_plan = plan_decode(

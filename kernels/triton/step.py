@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.batch import AttentionBatch
+from batchgen.kernels.batch import AttentionBatch, AttentionKind
 from batchgen.kernels.triton.arg_checks import PagedAttentionShape
 from batchgen.kernels.triton.decode_attention import check_decode_args, launch_decode
 from batchgen.kernels.triton.prefill_attention import check_prefill_args, launch_prefill
@@ -22,10 +22,11 @@ class TritonAttention:
         batch: AttentionBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
+        kind: AttentionKind,
     ) -> None:
         self.batch = batch
-        self.scale = scale
+        self.kind = kind
+        self.scale = kind.scale
         self.decode_shape: PagedAttentionShape | None = None
         self.prefill_shape: PagedAttentionShape | None = None
         self.checked = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from batchgen.kernels import PAD_SLOT_ID, AttentionBatch
-from batchgen.worker.models.llama import LlamaModel
+from batchgen.worker.models import CausalLM
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -25,7 +25,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 class CudaGraphDecoder:
     def __init__(
         self,
-        model: LlamaModel,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         max_batch: int,
         max_model_len: int,

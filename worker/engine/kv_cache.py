@@ -4,34 +4,23 @@ from __future__ import annotations
 
 import math
 import mmap
-from typing import Protocol
 
 import torch
 
-
-class KvShape(Protocol):
-    """What sizes the cache: a model config, batchgen's own or the transformers backend's."""
-
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-
+from batchgen.worker.models import ModelShape
 
 # CPU has no "free device memory" to read; without an explicit size we take this.
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
-def bytes_per_block(config: KvShape, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(config: ModelShape, block_size: int, dtype: torch.dtype) -> int:
     """K and V of every layer for block_size tokens."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
 
 def num_blocks_for_budget(
-    config: KvShape,
+    config: ModelShape,
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
@@ -55,7 +44,7 @@ def num_blocks_for_budget(
 
 
 def allocate_kv_cache(
-    config: KvShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    config: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One allocation; per layer a (k, v) pair of (num_blocks, block_size, num_kv_heads, head_dim)."""
     shape = (2, config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)

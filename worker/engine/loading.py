@@ -17,16 +17,10 @@ from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.pooling import load_pooling
 from batchgen.worker.engine.sampler import Sampler
 from batchgen.worker.engine_config import DTYPES, EngineConfig
+from batchgen.worker.models import CausalLM, UnsupportedModelError, build_model
 from batchgen.worker.models.hf_backend import HfCausalLM
-from batchgen.worker.models.llama import LlamaModel
-from batchgen.worker.models.loader import load_weights
-from batchgen.worker.models.model_config import (
-    UnsupportedModelError,
-    checkpoint_dtype,
-    is_native,
-    load_model_config,
-    read_hf_config,
-)
+from batchgen.worker.models.hf_config import read_hf_config
+from batchgen.worker.models.registry import find_family, read_native_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -97,38 +91,40 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     root = Path(path)
     if not root.is_dir():
         raise UnsupportedModelError(f"model path {path} is not a directory")
-    hf_config = read_hf_config(root)
-    native = config.model_impl == "native" or (config.model_impl == "auto" and is_native(hf_config))
+    hf = read_hf_config(root)
+    native = config.model_impl == "native" or (
+        config.model_impl == "auto" and find_family(hf) is not None
+    )
     # what the config alone refuses is refused before the tokenizer and weights load
     if native:
-        model_config = load_model_config(root, hf_config)
-        max_model_len = _max_model_len(
-            config, model_config.max_position_embeddings, [model_config.sliding_window]
-        )
+        model_config = read_native_config(hf)
+        max_model_len = _max_model_len(config, model_config.max_position_embeddings)
     else:
-        windows = HfCausalLM.windows(hf_config)
-        positions = getattr(hf_config, "max_position_embeddings", None) or config.max_model_len
+        # until the kernels honour windows, a sliding-window layer runs exactly only
+        # within its window, where sliding attention equals full attention
+        windows = [w for w in HfCausalLM.windows(hf.hf) if w is not None]
+        positions = getattr(hf.hf, "max_position_embeddings", None) or config.max_model_len
         if positions is None:
             raise UnsupportedModelError(
                 f"{root / 'config.json'} gives no max_position_embeddings; set max_model_len"
             )
-        max_model_len = _max_model_len(config, positions, windows)
-        HfCausalLM.check_config(hf_config, max_model_len)
+        max_model_len = _max_model_len(config, min([positions, *windows]))
+        HfCausalLM.check_config(hf.hf, max_model_len)
     dev = pick_device(config.device)
-    torch_dtype = pick_dtype(config.dtype, dev, checkpoint_dtype(hf_config))
+    torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(root))
     except (OSError, ValueError) as exc:
         raise UnsupportedModelError(f"cannot load the tokenizer from {root}: {exc}") from exc
     max_num_batched_tokens = config.max_num_batched_tokens or (4096 if dev.type == "cuda" else 2048)
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
+
     ops = select_ops(dev, config.use_triton)
-    model: LlamaModel | HfCausalLM
+    model: CausalLM
     if native:
-        weights = load_weights(root, model_config, dev, torch_dtype)
-        model = LlamaModel(model_config, weights, ops, max_model_len, dev)
+        model = build_model(root, model_config, dev, torch_dtype, ops, max_model_len)
     else:
-        model = HfCausalLM.load(root, hf_config, ops, dev, torch_dtype, max_model_len)
+        model = HfCausalLM.load(root, hf.hf, ops, dev, torch_dtype, max_model_len)
     num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
         model.config, block_size, torch_dtype, dev, config.kv_cache_bytes,
         config.gpu_memory_utilization,
@@ -136,15 +132,10 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     if num_kv_blocks < 1:
         raise UnsupportedModelError("no memory left for the KV cache; lower the model size")
     kv_caches = allocate_kv_cache(model.config, num_kv_blocks, block_size, torch_dtype, dev)
-    eos = eos_token_ids(root, hf_config, tokenizer)
+    eos = eos_token_ids(root, hf.hf, tokenizer)
     graphs = None
     # graphs capture batchgen's own forward; transformers' modules may sync or branch on values
-    if (
-        config.use_cuda_graphs
-        and dev.type == "cuda"
-        and ops.name == "triton"
-        and isinstance(model, LlamaModel)
-    ):
+    if config.use_cuda_graphs and dev.type == "cuda" and ops.name == "triton" and native:
         graphs = CudaGraphDecoder(
             model, kv_caches, min(max_num_seqs, 256), max_model_len, block_size, dev
         )
@@ -162,10 +153,8 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     return LoadedEngine(runner, tokenizer, limits, eos)
 
 
-def _max_model_len(config: EngineConfig, positions: int, windows: list[int | None]) -> int:
-    """The context: what the model supports (within its smallest sliding window, where
-    sliding attention equals full attention), or less if asked."""
-    limit = min([positions, *(w for w in windows if w is not None)])
+def _max_model_len(config: EngineConfig, limit: int) -> int:
+    """The context: what the model supports (``limit``), or less if asked."""
     max_model_len = config.max_model_len or limit
     if max_model_len > limit:
         raise UnsupportedModelError(

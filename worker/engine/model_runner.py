@@ -8,34 +8,18 @@ varlen prefill kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from batchgen.kernels import AttentionBatch, KernelOps
+from batchgen.kernels import AttentionBatch
 from batchgen.worker.engine.constrained import TokenMasks
 from batchgen.worker.engine.pooling import EmbedSpan, Pooling, pool_step
 from batchgen.worker.engine.request import Request
 from batchgen.worker.engine.sampler import Sampler, SampleResult
 from batchgen.worker.engine.scheduler import SchedulerPlan
-
-
-class CausalModel(Protocol):
-    """What the runner calls: batchgen's own models and the transformers backend."""
-
-    config: Any  # vocab_size and hidden_size, at least
-    ops: KernelOps
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        batch: AttentionBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor: ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+from batchgen.worker.models import CausalLM
 
 
 @dataclass(slots=True)
@@ -72,7 +56,7 @@ def _block_table_array(requests: list[Request], num_blocks: int) -> np.ndarray:
 class ModelRunner:
     def __init__(
         self,
-        model: CausalModel,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         sampler: Sampler,

@@ -1,20 +1,18 @@
-"""What the model code needs from an HF config, read once through transformers."""
+"""What the model code needs from a checkpoint's config: the decoder's switches, read once.
+
+A family's config reader (``families/``) turns the HF config into a
+``ModelConfig``; the decoder (``decoder.py``) is written once and reads these
+switches, never the architecture's name. A switch a family cannot honour is
+refused when the config is read, by name (``UnsupportedModelError``).
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from batchgen.jobs.schema.errors import BatchgenError
-
-# HF architecture name -> the features our one Llama-family model turns on.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 
 
 class UnsupportedModelError(BatchgenError, ValueError):
@@ -22,93 +20,140 @@ class UnsupportedModelError(BatchgenError, ValueError):
     reports it in one line."""
 
 
+class NormKind(str, enum.Enum):
+    RMS = "rms"  # x / rms(x) * w
+    LAYER = "layer"  # (x - mean) / std * w (+ b)
+
+
 @dataclass(frozen=True, slots=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
+class NormSpec:
+    kind: NormKind
+    eps: float
+    bias: bool = False  # LayerNorm with a bias
+    # Gemma's (1 + w) is folded into the weight when it is read, so no switch here
+
+
+class QKNormScope(str, enum.Enum):
+    HEAD = "head"  # each head's head_dim normalised (Qwen3, Gemma 3, Cohere, StableLM)
+    ALL = "all"  # the whole projection normalised (OLMo 2/3)
+
+
+@dataclass(frozen=True, slots=True)
+class QKNormSpec:
+    scope: QKNormScope
+    norm: NormSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """One rotary table: its HF parameters (rope_theta, rope_type and the scaling's own keys)."""
+
+    parameters: tuple[tuple[str, Any], ...]  # sorted items, so the spec is hashable
+    layer_type: str | None  # HF's key when rope_parameters is per layer type (Gemma 3)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.parameters).get(key, default)
+
+    @property
+    def rope_type(self) -> str:
+        return str(self.get("rope_type", "default"))
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    scale: float  # on q.k; head_dim ** -0.5 unless the config says otherwise
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: QKNormSpec | None = None
+    rotary_dim: int = 0  # the leading head_dim channels that rotate (partial rotary); 0: none
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+
+
+@dataclass(frozen=True, slots=True)
+class MlpSpec:
+    intermediate_size: int
+    activation: str  # a key of ``mlp.ACTIVATIONS``
+    gated: bool = True  # act(gate) * up, else act(fc1)
+    bias: bool = False
+
+
+class BlockKind(str, enum.Enum):
+    SEQUENTIAL = "sequential"  # h += attn(norm(h)); h += mlp(norm(h))
+    PARALLEL = "parallel"  # h += attn(norm(h)) + mlp(norm'(h)) (Phi, Cohere, GPT-NeoX)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpec:
+    kind: BlockKind = BlockKind.SEQUENTIAL
+    pre_norms: bool = True  # a norm before attention and before the MLP (OLMo 2: none)
+    post_norms: bool = False  # a norm on attention's and the MLP's output (Gemma 2/3, OLMo 2)
+    shared_norm: bool = False  # parallel: attention and MLP read the same norm (Phi, Cohere)
+    residual_multiplier: float = 1.0  # Granite: h += residual_multiplier * out
+
+
+class MlpKind(str, enum.Enum):
+    DENSE = "dense"  # the only kind this branch builds; MoE families add theirs
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """What may differ from one layer to the next."""
+
+    window: int | None = None  # sliding window: a query sees its last `window` keys
+    rope: int | None = 0  # index into ModelConfig.ropes; None: this layer has no rotary
+    mlp: MlpKind = MlpKind.DENSE
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSpec:
+    """From the final hidden state to the logits."""
+
+    bias: bool = False  # lm_head has a bias (Phi)
+    scale: float = 1.0  # logits * scale (Cohere's logit_scale, Granite's 1 / logits_scaling)
+    softcap: float | None = None  # logits -> softcap * tanh(logits / softcap) (Gemma 2)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str  # the HF class, e.g. "Gemma2ForCausalLM"
+    family: str  # the family that reads it, e.g. "gemma2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool
-    rope_parameters: dict[str, Any]
-    sliding_window: int | None
     torch_dtype: str | None
-    hf_config: Any  # the transformers config object, for rope init
+    norm: NormSpec
+    attention: AttentionSpec
+    mlp: MlpSpec
+    block: BlockSpec
+    layers: tuple[LayerSpec, ...]
+    ropes: tuple[RopeSpec, ...]
+    head: HeadSpec
+    embedding_scale: float | None = None  # Gemma's sqrt(hidden), Granite's multiplier
+    learned_positions: bool = False  # GPT-2: a position embedding added to the token's
+    hf_config: Any = None  # the transformers config object (rope init, EOS)
 
+    @property
+    def num_kv_heads(self) -> int:
+        return self.attention.num_kv_heads
 
-def read_hf_config(path: str | Path) -> Any:
-    """config.json as transformers reads it (its config object)."""
-    from transformers import AutoConfig
+    @property
+    def head_dim(self) -> int:
+        return self.attention.head_dim
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise UnsupportedModelError(f"{path} has no config.json: not a checkpoint directory")
-    try:
-        return AutoConfig.from_pretrained(str(path))
-    except (ValueError, KeyError, OSError) as exc:
-        raise UnsupportedModelError(f"cannot read {path / 'config.json'}: {exc}") from exc
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(layer.window for layer in self.layers)
 
-
-def is_native(hf: Any) -> bool:
-    """Whether one of the checkpoint's architectures is a family batchgen has its own code for."""
-    return any(a in SUPPORTED_ARCHITECTURES for a in getattr(hf, "architectures", None) or [])
-
-
-def load_model_config(path: str | Path, hf: Any = None) -> ModelConfig:
-    """Reads config.json with transformers (unless given) and checks we support what it asks for."""
-    path = Path(path)
-    if hf is None:
-        hf = read_hf_config(path)
-    archs = list(getattr(hf, "architectures", None) or [])
-    supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
-    if not supported:
-        raise UnsupportedModelError(
-            f"architecture {', '.join(archs) or '(none given)'} in {path} is not supported; "
-            f"batchgen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    family = SUPPORTED_ARCHITECTURES[supported[0]]
-    hidden_act = getattr(hf, "hidden_act", "silu")
-    if hidden_act != "silu":
-        raise UnsupportedModelError(f"hidden_act {hidden_act!r} is not supported (only silu)")
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "dynamic":
-        raise UnsupportedModelError("dynamic NTK rope scaling is not supported")
-    num_heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-    window = getattr(hf, "sliding_window", None)
-    if family in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
-        window = None
-    return ModelConfig(
-        architecture=family,
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=hf.rms_norm_eps,
-        max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v bias; Llama/Mistral/Qwen3 say so in the config.
-        attention_bias=family == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-        qk_norm=family == "qwen3",
-        rope_parameters=rope,
-        sliding_window=window,
-        torch_dtype=checkpoint_dtype(hf),
-        hf_config=hf,
-    )
-
-
-def checkpoint_dtype(hf: Any) -> str | None:
-    """The dtype the checkpoint was saved in ("bfloat16", ...), when its config says."""
-    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
-    return str(dtype).removeprefix("torch.") if dtype is not None else None
+    @property
+    def release_window(self) -> int | None:
+        """The widest window when every layer slides: a sequence's keys older than
+        that are read by no layer again. None when any layer attends to everything."""
+        windows = self.windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from batchgen.kernels import AttentionKind
 from batchgen.worker.models.hf_backend.registered_attention import ACTIVE
 from batchgen.worker.models.model_config import UnsupportedModelError
 
@@ -32,8 +33,7 @@ class LayerPlan:
     """One attention layer as the paged kernels run it."""
 
     index: int  # its KV cache layer, in call order
-    scale: float
-    window: int | None  # a query sees the `window` latest keys, itself included; None: all
+    kind: AttentionKind  # its scale and sliding window
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +137,5 @@ def _plan(
             "attention does not honour"
         )
     scale = kwargs.get("scaling")
-    return LayerPlan(
-        index=index, scale=float(head_dim**-0.5 if scale is None else scale), window=window
-    )
+    scale = float(head_dim**-0.5 if scale is None else scale)
+    return LayerPlan(index=index, kind=AttentionKind(scale=scale, window=window))

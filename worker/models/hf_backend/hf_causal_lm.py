@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from batchgen.kernels import AttentionBatch, KernelOps, StepAttention
+from batchgen.kernels import AttentionBatch, AttentionKind, KernelOps, StepAttention
 from batchgen.worker.models.hf_backend.probe import LayerPlan, probe_layout
 from batchgen.worker.models.hf_backend.qualify import causal_lm_class, check_config, layer_windows
 from batchgen.worker.models.hf_backend.registered_attention import (
@@ -54,25 +54,35 @@ class _Step:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
         self.layers, self.ops, self.batch, self.kv_caches = layers, ops, batch, kv_caches
-        self.planned: dict[float, StepAttention] = {}  # planned once per step per scale
+        self.planned: dict[AttentionKind, StepAttention] = {}  # once per step per kind
 
     def attend(self, module, query, key, value, attention_mask, kwargs) -> torch.Tensor:
         layer = self.layers[module]
         k_cache, v_cache = self.kv_caches[layer.index]
-        attention = self.planned.get(layer.scale)
+        attention = self.planned.get(layer.kind)
         if attention is None:
-            attention = self.ops.attention(self.batch, k_cache, v_cache, layer.scale)
-            self.planned[layer.scale] = attention
+            attention = self.ops.attention(self.batch, k_cache, v_cache, layer.kind)
+            self.planned[layer.kind] = attention
         # (1, heads, T, D) -> (T, heads, D), the kernels' flat layout
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
         return attention(q, k, v, k_cache, v_cache).unsqueeze(0)
 
 
 class _PassHidden(torch.nn.Module):
-    """Stands in for the base model inside the LM-head copy: returns what it is given."""
+    """Stands in for the base model inside the LM-head copy: returns what it is given.
+    Any part of the base model the head's forward calls (OPT calls ``model.decoder``)
+    is this pass-through too."""
 
     def forward(self, *_: Any, inputs_embeds: torch.Tensor, **__: Any) -> Any:
         return _hidden_only_class()(last_hidden_state=inputs_embeds)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            return self
 
 
 @functools.cache

@@ -1,0 +1,137 @@
+"""Tiny checkpoints of every architecture the tests claim, built offline by transformers.
+
+``ZOO`` maps a name to an HF model_type and the config switches that make it
+that variant (every architectural switch of the family on: windows smaller
+than the test prompts, soft-caps, biases, partial rotary...). ``build``
+writes the checkpoint (random weights from ``batchgen.toy.randomise``, so
+norms and biases matter; safetensors; the toy tokenizer; a generation
+config) into a directory. Tests get them through the ``zoo_model`` fixture
+(conftest.py), which builds each once per session.
+
+Sizes are tiny (hidden 64, head_dim 16, 2-4 layers, vocab 512) so that an
+architecture's parity test takes seconds. Other families add entries here.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VOCAB = 512
+EOS_ID = 0  # the toy tokenizer's <|endoftext|>
+IM_END_ID = 2
+
+# the sizes every entry starts from; an entry's own kwargs override them
+SMALL: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=EOS_ID,
+    pad_token_id=EOS_ID,
+)
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    model_type: str
+    config: dict[str, Any] = field(default_factory=dict)
+    small: bool = True  # start from SMALL (False: the entry spells its own sizes)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {**SMALL, **self.config} if self.small else dict(self.config)
+
+
+# SMALL in the names GPT-2-style configs use (they keep SMALL's other keys as unused attributes)
+GPT2_SIZES: dict[str, Any] = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)
+
+
+def _rope(theta: float = 10000.0, **extra: Any) -> dict[str, Any]:
+    return {"rope_type": "default", "rope_theta": theta, **extra}
+
+
+ZOO: dict[str, ZooEntry] = {
+    "llama": ZooEntry("llama", dict(rope_parameters=_rope(500000.0))),
+    # item 1 of issue 22: these loaded and silently dropped their o_proj / MLP biases
+    "llama-biases": ZooEntry("llama", dict(attention_bias=True, mlp_bias=True)),
+    "qwen3-bias": ZooEntry("qwen3", dict(attention_bias=True)),
+    "qwen3": ZooEntry("qwen3", dict(tie_word_embeddings=True)),
+    # run by the transformers backend (worker/models/hf_backend/): batchgen has no code of
+    # its own for these; each with the switches that set it apart turned on
+    # partial rotary on interleaved pairs
+    "gptj": ZooEntry("gptj", dict(**GPT2_SIZES, rotary_dim=8)),
+    # learned positions (offset 2), embeddings projected to and from a smaller width
+    "opt": ZooEntry("opt", dict(ffn_dim=128, word_embed_proj_dim=32)),
+    # multi-query attention: one K/V head
+    "gpt_bigcode": ZooEntry("gpt_bigcode", dict(**GPT2_SIZES, multi_query=True)),
+    # per-head q/k LayerNorm, partial rotary, squared ReLU
+    "persimmon": ZooEntry(
+        "persimmon",
+        dict(
+            qk_layernorm=True, hidden_act="relu2", rope_parameters=_rope(partial_rotary_factor=0.5)
+        ),
+    ),
+    "olmo": ZooEntry("olmo", dict(clip_qkv=2.0)),  # non-parametric LayerNorm, q/k/v clipped
+    "nemotron": ZooEntry("nemotron", dict(rope_parameters=_rope(partial_rotary_factor=0.5))),
+    # batchgen's own code may run these too; the backend is checked on them with
+    # model_impl="transformers": a scale per layer, lm_head bias, logit scale, q/k norms
+    "gpt2-backend": ZooEntry(
+        "gpt2",
+        dict(**GPT2_SIZES, scale_attn_by_inverse_layer_idx=True),
+    ),
+    "phi-backend": ZooEntry(
+        "phi", dict(qk_layernorm=True, rope_parameters=_rope(partial_rotary_factor=0.5))
+    ),
+    "cohere-backend": ZooEntry("cohere", dict(logit_scale=0.5, use_qk_norm=True)),
+    "stablelm-backend": ZooEntry(
+        "stablelm",
+        dict(
+            use_qkv_bias=True, qk_layernorm=True, rope_parameters=_rope(partial_rotary_factor=0.25)
+        ),
+    ),
+    # refused by the backend: attention outside transformers' registry; a state-space model
+    "falcon-refused": ZooEntry(  # its config computes head_dim, and refuses to be told it
+        "falcon", {k: v for k, v in SMALL.items() if k != "head_dim"}, small=False
+    ),
+    "mamba-refused": ZooEntry("mamba", dict(state_size=4)),
+}
+
+
+def build(name: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """Writes ZOO[name]'s checkpoint into out_dir with the tokenizer files of tokenizer_dir."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    from batchgen.toy import randomise
+
+    hf_logging.disable_progress_bar()
+    entry = ZOO[name]
+    config = AutoConfig.for_model(entry.model_type, **entry.kwargs())
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomise(model, config.hidden_size, seed)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=EOS_ID, do_sample=False
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, out_dir / file.name)
+    return out_dir
+
+
+def build_tokenizer(out_dir: Path) -> Path:
+    from batchgen.toy.tokenizer import train_tokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_tokenizer(out_dir, vocab_size=VOCAB, model_max_length=4096)
+    return out_dir

@@ -1,0 +1,68 @@
+"""A checkpoint loads only if every tensor and every config switch is accounted for.
+
+A tensor no family code reads, or a config switch the native implementation
+does not honour, would run a model that differs from transformers without a
+word; each is refused by name instead.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from batchgen.worker import Engine
+from batchgen.worker.models import UnsupportedModelError
+
+
+def _copy(zoo_model, tmp_path, name="llama"):
+    out = tmp_path / name
+    shutil.copytree(zoo_model(name), out)
+    return out
+
+
+def _edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_a_tensor_no_code_reads_is_refused_by_name(zoo_model, tmp_path):
+    path = _copy(zoo_model, tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    # an o_proj bias in a checkpoint whose config says attention_bias false
+    tensors["model.layers.1.self_attn.o_proj.bias"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.self_attn\.o_proj\.bias"):
+        Engine.from_pretrained(path, num_kv_blocks=8)
+
+
+def test_a_switch_nobody_reads_is_refused_by_name(zoo_model, tmp_path):
+    path = _copy(zoo_model, tmp_path)
+    _edit_config(path, attention_sink_tokens=4)
+    with pytest.raises(UnsupportedModelError, match=r"sets attention_sink_tokens, which"):
+        Engine.from_pretrained(path, num_kv_blocks=8)
+
+
+def test_a_switch_llama_code_does_not_have_is_refused(zoo_model, tmp_path):
+    """transformers' Llama has no sliding window: a config asking for one is not what it runs."""
+    path = _copy(zoo_model, tmp_path)
+    _edit_config(path, sliding_window=8)
+    with pytest.raises(UnsupportedModelError, match=r"sets sliding_window"):
+        Engine.from_pretrained(path, num_kv_blocks=8)
+
+
+def test_a_switch_value_the_family_cannot_run_is_refused(zoo_model, tmp_path):
+    path = _copy(zoo_model, tmp_path)
+    _edit_config(path, hidden_act="xielu")
+    with pytest.raises(UnsupportedModelError, match=r"hidden_act='xielu' is not supported"):
+        Engine.from_pretrained(path, num_kv_blocks=8)
+
+
+def test_null_switches_and_bookkeeping_keys_load(zoo_model, tmp_path):
+    path = _copy(zoo_model, tmp_path)
+    _edit_config(path, sliding_window=None, rope_scaling=None, initializer_range=0.5,
+                 auto_map={"AutoModelForCausalLM": "x.Y"})  # fmt: skip
+    Engine.from_pretrained(path, num_kv_blocks=8)

@@ -1,0 +1,188 @@
+"""Reading a dense decoder's tensors, whatever a family calls them, into the decoder's modules.
+
+A family says where its tensors are (``CheckpointLayout``: names, and how its
+fused or transposed tensors are laid out) and its ``ModelConfig`` says which
+exist (biases, norms, q/k norms); ``read_dense`` takes exactly those from the
+store, so a tensor the config does not account for stays behind and the load
+is refused (``TensorStore.check_all_taken``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.worker.models.decoder import DecoderLayer, DecoderWeights
+from batchgen.worker.models.mlp import DenseMlp
+from batchgen.worker.models.model_config import BlockKind, ModelConfig, NormSpec, QKNormScope
+from batchgen.worker.models.norms import Norm
+from batchgen.worker.models.self_attention import SelfAttention
+from batchgen.worker.models.tensor_store import TensorStore
+from batchgen.worker.models.weights import Linear, fuse
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointLayout:
+    """Module names (a tensor is NAME.weight / NAME.bias) and layout quirks. Layer
+    names are relative to ``{prefix}{layers}.{i}.``."""
+
+    prefix: str = "model."
+    embed: str = "embed_tokens"
+    layers: str = "layers"
+    final_norm: str = "norm"
+    lm_head: str = "lm_head"  # not under prefix
+    position_embed: str | None = None
+    attn_norm: str = "input_layernorm"
+    mlp_norm: str = "post_attention_layernorm"
+    post_attn_norm: str = "post_attention_layernorm"
+    post_mlp_norm: str = "post_feedforward_layernorm"
+    q: str = "self_attn.q_proj"
+    k: str = "self_attn.k_proj"
+    v: str = "self_attn.v_proj"
+    qkv: str | None = None  # one fused projection, q then k then v (Phi-3)
+    qkv_per_head: bool = False  # fused as (heads, q/k/v, head_dim) (GPT-NeoX)
+    o: str = "self_attn.o_proj"
+    q_norm: str = "self_attn.q_norm"
+    k_norm: str = "self_attn.k_norm"
+    qk_norm_modules: bool = False  # one norm module per head: NAME.norms.{h}.weight (StableLM)
+    gate: str = "mlp.gate_proj"
+    up: str = "mlp.up_proj"  # plain MLPs: fc1
+    gate_up: str | None = None  # gate and up fused (Phi-3, GLM)
+    down: str = "mlp.down_proj"  # plain MLPs: fc2
+    transposed: bool = False  # weights stored (in, out) (GPT-2's Conv1D)
+    norm_offset: float = 0.0  # the norm scales by (offset + weight) (Gemma: 1)
+    rope_interleaved: bool = False  # rotary pairs (2i, 2i+1) rather than (i, i + d/2)
+
+
+def read_dense(store: TensorStore, config: ModelConfig, layout: CheckpointLayout) -> DecoderWeights:
+    reader = _Reader(store, config, layout)
+    layers = [
+        reader.layer(f"{layout.prefix}{layout.layers}.{i}.") for i in range(config.num_layers)
+    ]
+    embed = store.take(f"{layout.prefix}{layout.embed}.weight")
+    position_embed = None
+    if config.learned_positions and layout.position_embed is not None:
+        position_embed = store.take(f"{layout.prefix}{layout.position_embed}.weight")
+    final_norm = reader.norm(layout.prefix + layout.final_norm, config.norm)
+    return DecoderWeights(embed, layers, final_norm, reader.lm_head(embed), position_embed)
+
+
+@dataclass(slots=True)
+class _Reader:
+    store: TensorStore
+    config: ModelConfig
+    layout: CheckpointLayout
+
+    def linear(self, name: str, bias: bool) -> Linear:
+        return self.fused([name], bias)
+
+    def fused(self, names: list[str], bias: bool) -> Linear:
+        weights = self.store.take_all(f"{n}.weight" for n in names)
+        if self.layout.transposed:
+            weights = [w.t() for w in weights]
+        biases = self.store.take_all(f"{n}.bias" for n in names) if bias else []
+        return fuse(weights, biases)
+
+    def norm(self, name: str, spec: NormSpec) -> Norm:
+        weight = self.store.take(f"{name}.weight", float32=True)
+        weight = (weight + self.layout.norm_offset).to(self.store.dtype)
+        return Norm(spec, weight, self.store.take_if(spec.bias, f"{name}.bias"))
+
+    def layer(self, p: str) -> DecoderLayer:
+        cfg, lay, block = self.config, self.layout, self.config.block
+        a = cfg.attention
+        attention = SelfAttention(a, self.qkv(p), self.linear(p + lay.o, a.o_bias))
+        if a.qk_norm is not None:
+            attention.q_norm = self.qk_norm(p + lay.q_norm, a.num_heads)
+            attention.k_norm = self.qk_norm(p + lay.k_norm, a.num_kv_heads)
+        m = cfg.mlp
+        if m.gated and lay.gate_up is not None:
+            up = self.linear(p + lay.gate_up, m.bias)
+        elif m.gated:
+            up = self.fused([p + lay.gate, p + lay.up], m.bias)
+        else:
+            up = self.linear(p + lay.up, m.bias)
+        mlp = DenseMlp(m, up, self.linear(p + lay.down, m.bias))
+        pre, post = block.pre_norms, block.post_norms
+        shared = block.kind is BlockKind.PARALLEL and block.shared_norm
+        return DecoderLayer(
+            attention,
+            mlp,
+            attn_norm=self.norm(p + lay.attn_norm, cfg.norm) if pre else None,
+            mlp_norm=self.norm(p + lay.mlp_norm, cfg.norm) if pre and not shared else None,
+            post_attn_norm=self.norm(p + lay.post_attn_norm, cfg.norm) if post else None,
+            post_mlp_norm=self.norm(p + lay.post_mlp_norm, cfg.norm) if post else None,
+        )
+
+    def qkv(self, p: str) -> Linear:
+        a, lay = self.config.attention, self.layout
+        if lay.qkv is None:
+            qkv = self.fused([p + lay.q, p + lay.k, p + lay.v], a.qkv_bias)
+        else:
+            qkv = self.linear(p + lay.qkv, a.qkv_bias)
+            if lay.qkv_per_head:
+                qkv = _heads_to_blocks(qkv, a.num_heads, a.head_dim)
+        if lay.rope_interleaved:
+            qkv = _deinterleave_rotary(qkv, a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim)
+        return qkv
+
+    def qk_norm(self, name: str, heads: int) -> Norm:
+        a, lay = self.config.attention, self.layout
+        assert a.qk_norm is not None
+        spec = a.qk_norm.norm
+        if lay.qk_norm_modules:
+            norms = [self.norm(f"{name}.norms.{h}", spec) for h in range(heads)]
+            weight = torch.stack([n.weight for n in norms])
+            bias = torch.stack([n.bias for n in norms if n.bias is not None]) if spec.bias else None
+            norm = Norm(spec, weight, bias)
+        else:
+            norm = self.norm(name, spec)
+        if lay.rope_interleaved:
+            if a.qk_norm.scope is QKNormScope.ALL:
+                raise ValueError("interleaved rotary with a whole-projection q/k norm")
+            order = _rotary_order(a.head_dim, a.rotary_dim)
+            norm.weight = norm.weight[..., order].contiguous()
+            if norm.bias is not None:
+                norm.bias = norm.bias[..., order].contiguous()
+        return norm
+
+    def lm_head(self, embed: torch.Tensor) -> Linear:
+        cfg, name = self.config, self.layout.lm_head
+        bias = self.store.take_if(cfg.head.bias, f"{name}.bias")
+        if not cfg.tie_word_embeddings:
+            return Linear(self.store.take(f"{name}.weight").t().contiguous(), bias)
+        if self.store.has(f"{name}.weight") and not torch.equal(
+            self.store.take(f"{name}.weight"), embed
+        ):
+            self.store.refuse(f"{name}.weight", "tie_word_embeddings is set, yet it differs")
+        # a copy is worth its memory on the CPU; CUDA's matmuls take the transposed view as fast
+        return Linear(embed.t().contiguous() if embed.device.type == "cpu" else embed.t(), bias)
+
+
+def _heads_to_blocks(qkv: Linear, heads: int, dim: int) -> Linear:
+    """Columns laid out (head, q/k/v, dim) -> (q/k/v, head, dim)."""
+
+    def reorder(t: torch.Tensor) -> torch.Tensor:
+        lead = t.shape[:-1]
+        return t.view(*lead, heads, 3, dim).transpose(-3, -2).reshape(*lead, 3 * heads * dim)
+
+    bias = None if qkv.bias is None else reorder(qkv.bias)
+    return Linear(reorder(qkv.weight).contiguous(), bias)
+
+
+def _rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The channel order that makes interleaved rotary pairs (2i, 2i+1) the halves
+    (i, i + rotary_dim/2) the kernels rotate; q.k is the same in either order."""
+    evens = torch.arange(0, rotary_dim, 2)
+    return torch.cat([evens, evens + 1, torch.arange(rotary_dim, head_dim)])
+
+
+def _deinterleave_rotary(qkv: Linear, heads: int, kv_heads: int, dim: int, rotary: int) -> Linear:
+    order = _rotary_order(dim, rotary)
+    q_cols = (torch.arange(heads)[:, None] * dim + order).flatten()
+    k_cols = heads * dim + (torch.arange(kv_heads)[:, None] * dim + order).flatten()
+    v_cols = torch.arange((heads + kv_heads) * dim, (heads + 2 * kv_heads) * dim)
+    cols = torch.cat([q_cols, k_cols, v_cols]).to(qkv.weight.device)
+    bias = None if qkv.bias is None else qkv.bias[cols].contiguous()
+    return Linear(qkv.weight[:, cols].contiguous(), bias)

@@ -1,0 +1,70 @@
+"""A checkpoint's tensors, handed out by name; every one must be taken.
+
+A family's weight mapping takes the tensors it uses; whatever is left when
+the model is built is a tensor the model would ignore (an o_proj bias, a norm
+the code never applies), and the load is refused naming it
+(``check_all_taken``), since transformers would use it and give other tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from batchgen.worker.models.model_config import UnsupportedModelError
+
+# Buffers older checkpoints carry that transformers itself skips on load
+# (``_keys_to_ignore_on_load_unexpected``): precomputed rotary frequencies.
+IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+
+
+class TensorStore:
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        path: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self._tensors = {k: v for k, v in tensors.items() if not IGNORED.match(k)}
+        self.path = path
+        self.device = device
+        self.dtype = dtype
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def take(self, name: str, *, float32: bool = False) -> torch.Tensor:
+        """The tensor, on the model's device and dtype (fp32 if asked, to compute with
+        before rounding); it counts as used."""
+        tensor = self._tensors.pop(name, None)
+        if tensor is None:
+            raise UnsupportedModelError(f"checkpoint {self.path} lacks tensor {name!r}")
+        return tensor.to(device=self.device, dtype=torch.float32 if float32 else self.dtype)
+
+    def take_all(self, names: Iterable[str]) -> list[torch.Tensor]:
+        return [self.take(name) for name in names]
+
+    def take_if(self, present: bool, name: str) -> torch.Tensor | None:
+        """The tensor when the config says it exists, else None (and it must not exist)."""
+        return self.take(name) if present else None
+
+    def discard(self, name: str) -> None:
+        """Drops a buffer the family knows transformers skips too (GPT-2's mask)."""
+        self._tensors.pop(name, None)
+
+    def refuse(self, name: str, why: str) -> None:
+        raise UnsupportedModelError(f"checkpoint {self.path}: tensor {name!r}: {why}")
+
+    def check_all_taken(self, family: str) -> None:
+        left = sorted(self._tensors)
+        if left:
+            shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+            raise UnsupportedModelError(
+                f"checkpoint {self.path} holds tensor(s) batchgen's native {family} "
+                f"implementation would not use: {shown}; refusing to run it rather than "
+                "give tokens that differ from transformers'"
+            )
