@@ -16,16 +16,31 @@ def sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int
     return cache[block_table.long()].flatten(0, 1)[:context_len]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (q_len, H, D) at the last q_len positions of k/v (ctx, Hk, D), causal -> (q_len, H, D)."""
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q (q_len, H, D) at the last q_len positions of k/v (ctx, Hk, D), causal -> (q_len, H, D).
+
+    window: a query at position p sees only keys p - window < j <= p; softcap:
+    scores become softcap * tanh(scores / softcap) before the softmax."""
     q_len, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads  # query head h reads KV head h // group
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     position = torch.arange(ctx - q_len, ctx, device=q.device)
-    visible = torch.arange(ctx, device=q.device)[None, :] <= position[:, None]  # (q_len, ctx)
+    keys = torch.arange(ctx, device=q.device)[None, :]
+    visible = keys <= position[:, None]  # (q_len, ctx)
+    if window is not None:
+        visible &= keys > position[:, None] - window
     weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", weights, v).to(q.dtype)
 
@@ -38,6 +53,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence; a context of 0 (a padding row) gives zeros."""
     out = torch.zeros_like(q)
@@ -45,7 +62,7 @@ def paged_decode_attention(
         if ctx:
             k = sequence_kv(k_cache, block_tables[i], ctx)
             v = sequence_kv(v_cache, block_tables[i], ctx)
-            out[i : i + 1] = attend(q[i : i + 1], k, v, scale)
+            out[i : i + 1] = attend(q[i : i + 1], k, v, scale, window, softcap)
     return out
 
 
@@ -59,6 +76,8 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     max_context_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Sequence i's queries are rows query_start_loc[i]:query_start_loc[i + 1] of q."""
     out = torch.zeros_like(q)
@@ -68,5 +87,5 @@ def paged_prefill_attention(
         if end > first:
             k = sequence_kv(k_cache, block_tables[i], ctx)
             v = sequence_kv(v_cache, block_tables[i], ctx)
-            out[first:end] = attend(q[first:end], k, v, scale)
+            out[first:end] = attend(q[first:end], k, v, scale, window, softcap)
     return out

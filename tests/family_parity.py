@@ -60,7 +60,11 @@ def random_prompts(vocab: int, lengths: tuple[int, ...], seed: int) -> list[list
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def assert_matches_hf(path: Path, vocab: int, max_tokens: int = 8, **engine_kwargs: object) -> None:
+def assert_matches_hf(
+    path: Path, vocab: int, max_tokens: int = 8, tight_blocks: int = 6, **engine_kwargs: object
+) -> None:
+    """tight_blocks: a pool that holds the longest sequence alone (fewer where a
+    model whose every layer slides hands blocks back as it goes)."""
     # chunks of 24 tokens over blocks of 16: boundaries inside and across blocks
     engine = Engine.from_pretrained(
         path, num_kv_blocks=96, max_num_batched_tokens=24, **engine_kwargs
@@ -84,7 +88,7 @@ def assert_matches_hf(path: Path, vocab: int, max_tokens: int = 8, **engine_kwar
 
     # preemption: blocks for the longest of these sequences alone
     tight = Engine.from_pretrained(
-        path, num_kv_blocks=6, max_num_batched_tokens=24, **engine_kwargs
+        path, num_kv_blocks=tight_blocks, max_num_batched_tokens=24, **engine_kwargs
     )
     assert [o.token_ids for o in tight.generate(prompts, params)] == got
     assert tight.stats().num_preemptions > 0

@@ -60,10 +60,150 @@ def _rope(theta: float = 10000.0, **extra: Any) -> dict[str, Any]:
 
 ZOO: dict[str, ZooEntry] = {
     "llama": ZooEntry("llama", dict(rope_parameters=_rope(500000.0))),
+    # dynamic NTK: transformers rescales only past max_position_embeddings
+    "llama-dynamic": ZooEntry(
+        "llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    ),
     # item 1 of issue 22: these loaded and silently dropped their o_proj / MLP biases
     "llama-biases": ZooEntry("llama", dict(attention_bias=True, mlp_bias=True)),
     "qwen3-bias": ZooEntry("qwen3", dict(attention_bias=True)),
     "qwen3": ZooEntry("qwen3", dict(tie_word_embeddings=True)),
+    # every layer slides: blocks that left the window are handed back
+    "mistral": ZooEntry("mistral", dict(sliding_window=16)),
+    # layers from max_window_layers on slide, the first attends to everything
+    "qwen2": ZooEntry(
+        "qwen2",
+        dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    ),
+    "gemma": ZooEntry("gemma", dict(tie_word_embeddings=True)),
+    # local layers (window 16) between global ones, both soft-caps
+    "gemma2": ZooEntry(
+        "gemma2",
+        dict(
+            num_hidden_layers=3,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=8.0,
+        ),
+    ),
+    # q/k norms, a rotary base of its own for local layers, global ones every 3rd layer
+    "gemma3": ZooEntry(
+        "gemma3_text",
+        dict(
+            num_hidden_layers=3,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": _rope(10000.0),
+                "full_attention": _rope(1000000.0),
+            },
+        ),
+    ),
+    # parallel block, partial rotary, q/k LayerNorms, biased LM head
+    "phi": ZooEntry(
+        "phi",
+        dict(
+            qk_layernorm=True,
+            hidden_act="gelu_new",
+            rope_parameters=_rope(partial_rotary_factor=0.5),
+        ),
+    ),
+    "phi3": ZooEntry("phi3", dict(sliding_window=24)),
+    # longrope: exact up to original_max_position_embeddings, where its short factors end
+    "phi3-longrope": ZooEntry(
+        "phi3",
+        dict(
+            original_max_position_embeddings=256,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 256,
+                "short_factor": [1.0 + i / 8 for i in range(8)],
+                "long_factor": [2.0 + i for i in range(8)],
+            },
+        ),
+    ),
+    # use_parallel_residual with two norms, q/k/v stored head by head, partial rotary
+    "gpt_neox": ZooEntry(
+        "gpt_neox",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=VOCAB,
+            max_position_embeddings=512,
+            eos_token_id=EOS_ID,
+            pad_token_id=EOS_ID,
+            bos_token_id=None,
+            attention_bias=True,
+            hidden_act="gelu",
+            rope_parameters=_rope(partial_rotary_factor=0.25),
+        ),
+        small=False,
+    ),
+    "stablelm": ZooEntry(
+        "stablelm",
+        dict(
+            num_key_value_heads=4,
+            qk_layernorm=True,
+            use_qkv_bias=True,
+            rope_parameters=_rope(partial_rotary_factor=0.25),
+        ),
+    ),
+    "granite": ZooEntry(
+        "granite",
+        dict(
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.1,
+            logits_scaling=2.0,
+            attention_bias=True,
+            mlp_bias=True,
+        ),
+    ),
+    "cohere": ZooEntry(
+        "cohere",
+        dict(use_qk_norm=True, logit_scale=0.5, attention_bias=True, tie_word_embeddings=True),
+    ),
+    "olmo2": ZooEntry("olmo2", dict(attention_bias=True)),
+    "olmo3": ZooEntry(
+        "olmo3",
+        dict(
+            num_hidden_layers=3,
+            sliding_window=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
+    "exaone4": ZooEntry(
+        "exaone4",
+        dict(
+            num_hidden_layers=3,
+            sliding_window=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
+    "smollm3": ZooEntry("smollm3", dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1])),
+    "glm": ZooEntry("glm"),
+    "glm4": ZooEntry("glm4"),
+    "starcoder2": ZooEntry("starcoder2", dict(sliding_window=24, use_bias=True)),
+    "gpt2": ZooEntry(
+        "gpt2",
+        dict(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=512,
+            vocab_size=VOCAB,
+            activation_function="gelu_new",
+            eos_token_id=EOS_ID,
+            pad_token_id=EOS_ID,
+            bos_token_id=EOS_ID,
+        ),
+        small=False,
+    ),
     # run by the transformers backend (worker/models/hf_backend/): batchgen has no code of
     # its own for these; each with the switches that set it apart turned on
     # partial rotary on interleaved pairs
@@ -81,22 +221,6 @@ ZOO: dict[str, ZooEntry] = {
     ),
     "olmo": ZooEntry("olmo", dict(clip_qkv=2.0)),  # non-parametric LayerNorm, q/k/v clipped
     "nemotron": ZooEntry("nemotron", dict(rope_parameters=_rope(partial_rotary_factor=0.5))),
-    # batchgen's own code may run these too; the backend is checked on them with
-    # model_impl="transformers": a scale per layer, lm_head bias, logit scale, q/k norms
-    "gpt2-backend": ZooEntry(
-        "gpt2",
-        dict(**GPT2_SIZES, scale_attn_by_inverse_layer_idx=True),
-    ),
-    "phi-backend": ZooEntry(
-        "phi", dict(qk_layernorm=True, rope_parameters=_rope(partial_rotary_factor=0.5))
-    ),
-    "cohere-backend": ZooEntry("cohere", dict(logit_scale=0.5, use_qk_norm=True)),
-    "stablelm-backend": ZooEntry(
-        "stablelm",
-        dict(
-            use_qkv_bias=True, qk_layernorm=True, rope_parameters=_rope(partial_rotary_factor=0.25)
-        ),
-    ),
     # refused by the backend: attention outside transformers' registry; a state-space model
     "falcon-refused": ZooEntry(  # its config computes head_dim, and refuses to be told it
         "falcon", {k: v for k, v in SMALL.items() if k != "head_dim"}, small=False

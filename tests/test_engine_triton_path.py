@@ -55,3 +55,22 @@ def test_attention_arguments_are_checked_once_per_step_not_per_layer(toy_model, 
     engine.step()  # a decodes, b's prompt
     engine.step()  # both decode
     assert checked == [5, 1, 19, 2]
+
+
+# local/global layers with soft-capping, a window on every layer (blocks handed back),
+# partial rotary in a parallel block, learned positions without rotary
+@pytest.mark.parametrize("name", ["gemma2", "mistral", "phi", "gpt2"])
+def test_triton_ops_run_the_families_switches_like_the_cpu_path(zoo_model, name):
+    path = zoo_model(name)
+    engines = [
+        Engine.from_pretrained(path, num_kv_blocks=16, use_triton=flag, max_num_batched_tokens=24)
+        for flag in (True, False)
+    ]
+    rng = random.Random(1)
+    tokens = [rng.randrange(3, 512) for _ in range(40)]  # two chunks, past the window of 16
+    got, expected = (engine_prompt_logits(e, tokens)[0] for e in engines)
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=0)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 30)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    triton, cpu = ([o.token_ids for o in e.generate(prompts, params)] for e in engines)
+    assert triton == cpu

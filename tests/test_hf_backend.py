@@ -23,9 +23,13 @@ from tests.family_parity import (
 )
 from tests.hf_reference import hf_logits
 from tests.model_zoo import VOCAB
+from tests.test_model_families import TIGHT_BLOCKS
 
 BACKEND_ONLY = ["gptj", "opt", "gpt_bigcode", "persimmon", "olmo", "nemotron"]
-ALSO_NATIVE = ["gpt2-backend", "phi-backend", "cohere-backend", "stablelm-backend"]
+# native too; through the backend: every layer sliding (blocks released), local and global
+# layers with soft-caps (Gemma 2) or a rotary base each (Gemma 3), max_window_layers (Qwen2),
+# learned positions, a logit scale
+ALSO_NATIVE = ["mistral", "gemma2", "gemma3", "qwen2", "gpt2", "cohere"]
 
 
 @pytest.mark.parametrize("name", BACKEND_ONLY)
@@ -37,7 +41,8 @@ def test_auto_runs_it_through_the_backend_exactly(zoo_model, name):
 
 @pytest.mark.parametrize("name", ALSO_NATIVE)
 def test_the_backend_runs_it_exactly(zoo_model, name):
-    assert_matches_hf(zoo_model(name), VOCAB, model_impl="transformers")
+    tight = TIGHT_BLOCKS.get(name, 6)  # the native families' pools: the same KV per token
+    assert_matches_hf(zoo_model(name), VOCAB, tight_blocks=tight, model_impl="transformers")
 
 
 def test_backend_on_llama_gives_the_native_engines_tokens(zoo_model):

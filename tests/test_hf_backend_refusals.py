@@ -74,20 +74,15 @@ def test_remote_code_is_refused(tmp_path):
     assert "GPTNeoXForCausalLM needs its own code from the checkpoint" in message
 
 
-def test_longrope_is_refused_past_its_switch_and_accepted_below(tmp_path):
-    from transformers import Phi3Config
-
-    from batchgen.worker.models.hf_backend import HfCausalLM
-
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-            "long_factor": [2.0] * 8, "original_max_position_embeddings": 256}  # fmt: skip
-    config = Phi3Config(**TINY, rope_parameters=rope, max_position_embeddings=1024,
-                        original_max_position_embeddings=256)  # fmt: skip
-    path = _config_only(tmp_path, config, "Phi3ForCausalLM")
-    message = _refusal(path, model_impl="transformers")
-    assert message.startswith("Phi3ForCausalLM's rope 'longrope' changes its frequencies once")
-    assert message.endswith("run it with max_model_len 256 or less")
-    HfCausalLM.check_config(config, 256)  # within the original length it is plain rope
+def test_longrope_context_ends_where_its_short_factors_do(zoo_model):
+    """Past original_max_position_embeddings transformers picks the long factors per batch
+    (from its longest sequence): within it the short ones are exact, so that is the context."""
+    path = zoo_model("phi3-longrope")
+    engine = Engine.from_pretrained(path, num_kv_blocks=8, model_impl="transformers")
+    assert engine.max_model_len == 256
+    assert _refusal(path, model_impl="transformers", max_model_len=512) == (
+        "max_model_len 512 exceeds what the model supports (256)"
+    )
 
 
 def test_attention_outside_the_registry_is_refused(zoo_model):

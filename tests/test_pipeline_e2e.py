@@ -257,3 +257,27 @@ def test_sigterm_hands_back_and_the_next_worker_resumes(
     assert second.wait(timeout=600) == 0
     rows = download(env, "handback", tmp_path)
     assert rows["token_ids"] == reference(lines)  # resumed, not restarted, and still identical
+
+
+def test_a_sliding_window_model_end_to_end(zoo_model, workers, env, tmp_path):
+    """Mistral-shaped, a window of 16 on every layer: generations several windows long
+    through submit -> worker -> Parquet, in a pool of 12 blocks of 16 tokens (the
+    worker hands blocks that left the window back), token for token as transformers."""
+    from batchgen.worker import Engine
+    from tests.hf_reference import hf_greedy
+
+    model = zoo_model("mistral")
+    lines: list[dict[str, Any]] = [{"id": f"w{i}", "prompt": f"Item {i}: the weather today is sunny with a light breeze "
+              f"from the west, {'and rain ' * i}tomorrow.", "max_tokens": 70 + 9 * i}
+             for i in range(6)]  # fmt: skip
+    submit(env, model, write_jsonl(tmp_path / "p.jsonl", lines), "slide", tmp_path)
+    proc = workers(model, "--burst", "--num-kv-blocks", "12")
+    assert proc.wait(timeout=300) == 0, (tmp_path / "worker-0.log").read_text()[-3000:]
+    rows = download(env, "slide", tmp_path)
+    tokenizer = Engine.from_pretrained(model, num_kv_blocks=12).tokenizer
+    for line, tokens, reason in zip(lines, rows["token_ids"], rows["finish_reason"]):
+        prompt = tokenizer.encode(line["prompt"], add_special_tokens=True)
+        assert tokens == hf_greedy(model, prompt, line["max_tokens"], stop_at_eos=True)
+        assert reason in ("stop", "length")
+    assert rows["id"] == [line["id"] for line in lines]
+    assert max(len(t) for t in rows["token_ids"]) > 4 * 16  # past several windows

@@ -19,6 +19,8 @@ EXPECTED_TYPES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "mistral-v0.1": "MistralForCausalLM",
 }
 
 

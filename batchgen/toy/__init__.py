@@ -5,6 +5,6 @@ that pipelines, parity tests and speed measurements run offline; real users
 point ``--model`` at a real checkpoint directory.
 """
 
-from batchgen.toy.checkpoint import ARCHS, SIZES, randomise, write_toy_checkpoint
+from batchgen.toy.checkpoint import ARCHS, SIZES, TOY_WINDOW, randomise, write_toy_checkpoint
 
-__all__ = ["ARCHS", "SIZES", "randomise", "write_toy_checkpoint"]
+__all__ = ["ARCHS", "SIZES", "TOY_WINDOW", "randomise", "write_toy_checkpoint"]

@@ -16,7 +16,10 @@ from typing import Any
 
 from batchgen.toy.tokenizer import EOS_TOKEN, IM_END, train_tokenizer
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "mistral-v0.1")
+# the window of the sliding-window archs: shorter than the contexts benchmarks and
+# demos run, so it matters
+TOY_WINDOW = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +42,7 @@ SIZES: dict[str, ToySize] = {
 
 
 def _config(arch: str, size: ToySize, dtype: str, eos_id: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         hidden_size=size.hidden_size,
@@ -92,6 +95,28 @@ def _config(arch: str, size: ToySize, dtype: str, eos_id: int):
             attention_bias=False,
             use_sliding_window=False,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+    if arch == "gemma2":
+        # Gemma-2-shaped: local (window) and global layers alternate, both soft-caps,
+        # (1 + w) norms before and after each block, scaled embeddings, GELU-tanh
+        head_dim = size.hidden_size // size.num_heads
+        return Gemma2Config(
+            **common, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+            sliding_window=TOY_WINDOW, attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+            # untied: random tied embeddings scaled by sqrt(hidden) make greedy echo the
+            # current token forever
+            tie_word_embeddings=False,
+            hidden_activation="gelu_pytorch_tanh",
+        )  # fmt: skip
+    if arch == "mistral-v0.1":
+        # every layer slides, as Mistral 7B v0.1 (window 4096 of 32k positions)
+        return MistralConfig(
+            **common,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            sliding_window=TOY_WINDOW,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
     raise ValueError(f"unknown toy architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 

@@ -28,8 +28,9 @@ class CpuAttention:
         self.decode_plan = None
         if batch.num_decode_tokens:
             self.decode_plan = plan_decode(
-                batch.decode_block_tables, batch.decode_context_lens, k_cache, v_cache
-            )
+                batch.decode_block_tables, batch.decode_context_lens, k_cache, v_cache,
+                window=kind.window, softcap=kind.softcap,
+            )  # fmt: skip
 
     def __call__(
         self,
@@ -49,7 +50,7 @@ class CpuAttention:
             out = paged_prefill_attention(
                 q[nd:], k_cache, v_cache, b.prefill_block_tables, b.prefill_context_lens,
                 b.prefill_query_start_loc, self.scale, b.prefill_max_query_len,
-                b.prefill_max_context_len,
+                b.prefill_max_context_len, self.kind.window, self.kind.softcap,
             )  # fmt: skip
             parts.append(out)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -65,13 +66,19 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     max_context_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Variable-length query chunks attending causally to their whole paged context.
 
     q (num_tokens, num_heads, head_dim) holds each sequence's new tokens back to
     back; query_start_loc (num_seqs + 1,) int32 their offsets; context_lens
     (num_seqs,) int32 the total length (cached + new), the new tokens being the
-    last ones, their K/V already stored. Returns (num_tokens, num_heads, head_dim).
+    last ones, their K/V already stored. With a window, a query at position p
+    sees keys p - window < j <= p, and blocks wholly before its chunk's first
+    visible key are not read (they may have been handed to another sequence).
+    softcap: scores -> softcap * tanh(scores / softcap) before the softmax.
+    Returns (num_tokens, num_heads, head_dim).
     """
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
@@ -81,25 +88,50 @@ def paged_prefill_attention(
         q_len = end - start
         if q_len == 0:
             continue
-        num_blocks = -(-ctx // block_size)
-        table = block_tables[i, :num_blocks].long()
-        keys = k_cache.index_select(0, table).flatten(0, 1)[:ctx]  # (ctx, Hk, D)
-        values = v_cache.index_select(0, table).flatten(0, 1)[:ctx]
-        if ctx == q_len:
-            mask, causal = None, True  # no cached context: plain causal attention
-        else:
-            # query t sits at position ctx - q_len + t and sees keys 0..that position
-            qpos = torch.arange(ctx - q_len, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]  # (q_len, ctx)
-            causal = False
-        attn = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),  # (H, q_len, D)
-            keys.transpose(0, 1),  # (Hk, ctx, D)
+        first_q = ctx - q_len  # the chunk's first query position
+        first_block = 0 if window is None else max(0, first_q - window + 1) // block_size
+        base = first_block * block_size  # position of the first key read
+        table = block_tables[i, first_block : -(-ctx // block_size)].long()
+        keys = k_cache.index_select(0, table).flatten(0, 1)[: ctx - base]  # (ctx - base, Hk, D)
+        values = v_cache.index_select(0, table).flatten(0, 1)[: ctx - base]
+        mask = None
+        if base or ctx != q_len or window is not None or softcap is not None:
+            qpos = torch.arange(first_q, ctx, device=q.device)[:, None]
+            kpos = torch.arange(base, ctx, device=q.device)[None, :]
+            mask = kpos <= qpos  # (q_len, ctx - base)
+            if window is not None:
+                mask &= kpos > qpos - window
+        out[start:end] = _attend(q[start:end], keys, values, mask, scale, softcap)
+    return out
+
+
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q (q_len, H, D) over keys/values (n, Hk, D); mask (q_len, n) bool, None: causal
+    with q at the last q_len positions. Returns (q_len, H, D)."""
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # (H, q_len, D)
+            keys.transpose(0, 1),  # (Hk, n, D)
             values.transpose(0, 1),
             attn_mask=mask,
-            is_causal=causal,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
-        out[start:end] = attn.transpose(0, 1)
-    return out
+        return out.transpose(0, 1)
+    # SDPA has no soft-capping: the scores by hand, in fp32 (as transformers' eager path)
+    group = q.shape[1] // keys.shape[1]
+    k = keys.transpose(0, 1).float().repeat_interleave(group, dim=0)  # (H, n, D)
+    v = values.transpose(0, 1).float().repeat_interleave(group, dim=0)
+    scores = torch.matmul(q.transpose(0, 1).float(), k.transpose(1, 2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v).transpose(0, 1).to(q.dtype)

@@ -38,12 +38,16 @@ class _Group:
 class TorchDecode:
     groups: list[_Group]
     empty_rows: torch.Tensor | None  # (num_seqs,) bool: context 0, output zeros
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
 
     def __call__(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """One layer: q (num_seqs, num_heads, head_dim) -> (num_seqs, num_heads, head_dim)."""
-        parts = [_attend(g, q[g.start : g.end], k_cache, v_cache, scale) for g in self.groups]
+        parts = [
+            _attend(g, q[g.start : g.end], k_cache, v_cache, scale, self.softcap)
+            for g in self.groups
+        ]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.empty_rows is not None:
             # a padding row attends to nothing: its softmax is NaN; zeros out
@@ -59,14 +63,18 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q (num_seqs, num_heads, head_dim); context_lens (num_seqs,) int32 count the
     current token, whose K/V are already stored (0 for a padding row, whose
-    output is zeros). Returns (num_seqs, num_heads, head_dim)."""
+    output is zeros). window: the query sees only its last `window` keys;
+    softcap: scores -> softcap * tanh(scores / softcap). Returns (num_seqs,
+    num_heads, head_dim)."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     use_kernel = q.dtype == torch.float32 and q.stride(2) == 1
-    plan = plan_decode(block_tables, context_lens, k_cache, v_cache, use_kernel)
+    plan = plan_decode(block_tables, context_lens, k_cache, v_cache, use_kernel, window, softcap)
     return plan(q, k_cache, v_cache, scale)
 
 
@@ -76,17 +84,35 @@ def plan_decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     use_kernel: bool = True,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> KernelDecode | TorchDecode:
     """The step's decode plan: the C kernel where it applies, else torch."""
-    plan = plan_kernel_decode(block_tables, context_lens, k_cache, v_cache) if use_kernel else None
-    return plan or plan_torch_decode(block_tables, context_lens, k_cache.shape[1], k_cache.dtype)
+    plan = None
+    if use_kernel:
+        plan = plan_kernel_decode(block_tables, context_lens, k_cache, v_cache, window, softcap)
+    return plan or plan_torch_decode(
+        block_tables, context_lens, k_cache.shape[1], k_cache.dtype, window, softcap
+    )
 
 
 def plan_torch_decode(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    dtype: torch.dtype,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> TorchDecode:
     lengths = context_lens.tolist()
     device = block_tables.device
+    if window is not None and block_tables.numel():
+        # blocks wholly before a row's window may belong to another sequence by
+        # now: the row reads its first window block in their place (masked anyway)
+        first = (context_lens.long() - window).clamp(min=0) // block_size
+        columns = torch.arange(block_tables.shape[1], device=device)[None, :]
+        columns = torch.maximum(columns, first[:, None]).clamp(max=block_tables.shape[1] - 1)
+        block_tables = block_tables.gather(1, columns)
     empty = torch.tensor([n == 0 for n in lengths], device=device) if 0 in lengths else None
     groups = []
     for start, end in _length_groups(lengths):
@@ -94,24 +120,33 @@ def plan_torch_decode(
         num_blocks = max(-(-max(rows) // block_size), 1)
         length = num_blocks * block_size
         mask = None
-        if any(n != length for n in rows):
-            hidden = (
-                torch.arange(length, device=device)[None, :]
-                >= torch.tensor(rows, device=device)[:, None]
-            )
+        slid = window is not None and any(n > window for n in rows)
+        if slid or any(n != length for n in rows):
+            pos = torch.arange(length, device=device)[None, :]
+            ends = torch.tensor(rows, device=device)[:, None]
+            hidden = pos >= ends
+            if window is not None:
+                hidden |= pos < ends - window  # slid out of the window
             mask = torch.zeros(len(rows), 1, 1, length, dtype=dtype, device=device)
             mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
         gather = block_tables[start:end, :num_blocks].reshape(-1).long()
         groups.append(_Group(start, end, gather, mask))
-    return TorchDecode(groups, empty)
+    return TorchDecode(groups, empty, softcap)
 
 
 def _attend(
-    group: _Group, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    group: _Group,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:
     rows = group.end - group.start
     keys = k_cache.index_select(0, group.gather).view(rows, -1, *k_cache.shape[2:])
     values = v_cache.index_select(0, group.gather).view(rows, -1, *v_cache.shape[2:])
+    if softcap is not None:
+        return _softcapped(q, keys, values, group.mask, scale, softcap)
     # SDPA's fused CPU kernel takes the strided (S, Hk, L, D) views and GQA as is
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # (S, H, 1, D)
@@ -122,6 +157,25 @@ def _attend(
         enable_gqa=True,
     )
     return out.squeeze(2)
+
+
+def _softcapped(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """SDPA has no soft-capping: q (S, H, D) over keys/values (S, L, Hk, D) by hand, in fp32."""
+    group = q.shape[1] // keys.shape[2]
+    k = keys.float().repeat_interleave(group, dim=2).transpose(1, 2)  # (S, H, L, D)
+    v = values.float().repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = torch.matmul(q.float().unsqueeze(2), k.transpose(2, 3)) * scale  # (S, H, 1, L)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask.float()
+    return torch.matmul(scores.softmax(dim=-1), v).squeeze(2).to(q.dtype)
 
 
 def _length_groups(lengths: list[int], max_waste: float = 0.3) -> list[tuple[int, int]]:

@@ -22,6 +22,8 @@ class KernelDecode:
     context_lens: torch.Tensor  # (num_seqs,) int32 contiguous
     max_context_len: int
     threads: int = 1  # the C function splits the rows over this many threads
+    window: int | None = None  # a query sees only its last `window` keys
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
 
     def __call__(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
@@ -40,7 +42,7 @@ class KernelDecode:
             self.block_tables.data_ptr(), self.block_tables.stride(0),
             self.context_lens.data_ptr(), out.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, self.max_context_len,
-            self.threads,
+            self.window or 0, self.softcap or 0.0, self.threads,  # 0: none, as the C code reads it
         )  # fmt: skip
         if status != 0:
             raise MemoryError("paged decode attention: no memory for the scores")
@@ -52,6 +54,8 @@ def plan_kernel_decode(
     context_lens: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> KernelDecode | None:
     """The step's plan for the C kernel, or None where it does not apply (not fp32
     CPU caches in the engine's contiguous layout, or no kernel). The C code
@@ -72,14 +76,17 @@ def plan_kernel_decode(
     lens = context_lens.to(torch.int32).contiguous()
     if tables.shape[0] != lens.shape[0]:
         raise ValueError(f"{tables.shape[0]} block table rows for {lens.shape[0]} context lengths")
+    if (window is not None and window < 1) or (softcap is not None and softcap <= 0):
+        raise ValueError(f"window must be >= 1 and softcap > 0, got {window}, {softcap}")
     if lens.numel() == 0:
-        return KernelDecode(native, tables, lens, 0)
+        return KernelDecode(native, tables, lens, 0, window=window, softcap=softcap)
     max_len = int(lens.max())
     if int(lens.min()) < 0 or max_len > tables.shape[1] * block_size:
         raise ValueError(f"context lengths must be in [0, {tables.shape[1] * block_size}]")
     if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
         raise ValueError(f"block ids must be in [0, {num_blocks})")
-    return KernelDecode(native, tables, lens, max_len, _threads(int(lens.sum()), k_cache))
+    threads = _threads(int(lens.sum()), k_cache)
+    return KernelDecode(native, tables, lens, max_len, threads, window, softcap)
 
 
 # K/V floats a step's attention reads per layer below which one thread does it all:

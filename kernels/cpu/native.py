@@ -3,7 +3,7 @@
 - paged decode attention: torch can only attend over paged K/V by first
   gathering each sequence's blocks into a dense copy (every layer, every
   step) and reading the copy again; this reads K and V once, straight from
-  the blocks the table names: the scores of all query heads of a position
+  the blocks the table names (with a sliding window, only the window's): the scores of all query heads of a position
   (GQA: head h reads KV head h // group), a softmax per head, the weighted
   sum of V; a step's rows split over torch's thread count (pthreads) when
   there is enough K/V to read;
@@ -48,6 +48,7 @@ typedef struct {
     const float *k_cache, *v_cache;
     const int32_t *tables; int64_t table_stride; const int32_t *lens;
     float *out; int64_t H, HK, D, BS; float scale; int64_t max_len;
+    int64_t window; float softcap; /* 0: no sliding window, no soft-capping */
     int64_t first, last; /* the rows [first, last) this thread does */
     int status; /* 0, or 1 when out of memory */
 } DecodeRows;
@@ -67,8 +68,10 @@ static void *decode_rows(void *arg)
         float *o = a->out + s * H * D;
         for (int64_t i = 0; i < H * D; i++) o[i] = 0.f;
         if (n == 0) continue; /* a padding row attends to nothing: zeros */
+        /* the query sits at n - 1 and, with a window, sees keys n - window .. n - 1 */
+        const int64_t lo = (a->window > 0 && n > a->window) ? n - a->window : 0;
         for (int64_t h = 0; h < H; h++) top[h] = -INFINITY;
-        for (int64_t p = 0; p < n; p++) { /* scores: K read once, every head of a position together */
+        for (int64_t p = lo; p < n; p++) { /* scores: K read once, every head of a position together */
             const float *k = a->k_cache + ((int64_t)table[p / BS] * BS + p % BS) * row;
             for (int64_t h = 0; h < H; h++) {
                 const float *qh = qs + h * a->q_stride_h, *kh = k + (h / group) * D;
@@ -76,17 +79,18 @@ static void *decode_rows(void *arg)
                 #pragma omp simd reduction(+:dot)
                 for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
                 dot *= a->scale;
+                if (a->softcap > 0.f) dot = a->softcap * tanhf(dot / a->softcap);
                 scores[h * n + p] = dot;
                 if (dot > top[h]) top[h] = dot;
             }
         }
         for (int64_t h = 0; h < H; h++) { /* softmax per head */
             float sum = 0.f, *sh = scores + h * n;
-            for (int64_t p = 0; p < n; p++) { sh[p] = expf(sh[p] - top[h]); sum += sh[p]; }
+            for (int64_t p = lo; p < n; p++) { sh[p] = expf(sh[p] - top[h]); sum += sh[p]; }
             const float inv = 1.f / sum;
-            for (int64_t p = 0; p < n; p++) sh[p] *= inv;
+            for (int64_t p = lo; p < n; p++) sh[p] *= inv;
         }
-        for (int64_t p = 0; p < n; p++) { /* weighted sum: V read once */
+        for (int64_t p = lo; p < n; p++) { /* weighted sum: V read once */
             const float *v = a->v_cache + ((int64_t)table[p / BS] * BS + p % BS) * row;
             for (int64_t h = 0; h < H; h++) {
                 const float w = scores[h * n + p], *vh = v + (h / group) * D;
@@ -109,7 +113,7 @@ int paged_decode_attention_f32(
     const float *k_cache, const float *v_cache,
     const int32_t *tables, int64_t table_stride, const int32_t *lens,
     float *out, int64_t S, int64_t H, int64_t HK, int64_t D, int64_t BS,
-    float scale, int64_t max_len, int64_t threads)
+    float scale, int64_t max_len, int64_t window, float softcap, int64_t threads)
 {
     enum { MAX_THREADS = 64 };
     DecodeRows parts[MAX_THREADS];
@@ -130,7 +134,7 @@ int paged_decode_attention_f32(
         }
         parts[t] = (DecodeRows){q, q_stride_s, q_stride_h, k_cache, v_cache, tables,
                                 table_stride, lens, out, H, HK, D, BS, scale, max_len,
-                                first, last, 0};
+                                window, softcap, first, last, 0};
         first = last;
     }
     for (int64_t t = 1; t < threads; t++)
@@ -205,7 +209,7 @@ _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "paged_decode_attention_f32": (
         [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
-         _F32, _I64, _I64], ctypes.c_int,
+         _F32, _I64, _I64, _F32, _I64], ctypes.c_int,
     ),
     "add_rms_norm_f32": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "rotary_f32": (

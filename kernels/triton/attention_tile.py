@@ -13,6 +13,20 @@ import triton
 import triton.language as tl
 
 LOG2E = math.log2(math.e)
+# The window passed for layers without one: wider than any context, so every
+# key of the causal context is inside it.
+NO_WINDOW = 1 << 30
+
+
+@triton.jit
+def scaled_scores(s, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """Raw q.k (M, N) -> log2-domain scores. Without SOFTCAP qk_scale is scale * log2(e);
+    with it, qk_scale is the scale and the capped score softcap * tanh(s / softcap)
+    is taken to the log2 domain after (tanh as 2 sigmoid(2x) - 1)."""
+    if SOFTCAP:
+        x = s * qk_scale / softcap
+        return softcap * (2.0 * tl.sigmoid(2.0 * x) - 1.0) * 1.4426950408889634
+    return s * qk_scale
 
 
 @triton.jit

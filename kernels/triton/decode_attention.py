@@ -18,9 +18,11 @@ import triton.language as tl
 from batchgen.kernels.triton import arg_checks
 from batchgen.kernels.triton.attention_tile import (
     LOG2E,
+    NO_WINDOW,
     kv_row_offsets,
     online_softmax_step,
     qk_scores,
+    scaled_scores,
 )
 from batchgen.kernels.triton.split_k import (
     MAX_SPLITS,
@@ -44,7 +46,9 @@ def _decode_kernel(
     part_acc_ptr,  # (num_seqs, num_heads, NUM_SPLITS, HEAD_DIM_PAD) fp32, else
     part_max_ptr,  # (num_seqs, num_heads, NUM_SPLITS) fp32
     part_sum_ptr,  # (num_seqs, num_heads, NUM_SPLITS) fp32
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); with SOFTCAP the scale alone
+    softcap,
+    window,  # a query sees its last `window` keys (NO_WINDOW: all)
     q_stride_s,
     q_stride_h,
     out_stride_s,
@@ -62,17 +66,22 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     context_len = tl.load(context_lens_ptr + seq)
+    # keys before `first_key` slid out of the window: never read (their blocks
+    # may belong to another sequence by now)
+    first_key = tl.maximum(context_len - window, 0)
     # This split's share of the sequence's tiles; trailing splits of short
     # sequences get an empty range and store the empty state (m_i = -inf, l_i = 0).
+    first_tile = first_key // TILE_N
     num_tiles = tl.cdiv(context_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -91,7 +100,7 @@ def _decode_kernel(
     table_row = block_tables_ptr + seq * block_tables_stride_s
     for tile in range(tile_lo, tile_hi):
         pos = tile * TILE_N + offs_n  # (TILE_N,)
-        pos_mask = pos < context_len
+        pos_mask = (pos < context_len) & (pos >= first_key)
         rows = kv_row_offsets(
             table_row, pos, pos_mask, kv_head,
             cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_SIZE,
@@ -106,7 +115,7 @@ def _decode_kernel(
             mask=pos_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        s = qk_scores(q, k_t, DOT_FP32) * qk_scale  # (GROUP_PAD, TILE_N)
+        s = scaled_scores(qk_scores(q, k_t, DOT_FP32), qk_scale, softcap, SOFTCAP)
         s = tl.where(pos_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
 
@@ -132,8 +141,10 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence over its paged context (``reference.paged_decode_attention``).
+    """One query token per sequence over its paged context (``dense.paged_decode_attention``).
 
     q (num_seqs, num_heads, head_dim) may be a strided view, contiguous in
     head_dim; caches (num_blocks, block_size, num_kv_heads, head_dim) share q's
@@ -141,9 +152,14 @@ def paged_decode_attention(
     current token; a context of 0 (a padding row) yields zeros. max_context_len
     must bound context_lens; it only picks the number of splits, and any
     choice is correct, so it need not be exact. Limits: head_dim <= 256, at most
-    64 query heads per KV head. Returns a new contiguous (num_seqs, num_heads, head_dim).
+    64 query heads per KV head. window: the query sees its last `window` keys,
+    and blocks before them are not read; softcap: scores -> softcap *
+    tanh(scores / softcap). Returns a new contiguous (num_seqs, num_heads, head_dim).
     """
-    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
+    return decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
+        window=window, softcap=softcap,
+    )  # fmt: skip
 
 
 def decode_attention(
@@ -155,6 +171,8 @@ def decode_attention(
     scale: float,
     max_context_len: int,
     *,
+    window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
     tile_size: int | None = None,
     num_warps: int = 4,
@@ -169,7 +187,8 @@ def decode_attention(
     shape = check_decode_args(q, k_cache, v_cache, block_tables, context_lens, max_context_len)
     return launch_decode(
         shape, q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
-        num_splits=num_splits, tile_size=tile_size, num_warps=num_warps,
+        window=window, softcap=softcap, num_splits=num_splits, tile_size=tile_size,
+        num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -202,6 +221,8 @@ def launch_decode(
     scale: float,
     max_context_len: int,
     *,
+    window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
     tile_size: int | None = None,
     num_warps: int = 4,
@@ -239,7 +260,7 @@ def launch_decode(
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_acc, part_max, part_sum,
-        scale * LOG2E,
+        scale if softcap is not None else scale * LOG2E, softcap or 1.0, window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_heads,
@@ -251,6 +272,7 @@ def launch_decode(
         TILE_N=tile_size,
         NUM_SPLITS=num_splits,
         DOT_FP32=arg_checks.dot_in_fp32(q.dtype),
+        SOFTCAP=softcap is not None,
         num_warps=num_warps,
     )  # fmt: skip
     if num_splits > 1:

@@ -22,9 +22,11 @@ import triton.language as tl
 from batchgen.kernels.triton import arg_checks
 from batchgen.kernels.triton.attention_tile import (
     LOG2E,
+    NO_WINDOW,
     kv_row_offsets,
     online_softmax_step,
     qk_scores,
+    scaled_scores,
 )
 
 MAX_HEAD_DIM = 256  # head_dim pads to a power of two <= this (register budget)
@@ -40,7 +42,9 @@ def _prefill_kernel(
     context_lens_ptr,  # (num_seqs,) cached + new tokens
     query_start_loc_ptr,  # (num_seqs + 1,) offsets of each sequence's rows in q
     out_ptr,  # (num_tokens, num_heads, head_dim)
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); with SOFTCAP the scale alone
+    softcap,
+    window,  # a query at p sees keys p - window < j <= p (NO_WINDOW: all of them)
     q_stride_t,
     q_stride_h,
     out_stride_t,
@@ -58,6 +62,7 @@ def _prefill_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0) // num_q_blocks
     q_block = tl.program_id(0) % num_q_blocks
@@ -83,14 +88,17 @@ def _prefill_kernel(
     # Keys up to the block's last query position; none for an idle program.
     last_q = tl.minimum(first_q + BLOCK_Q, q_len)
     num_keys = tl.where(first_q < q_len, context_len - q_len + last_q, 0)
+    # keys before the block's first query's window are never read (their blocks
+    # may belong to another sequence by now)
+    first_key = tl.maximum(context_len - q_len + first_q - window + 1, 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * block_tables_stride_s
-    for start in range(0, num_keys, TILE_N):
+    for start in range(first_key // TILE_N * TILE_N, num_keys, TILE_N):
         pos = start + offs_n  # (TILE_N,)
-        pos_mask = pos < num_keys
+        pos_mask = (pos < num_keys) & (pos >= first_key)
         rows = kv_row_offsets(
             table_row, pos, pos_mask, kv_head,
             cache_stride_b, cache_stride_s, cache_stride_h, BLOCK_SIZE,
@@ -105,8 +113,9 @@ def _prefill_kernel(
             mask=pos_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        s = qk_scores(q, k_t, DOT_FP32) * qk_scale  # (BLOCK_M, TILE_N)
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        s = scaled_scores(qk_scores(q, k_t, DOT_FP32), qk_scale, softcap, SOFTCAP)
+        visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
+        visible = visible & pos_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, DOT_FP32)
 
@@ -130,19 +139,23 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     max_context_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Variable-length causal attention over the paged context (``reference.paged_prefill_attention``).
+    """Variable-length causal attention over the paged context (``dense.paged_prefill_attention``).
 
     q (num_tokens, num_heads, head_dim) may be a strided view, contiguous in
     head_dim; caches share q's dtype (fp16, bf16 or fp32; fp32 accumulation).
     max_query_len must bound the chunks' lengths (it sizes the grid: rows past
     it are not computed); max_context_len must bound context_lens. Limits:
-    head_dim <= 256, at most 128 query heads per KV head. Returns a new
-    contiguous (num_tokens, num_heads, head_dim).
+    head_dim <= 256, at most 128 query heads per KV head. window: a query at
+    p sees keys p - window < j <= p, and blocks before its chunk's window are
+    not read; softcap: scores -> softcap * tanh(scores / softcap). Returns a
+    new contiguous (num_tokens, num_heads, head_dim).
     """
     return prefill_attention(
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-        scale, max_query_len, max_context_len,
+        scale, max_query_len, max_context_len, window=window, softcap=softcap,
     )  # fmt: skip
 
 
@@ -157,6 +170,8 @@ def prefill_attention(
     max_query_len: int,
     max_context_len: int,
     *,
+    window: int | None = None,
+    softcap: float | None = None,
     block_m: int | None = None,
     tile_size: int | None = None,
 ) -> torch.Tensor:
@@ -171,7 +186,8 @@ def prefill_attention(
     )  # fmt: skip
     return launch_prefill(
         shape, q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
-        scale, max_query_len, block_m=block_m, tile_size=tile_size,
+        scale, max_query_len, window=window, softcap=softcap, block_m=block_m,
+        tile_size=tile_size,
     )  # fmt: skip
 
 
@@ -206,6 +222,8 @@ def launch_prefill(
     scale: float,
     max_query_len: int,
     *,
+    window: int | None = None,
+    softcap: float | None = None,
     block_m: int | None = None,
     tile_size: int | None = None,
 ) -> torch.Tensor:
@@ -233,7 +251,7 @@ def launch_prefill(
     num_q_blocks = triton.cdiv(max_query_len, block_q)
     _prefill_kernel[(num_seqs * num_q_blocks, num_kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, query_start_loc, out,
-        scale * LOG2E,
+        scale if softcap is not None else scale * LOG2E, softcap or 1.0, window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_q_blocks,
@@ -245,6 +263,7 @@ def launch_prefill(
         HEAD_DIM_PAD=head_dim_pad,
         TILE_N=tile_size,
         DOT_FP32=arg_checks.dot_in_fp32(q.dtype),
+        SOFTCAP=softcap is not None,
         num_warps=4 if head_dim_pad <= 128 else 8,
     )  # fmt: skip
     return out

@@ -62,13 +62,14 @@ class TritonAttention:
             out = launch_decode(
                 self.decode_shape, q[:nd], k_cache, v_cache, b.decode_block_tables,
                 b.decode_context_lens, self.scale, b.decode_max_context_len,
+                window=self.kind.window, softcap=self.kind.softcap,
             )  # fmt: skip
             parts.append(out)
         if self.prefill_shape is not None:
             out = launch_prefill(
                 self.prefill_shape, q[nd:], k_cache, v_cache, b.prefill_block_tables,
                 b.prefill_context_lens, b.prefill_query_start_loc, self.scale,
-                b.prefill_max_query_len,
+                b.prefill_max_query_len, window=self.kind.window, softcap=self.kind.softcap,
             )  # fmt: skip
             parts.append(out)
         return parts[0] if len(parts) == 1 else torch.cat(parts)

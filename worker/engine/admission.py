@@ -15,7 +15,7 @@ class Capacity:
 
     vocab_size: int
     max_model_len: int
-    blocks_needed: Callable[[int], int]  # tokens -> KV blocks
+    blocks_needed: Callable[[int], int]  # tokens -> the most KV blocks such a request holds
     num_blocks: int
 
 

@@ -10,6 +10,7 @@ prompts are computed like any prefill, pooled, and never decode.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from batchgen.worker.engine.admission import Capacity, check_fits
 from batchgen.worker.engine.block_manager import BlockManager
 from batchgen.worker.engine.constrained import GrammarError, Grammars
 from batchgen.worker.engine.detokenizer import StopStringMatcher
+from batchgen.worker.engine.kv_window import SlidingRelease
 from batchgen.worker.engine.loading import EngineLimits, build_engine
 from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.outputs import build_output
@@ -71,16 +73,25 @@ class Engine:
         self.block_manager = BlockManager(
             limits.num_kv_blocks, limits.block_size, enable_prefix_caching
         )
+        window = runner.model.config.release_window
+        release = None
+        if window is not None:
+            release = SlidingRelease(window, limits.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
             limits.max_num_seqs,
             limits.max_num_batched_tokens,
             watermark_blocks=max(1, limits.num_kv_blocks // 100),
             embeds_read_prefix_cache=runner.pooling.reads_prefix_cache,
+            sliding_release=release,
         )
+        blocks_needed = self.block_manager.blocks_needed
+        if release is not None:
+            step_tokens = limits.max_num_batched_tokens
+            blocks_needed = functools.partial(release.peak_blocks, max_step_tokens=step_tokens)
         self._capacity = Capacity(
-            runner.model.config.vocab_size, self.max_model_len,
-            self.block_manager.blocks_needed, self.block_manager.num_blocks,
+            runner.model.config.vocab_size, self.max_model_len, blocks_needed,
+            self.block_manager.num_blocks,
         )  # fmt: skip
         self.grammars = Grammars(tokenizer, runner.model.config.vocab_size, eos_token_ids)
         self._requests: dict[str, list[Request]] = {}  # id -> its samples (n of them)

@@ -100,16 +100,12 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
         model_config = read_native_config(hf)
         max_model_len = _max_model_len(config, model_config.max_position_embeddings)
     else:
-        # until the kernels honour windows, a sliding-window layer runs exactly only
-        # within its window, where sliding attention equals full attention
-        windows = [w for w in HfCausalLM.windows(hf.hf) if w is not None]
-        positions = getattr(hf.hf, "max_position_embeddings", None) or config.max_model_len
-        if positions is None:
+        limit = HfCausalLM.check_config(hf.hf)[1] or config.max_model_len
+        if limit is None:
             raise UnsupportedModelError(
                 f"{root / 'config.json'} gives no max_position_embeddings; set max_model_len"
             )
-        max_model_len = _max_model_len(config, min([positions, *windows]))
-        HfCausalLM.check_config(hf.hf, max_model_len)
+        max_model_len = _max_model_len(config, limit)
     dev = pick_device(config.device)
     torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
     try:
@@ -124,7 +120,7 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     if native:
         model = build_model(root, model_config, dev, torch_dtype, ops, max_model_len)
     else:
-        model = HfCausalLM.load(root, hf.hf, ops, dev, torch_dtype, max_model_len)
+        model = HfCausalLM.load(root, hf.hf, ops, dev, torch_dtype)
     num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
         model.config, block_size, torch_dtype, dev, config.kv_cache_bytes,
         config.gpu_memory_utilization,

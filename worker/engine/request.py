@@ -71,6 +71,8 @@ class Request:
     # a sibling of an n > 1 request waits until this one's prompt is computed
     wait_for: Request | None = None
     num_hashed_blocks: int = 0  # head of block_table already in the prefix cache
+    # head of block_table handed back: slid out of every layer's window (kv_window.py)
+    num_released_blocks: int = 0
     admitted: bool = False  # set on first admission; num_cached_tokens is measured then
     logprobs: list[dict[int, float]] | None = None
     stop_text: str | None = None  # text cut at a stop string

@@ -14,6 +14,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from batchgen.worker.engine.block_manager import BlockManager
+from batchgen.worker.engine.kv_window import SlidingRelease
 from batchgen.worker.engine.request import Request, RequestStatus
 
 
@@ -56,8 +57,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         watermark_blocks: int = 0,
         embeds_read_prefix_cache: bool = True,
+        sliding_release: SlidingRelease | None = None,
     ) -> None:
         self.blocks = block_manager
+        # when every layer slides: hands back blocks that left every window
+        self.sliding_release = sliding_release
         # False when the pooling needs every prompt position's hidden state
         self.embeds_read_prefix_cache = embeds_read_prefix_cache
         self.max_num_seqs = max_num_seqs
@@ -162,10 +166,15 @@ class Scheduler:
             plan.prefills.append(req)
             plan.prefill_lens.append(num_new)
 
+    def _drop_blocks(self, req: Request) -> None:
+        """Hands back every block the request still holds."""
+        self.blocks.release(req.block_table[req.num_released_blocks :])
+        req.block_table = []
+        req.num_released_blocks = 0
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.blocks.release(req.block_table)
-        req.block_table = []
+        self._drop_blocks(req)
         req.num_computed_tokens = 0
         req.num_hashed_blocks = 0
         if req.embed is not None:
@@ -190,17 +199,25 @@ class Scheduler:
             req.num_hashed_blocks = self.blocks.cache_full_blocks(
                 req.block_table, req.token_ids, req.num_computed_tokens, req.num_hashed_blocks
             )
+            if self.sliding_release is not None:
+                self._release_slid_out(req)
             if req.num_computed_tokens == req.num_tokens and req.embed is None:
                 req.token_ids.append(next(tokens))
                 grown.append(req)
         return grown
 
+    def _release_slid_out(self, req: Request) -> None:
+        assert self.sliding_release is not None
+        gone = self.sliding_release.releasable(req.num_computed_tokens, req.num_hashed_blocks)
+        if gone > req.num_released_blocks:
+            self.blocks.release(req.block_table[req.num_released_blocks : gone])
+            req.num_released_blocks = gone
+
     def finish(self, req: Request) -> None:
         """Takes a request out (finished or aborted) and frees its blocks."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.blocks.release(req.block_table)
-            req.block_table = []
+            self._drop_blocks(req)
         elif req.status is RequestStatus.WAITING:
             self.num_waiting -= 1  # its heap entry is skipped when it surfaces
         req.status = RequestStatus.FINISHED

@@ -23,6 +23,8 @@ class ModelShape(Protocol):
     def num_kv_heads(self) -> int: ...
     @property
     def head_dim(self) -> int: ...
+    @property
+    def release_window(self) -> int | None: ...  # see model_config.release_window
 
 
 class CausalLM(Protocol):

@@ -56,6 +56,11 @@ ALIASES: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 
 
+# Keys every family's transformers code reads with getattr, whether or not its
+# config class declares them (the attention modules' head_dim).
+READ_BY_ALL = frozenset({"head_dim"})
+
+
 class ConfigReader:
     """The transformers config, read key by key; remembers which keys were read."""
 
@@ -63,10 +68,21 @@ class ConfigReader:
         self.config = config
         self.family = family
         self.read: set[str] = set()
+        self.attribute_map: dict[str, str] = dict(getattr(config.hf, "attribute_map", {}))
+        # the keys the family's transformers config class has, and those its model
+        # code reads off any config (getattr with a default); any other key in
+        # config.json is an extra attribute transformers never looks at
+        self.known = set(type(config.hf)().to_dict()) | set(self.attribute_map) | READ_BY_ALL
 
     def get(self, key: str, default: Any = None) -> Any:
+        """The value, or default where unset or where the family's transformers class has
+        no such key (then it stays unread: set in config.json, it is refused)."""
+        if key not in self.known:
+            return default
         self.read.add(key)
         self.read.update(ALIASES.get(key, ()))
+        # the name config.json spells it by (GPT-2's n_embd for hidden_size)
+        self.read.add(self.attribute_map.get(key, key))
         value = getattr(self.config.hf, key, None)
         return default if value is None else value
 

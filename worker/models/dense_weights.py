@@ -9,6 +9,7 @@ is refused (``TensorStore.check_all_taken``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,15 @@ def read_dense(store: TensorStore, config: ModelConfig, layout: CheckpointLayout
         position_embed = store.take(f"{layout.prefix}{layout.position_embed}.weight")
     final_norm = reader.norm(layout.prefix + layout.final_norm, config.norm)
     return DecoderWeights(embed, layers, final_norm, reader.lm_head(embed), position_embed)
+
+
+def weights_for(layout: CheckpointLayout) -> Callable[[TensorStore, ModelConfig], DecoderWeights]:
+    """A family's weight mapping that is ``read_dense`` with its layout."""
+
+    def read(store: TensorStore, config: ModelConfig) -> DecoderWeights:
+        return read_dense(store, config, layout)
+
+    return read
 
 
 @dataclass(slots=True)

@@ -33,7 +33,9 @@ def _rope_spec(r: ConfigReader, params: dict[str, Any], layer_type: str | None) 
     params.setdefault("rope_type", params.pop("type", "default"))
     if params["rope_type"] not in ROPE_TYPES:
         raise r.refuse("rope_parameters", f"rope types: {', '.join(ROPE_TYPES)}")
-    return RopeSpec(tuple(sorted(params.items())), layer_type)
+    # lists (longrope's factors) as tuples: the spec is hashable
+    items = ((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items())
+    return RopeSpec(tuple(sorted(items)), layer_type)
 
 
 def ropes(r: ConfigReader, head_dim: int) -> tuple[tuple[RopeSpec, ...], dict[str, int], int]:

@@ -20,14 +20,19 @@ import torch
 
 from batchgen.kernels import AttentionBatch, AttentionKind, KernelOps, StepAttention
 from batchgen.worker.models.hf_backend.probe import LayerPlan, probe_layout
-from batchgen.worker.models.hf_backend.qualify import causal_lm_class, check_config, layer_windows
+from batchgen.worker.models.hf_backend.qualify import (
+    causal_lm_class,
+    check_config,
+    context_limit,
+    layer_windows,
+)
 from batchgen.worker.models.hf_backend.registered_attention import (
     ACTIVE,
     ATTN_IMPLEMENTATION,
     register,
 )
 from batchgen.worker.models.loader import checkpoint_files
-from batchgen.worker.models.model_config import UnsupportedModelError
+from batchgen.worker.models.model_config import UnsupportedModelError, release_window
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +46,10 @@ class BackendConfig:
     num_kv_heads: int
     head_dim: int
     windows: tuple[int | None, ...]  # each layer's sliding window; None: full attention
+
+    @property
+    def release_window(self) -> int | None:
+        return release_window(self.windows)
 
 
 class _Step:
@@ -125,13 +134,11 @@ class HfCausalLM:
         ops: KernelOps,
         device: torch.device,
         dtype: torch.dtype,
-        max_model_len: int,
     ) -> HfCausalLM:
         """Builds the model from ``path``'s safetensors, refusing what it cannot run exactly."""
+        windows, _ = cls.check_config(hf_config)
         model_class = causal_lm_class(hf_config)
         name = model_class.__name__
-        windows = cls.windows(hf_config)
-        cls.check_config(hf_config, max_model_len)
         checkpoint_files(path)  # safetensors only, every shard present
         register()
         try:
@@ -161,15 +168,14 @@ class HfCausalLM:
         return model
 
     @staticmethod
-    def windows(hf_config: Any) -> list[int | None]:
-        """Each attention layer's sliding window (None: full), or a refusal naming the
-        architecture when the config shows it cannot run here."""
-        return layer_windows(hf_config, causal_lm_class(hf_config).__name__)
-
-    @staticmethod
-    def check_config(hf_config: Any, max_model_len: int) -> None:
-        """Refuses the config switches outside the model's modules batchgen cannot honour."""
-        check_config(hf_config, causal_lm_class(hf_config).__name__, max_model_len)
+    def check_config(hf_config: Any) -> tuple[list[int | None], int | None]:
+        """Refuses, naming the architecture, what the config alone shows cannot run here
+        (before any weight is read). Returns each attention layer's sliding window and
+        the longest context that runs exactly (None: the config gives none)."""
+        name = causal_lm_class(hf_config).__name__
+        windows = layer_windows(hf_config, name)
+        check_config(hf_config, name)
+        return windows, context_limit(hf_config)
 
     @torch.inference_mode()
     def forward(

@@ -28,12 +28,16 @@ _IGNORED_KWARGS = frozenset(
 )  # fmt: skip
 
 
+# Arguments the paged kernels compute (``AttentionKind``).
+_HONOURED_KWARGS = frozenset({"scaling", "sliding_window", "softcap"})
+
+
 @dataclass(frozen=True, slots=True)
 class LayerPlan:
     """One attention layer as the paged kernels run it."""
 
     index: int  # its KV cache layer, in call order
-    kind: AttentionKind  # its scale and sliding window
+    kind: AttentionKind  # its scale, sliding window and soft-cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +133,7 @@ def _plan(
         )
     unknown = sorted(
         k for k, v in kwargs.items()
-        if v is not None and k not in _IGNORED_KWARGS and k not in ("scaling", "sliding_window")
+        if v is not None and k not in _IGNORED_KWARGS and k not in _HONOURED_KWARGS
     )  # fmt: skip
     if unknown:
         raise UnsupportedModelError(
@@ -138,4 +142,7 @@ def _plan(
         )
     scale = kwargs.get("scaling")
     scale = float(head_dim**-0.5 if scale is None else scale)
-    return LayerPlan(index=index, kind=AttentionKind(scale=scale, window=window))
+    softcap = kwargs.get("softcap")
+    kind = AttentionKind(scale=scale, window=window,
+                         softcap=None if softcap is None else float(softcap))  # fmt: skip
+    return LayerPlan(index=index, kind=kind)

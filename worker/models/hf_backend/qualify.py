@@ -80,7 +80,7 @@ def layer_windows(hf_config: Any, name: str) -> list[int | None]:
             for t, kw in zip(types, kwargs)]  # fmt: skip
 
 
-def check_config(hf_config: Any, name: str, max_model_len: int) -> None:
+def check_config(hf_config: Any, name: str) -> None:
     """The switches outside the model's own modules that batchgen would have to honour."""
     if getattr(hf_config, "add_cross_attention", False):
         raise UnsupportedModelError(f"{name} has cross-attention layers (add_cross_attention)")
@@ -90,15 +90,19 @@ def check_config(hf_config: Any, name: str, max_model_len: int) -> None:
         )
     if getattr(hf_config, "quantization_config", None):
         raise UnsupportedModelError(f"{name} is a quantized checkpoint (quantization_config)")
+
+
+def context_limit(hf_config: Any) -> int | None:
+    """max_position_embeddings, or less where transformers' rotary is exact only for
+    shorter sequences: longrope switches every position to its long factors once the
+    longest sequence of the batch passes original_max_position_embeddings, which no
+    per-sequence computation reproduces. None: the config gives no limit."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
     for rope in _rope_parameter_sets(hf_config):
-        kind = rope.get("rope_type", rope.get("type"))
         original = rope.get("original_max_position_embeddings")
-        if kind in _BATCH_DEPENDENT_ROPE and original is not None and max_model_len > original:
-            raise UnsupportedModelError(
-                f"{name}'s rope {kind!r} changes its frequencies once a sequence passes "
-                f"{original} tokens, and transformers decides that per batch, not per sequence; "
-                f"run it with max_model_len {original} or less"
-            )
+        if rope.get("rope_type", rope.get("type")) in _BATCH_DEPENDENT_ROPE and original:
+            limit = min(limit or original, int(original))
+    return limit
 
 
 def _rope_parameter_sets(hf_config: Any) -> list[dict[str, Any]]:
