@@ -9,9 +9,9 @@ Workload "mixed" (seeded): prompts uniform 16..256 tokens, outputs 70% uniform
 generate on static batches of 16 (left padding), HF continuous batching with a
 length per request, batchgen, and batchgen-transformers (batchgen's engine on
 transformers' own modules, the backend for architectures batchgen has no code
-for: against batchgen it measures what the backend costs). Also: a shared-prefix workload (512-token common
-prefix) with prefix caching on and off, and batchgen's per-step CPU overhead
-with the model taken out. Every system runs in its own process (peak RSS is
+for: beside batchgen it measures what the backend costs). Also: a
+shared-prefix workload (512-token common prefix) with prefix caching on and
+off, and batchgen's per-step CPU overhead with the model taken out. Every system runs in its own process (peak RSS is
 its own) under torch.inference_mode; the machine should be otherwise idle.
 Every process gets OMP_WAIT_POLICY=PASSIVE unless the environment sets it
 (--omp-wait-policy unset leaves libgomp's default): on a machine shared with
