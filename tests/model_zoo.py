@@ -44,10 +44,11 @@ SMALL: dict[str, Any] = dict(
 class ZooEntry:
     model_type: str
     config: dict[str, Any] = field(default_factory=dict)
-    small: bool = True  # start from SMALL (False: the entry spells its own sizes)
+    drop: tuple[str, ...] = ()  # keys of SMALL the model type's config class does not have
 
     def kwargs(self) -> dict[str, Any]:
-        return {**SMALL, **self.config} if self.small else dict(self.config)
+        small = {k: v for k, v in SMALL.items() if k not in self.drop}
+        return {**small, **self.config}
 
 
 # SMALL in the names GPT-2-style configs use (they keep SMALL's other keys as unused attributes)
@@ -129,20 +130,11 @@ ZOO: dict[str, ZooEntry] = {
     "gpt_neox": ZooEntry(
         "gpt_neox",
         dict(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            vocab_size=VOCAB,
-            max_position_embeddings=512,
-            eos_token_id=EOS_ID,
-            pad_token_id=EOS_ID,
-            bos_token_id=None,
             attention_bias=True,
             hidden_act="gelu",
             rope_parameters=_rope(partial_rotary_factor=0.25),
         ),
-        small=False,
+        drop=("num_key_value_heads", "head_dim"),
     ),
     "stablelm": ZooEntry(
         "stablelm",
@@ -191,18 +183,8 @@ ZOO: dict[str, ZooEntry] = {
     "starcoder2": ZooEntry("starcoder2", dict(sliding_window=24, use_bias=True)),
     "gpt2": ZooEntry(
         "gpt2",
-        dict(
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            n_positions=512,
-            vocab_size=VOCAB,
-            activation_function="gelu_new",
-            eos_token_id=EOS_ID,
-            pad_token_id=EOS_ID,
-            bos_token_id=EOS_ID,
-        ),
-        small=False,
+        dict(n_inner=128, activation_function="gelu_new", bos_token_id=EOS_ID),
+        drop=("num_key_value_heads", "head_dim", "intermediate_size"),
     ),
     # run by the transformers backend (worker/models/hf_backend/): batchgen has no code of
     # its own for these; each with the switches that set it apart turned on

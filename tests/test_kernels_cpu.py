@@ -17,18 +17,22 @@ from batchgen.kernels.cpu import native as cpu_native
 from batchgen.kernels.cpu.decode_native import KernelDecode
 
 
-def _attention_by_loops(q, k, v, scale):
-    """q (q_len, H, D) at the last q_len positions of k/v (ctx, Hk, D), causal."""
+def attention_by_loops(q, k, v, scale, window=None, softcap=None):
+    """q (q_len, H, D) at the last q_len positions of k/v (ctx, Hk, D), causal, one score
+    at a time; window: a query at p sees keys p - window < j <= p; softcap: scores ->
+    softcap * tanh(scores / softcap)."""
     q_len, num_heads, _ = q.shape
     ctx, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     for t in range(q_len):
         pos = ctx - q_len + t
+        lo = 0 if window is None else max(0, pos - window + 1)
         for h in range(num_heads):
-            kh = k[: pos + 1, h // group]
-            w = torch.softmax((kh @ q[t, h]) * scale, dim=0)
-            out[t, h] = w @ v[: pos + 1, h // group]
+            s = (k[lo : pos + 1, h // group] @ q[t, h]) * scale
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
+            out[t, h] = torch.softmax(s, dim=0) @ v[lo : pos + 1, h // group]
     return out
 
 
@@ -37,7 +41,7 @@ def test_the_oracle_is_attention_by_loops(q_len, ctx):
     gen = torch.Generator().manual_seed(q_len * 100 + ctx)
     q = torch.randn(q_len, 6, 16, generator=gen)
     k, v = torch.randn(ctx, 2, 16, generator=gen), torch.randn(ctx, 2, 16, generator=gen)
-    torch.testing.assert_close(dense.attend(q, k, v, 0.3), _attention_by_loops(q, k, v, 0.3))
+    torch.testing.assert_close(dense.attend(q, k, v, 0.3), attention_by_loops(q, k, v, 0.3))
 
 
 def _paged(contexts, num_kv_heads, head_dim, block_size, seed=0):

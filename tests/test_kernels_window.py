@@ -18,26 +18,10 @@ from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import decode as cpu_decode
 from batchgen.kernels.cpu import native as cpu_native
 from batchgen.kernels.cpu.decode_native import KernelDecode
+from tests.test_kernels_cpu import attention_by_loops
 
 WINDOW, SOFTCAP, BLOCK = 20, 3.0, 8
 CONTEXTS = [70, 33, 21, 20, 9, 1]  # longest first; longer and shorter than the window
-
-
-def _loops(q, k, v, scale, window=None, softcap=None):
-    """q (q_len, H, D) at the last q_len positions of k/v (ctx, Hk, D), one score at a time."""
-    q_len, num_heads, _ = q.shape
-    ctx, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
-    for t in range(q_len):
-        pos = ctx - q_len + t
-        lo = 0 if window is None else max(0, pos - window + 1)
-        for h in range(num_heads):
-            s = (k[lo : pos + 1, h // group] @ q[t, h]) * scale
-            if softcap is not None:
-                s = torch.tanh(s / softcap) * softcap
-            out[t, h] = torch.softmax(s, dim=0) @ v[lo : pos + 1, h // group]
-    return out
 
 
 @pytest.mark.parametrize("window,softcap", [(WINDOW, None), (None, SOFTCAP), (7, SOFTCAP)])
@@ -46,7 +30,8 @@ def test_the_oracle_is_windowed_capped_attention_by_loops(window, softcap):
     q = torch.randn(9, 4, 16, generator=gen)
     k, v = torch.randn(40, 2, 16, generator=gen), torch.randn(40, 2, 16, generator=gen)
     torch.testing.assert_close(
-        dense.attend(q, k, v, 0.7, window, softcap), _loops(q, k, v, 0.7, window, softcap)
+        dense.attend(q, k, v, 0.7, window, softcap),
+        attention_by_loops(q, k, v, 0.7, window, softcap),
     )
 
 
