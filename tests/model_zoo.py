@@ -51,10 +51,6 @@ class ZooEntry:
         return {**small, **self.config}
 
 
-# SMALL in the names GPT-2-style configs use (they keep SMALL's other keys as unused attributes)
-GPT2_SIZES: dict[str, Any] = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)
-
-
 def _rope(theta: float = 10000.0, **extra: Any) -> dict[str, Any]:
     return {"rope_type": "default", "rope_theta": theta, **extra}
 
@@ -189,11 +185,13 @@ ZOO: dict[str, ZooEntry] = {
     # run by the transformers backend (worker/models/hf_backend/): batchgen has no code of
     # its own for these; each with the switches that set it apart turned on
     # partial rotary on interleaved pairs
-    "gptj": ZooEntry("gptj", dict(**GPT2_SIZES, rotary_dim=8)),
+    "gptj": ZooEntry("gptj", dict(n_inner=128, rotary_dim=8), drop=("num_key_value_heads",)),
     # learned positions (offset 2), embeddings projected to and from a smaller width
     "opt": ZooEntry("opt", dict(ffn_dim=128, word_embed_proj_dim=32)),
     # multi-query attention: one K/V head
-    "gpt_bigcode": ZooEntry("gpt_bigcode", dict(**GPT2_SIZES, multi_query=True)),
+    "gpt_bigcode": ZooEntry(
+        "gpt_bigcode", dict(n_inner=128, multi_query=True), drop=("num_key_value_heads",)
+    ),
     # per-head q/k LayerNorm, partial rotary, squared ReLU
     "persimmon": ZooEntry(
         "persimmon",
@@ -204,9 +202,7 @@ ZOO: dict[str, ZooEntry] = {
     "olmo": ZooEntry("olmo", dict(clip_qkv=2.0)),  # non-parametric LayerNorm, q/k/v clipped
     "nemotron": ZooEntry("nemotron", dict(rope_parameters=_rope(partial_rotary_factor=0.5))),
     # refused by the backend: attention outside transformers' registry; a state-space model
-    "falcon-refused": ZooEntry(  # its config computes head_dim, and refuses to be told it
-        "falcon", {k: v for k, v in SMALL.items() if k != "head_dim"}, small=False
-    ),
+    "falcon-refused": ZooEntry("falcon", drop=("head_dim",)),
     "mamba-refused": ZooEntry("mamba", dict(state_size=4)),
 }
 
