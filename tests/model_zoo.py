@@ -51,6 +51,15 @@ class ZooEntry:
         return {**small, **self.config}
 
 
+# gated DeltaNet sizes (the defaults are a real model's: 16 and 32 heads of 128)
+TINY_DELTANET: dict[str, Any] = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+
+
 def _rope(theta: float = 10000.0, **extra: Any) -> dict[str, Any]:
     return {"rope_type": "default", "rope_theta": theta, **extra}
 
@@ -201,6 +210,20 @@ ZOO: dict[str, ZooEntry] = {
     ),
     "olmo": ZooEntry("olmo", dict(clip_qkv=2.0)),  # non-parametric LayerNorm, q/k/v clipped
     "nemotron": ZooEntry("nemotron", dict(rope_parameters=_rope(partial_rotary_factor=0.5))),
+    # hybrids: gated DeltaNet layers (a recurrent state per sequence) before a full-attention
+    # layer with a gated output, q/k norms and partial rotary; Qwen3-Next's MLP is MoE
+    "qwen3_5": ZooEntry("qwen3_5_text", dict(num_hidden_layers=4, **TINY_DELTANET)),
+    "qwen3_next": ZooEntry(
+        "qwen3_next",
+        dict(
+            num_hidden_layers=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            **TINY_DELTANET,
+        ),
+    ),
     # refused by the backend: attention outside transformers' registry; a state-space model
     "falcon-refused": ZooEntry("falcon", drop=("head_dim",)),
     "mamba-refused": ZooEntry("mamba", dict(state_size=4)),

@@ -45,6 +45,20 @@ def test_the_backend_runs_it_exactly(zoo_model, name):
     assert_matches_hf(zoo_model(name), VOCAB, tight_blocks=tight, model_impl="transformers")
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_hybrid_deltanet_models_run_exactly_with_a_state_per_sequence(zoo_model, name):
+    """Gated DeltaNet layers carry a state per sequence across chunked prefill, batch mates
+    and preemption (recomputed from position 0); prefix caching is off for them. Chunks of
+    24 instead of one whole-prompt pass reorder the delta rule's sums: logits agree to 5e-4
+    (to 2e-5 when the prompt is computed whole)."""
+    path = zoo_model(name)
+    engine = Engine.from_pretrained(path, num_kv_blocks=4)
+    model = engine.runner.model
+    assert isinstance(model, HfCausalLM) and model.config.keeps_state
+    assert not engine.block_manager.enable_prefix_caching
+    assert_matches_hf(path, VOCAB, atol=5e-4, cached_prefix=0)
+
+
 def test_backend_on_llama_gives_the_native_engines_tokens(zoo_model):
     path = zoo_model("llama")
     native = Engine.from_pretrained(path, num_kv_blocks=64)

@@ -34,24 +34,21 @@ def _refusal(path: Path, **settings) -> str:
     return str(err.value)
 
 
-def test_qwen3_next_gated_deltanet_is_refused_with_what_it_would_take(tmp_path):
-    from transformers import Qwen3NextConfig
+def test_a_state_space_hybrid_is_refused_with_what_it_would_take(tmp_path):
+    from transformers import JambaConfig
 
-    path = _config_only(tmp_path, Qwen3NextConfig(**TINY, num_key_value_heads=2),
-                        "Qwen3NextForCausalLM")  # fmt: skip
+    path = _config_only(tmp_path, JambaConfig(**TINY), "JambaForCausalLM")
     message = _refusal(path)
-    assert message.startswith("Qwen3NextForCausalLM cannot run: its layers 0, 1, 2 are ")
+    assert message.startswith("JambaForCausalLM cannot run: its layers 0, 1, 2, 3 are ")
     assert "'linear_attention'" in message and "recurrent state per sequence" in message
-    assert "preemption and hand-back save or recompute" in message
+    assert "recomputed after preemption and hand-back" in message
 
 
-def test_qwen3_5_hybrid_is_refused(tmp_path):
-    from transformers import Qwen3_5TextConfig
+def test_parallel_hybrid_layers_are_refused(tmp_path):
+    from transformers import FalconH1Config
 
-    path = _config_only(tmp_path, Qwen3_5TextConfig(**TINY, num_key_value_heads=2),
-                        "Qwen3_5ForCausalLM")  # fmt: skip
-    assert "Qwen3_5ForCausalLM cannot run" in (message := _refusal(path))
-    assert "'linear_attention'" in message
+    path = _config_only(tmp_path, FalconH1Config(**TINY), "FalconH1ForCausalLM")
+    assert "FalconH1ForCausalLM cannot run: its layers 0, 1, 2, 3 are 'hybrid'" in _refusal(path)
 
 
 def test_encoder_decoder_is_refused(tmp_path):
@@ -130,3 +127,68 @@ def test_native_asked_for_an_architecture_batchgen_has_no_code_for(zoo_model):
     message = _refusal(zoo_model("gptj"), model_impl="native")
     assert message.startswith("architecture GPTJForCausalLM in ")
     assert "is not supported" in message
+
+
+class _Attention(torch.nn.Module):
+    """A layer that attends through the registry with the arguments it is given."""
+
+    def __init__(self, calls: bool = True, mask: bool = False, **kwargs: Any) -> None:
+        super().__init__()
+        self.calls, self.mask, self.kwargs, self.is_causal = calls, mask, kwargs, True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.calls:  # a layer that keeps to itself (a recurrent mixer, say)
+            return x
+        from batchgen.worker.models.hf_backend.registered_attention import (
+            paged_attention_forward,
+        )
+
+        q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
+        mask = torch.zeros(1, 1, x.shape[1], x.shape[1]) if self.mask else None
+        out, _ = paged_attention_forward(self, q, q, q, mask, scaling=0.5, **self.kwargs)
+        return out.reshape(1, x.shape[1], 8)
+
+
+class _Base(torch.nn.Module):
+    def __init__(self, *layers: _Attention) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> torch.Tensor:
+        x = torch.ones(1, input_ids.shape[1], 8)
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "layers,message",
+    [
+        ((_Attention(), _Attention(calls=False)),
+         "1 attention calls through transformers' registry for 2 layers in _Base"),
+        ((_Attention(alibi_slopes=torch.ones(2)),),
+         "layer 0 (_Attention) passes alibi_slopes to its attention, which batchgen's paged "
+         "attention does not honour"),
+        ((_Attention(mask=True),), "_Attention receives an attention mask its model built itself"),
+        ((_Attention(sliding_window=8),),
+         "layer 0 (_Attention) passes sliding_window=8 but its config gives it None"),
+    ],
+)  # fmt: skip
+def test_the_probe_refuses_what_the_paged_kernels_would_not_honour(layers, message):
+    from batchgen.worker.models.hf_backend.probe import probe_layout
+
+    with pytest.raises(UnsupportedModelError) as err:
+        probe_layout(_Base(*layers), len(layers), [None] * len(layers), torch.device("cpu"))
+    assert str(err.value).startswith(message)
+
+
+def test_the_probe_plans_each_layer_by_its_arguments():
+    from batchgen.kernels import AttentionKind
+    from batchgen.worker.models.hf_backend.probe import probe_layout
+
+    first, second = _Attention(softcap=30.0), _Attention(sliding_window=16)
+    layout = probe_layout(_Base(first, second), 2, [None, 16], torch.device("cpu"))
+    assert (layout.num_kv_heads, layout.head_dim) == (2, 4)
+    assert layout.layers[first].index == 0 and layout.layers[second].index == 1
+    assert layout.layers[first].kind == AttentionKind(scale=0.5, softcap=30.0)
+    assert layout.layers[second].kind == AttentionKind(scale=0.5, window=16)

@@ -45,6 +45,7 @@ class LoadedEngine:
     tokenizer: PreTrainedTokenizerBase
     limits: EngineLimits
     eos_token_ids: tuple[int, ...]
+    enable_prefix_caching: bool  # as asked, unless the model keeps a state per sequence
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -146,7 +147,11 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
     )
-    return LoadedEngine(runner, tokenizer, limits, eos)
+    # a cached prefix would skip the tokens a recurrent state is made of
+    keeps_state = isinstance(model, HfCausalLM) and model.config.keeps_state
+    return LoadedEngine(
+        runner, tokenizer, limits, eos, config.enable_prefix_caching and not keeps_state
+    )
 
 
 def _max_model_len(config: EngineConfig, limit: int) -> int:

@@ -2,7 +2,7 @@
 
 Embeddings, norms, MLPs, rope (at the positions the runner gives) and the LM
 head are transformers' own modules; attention is batchgen's: every attention
-layer calls the registered function (``attention.py``), which writes K/V into
+layer calls the registered function (``registered_attention.py``), which writes K/V into
 the paged cache and runs the paged kernels over the step's flat token batch,
 exactly as the native models do. The scheduler, prefix cache, preemption,
 sampling, structured output and logprobs around it are the engine's, unchanged.
@@ -21,10 +21,16 @@ import torch
 from batchgen.kernels import AttentionBatch, AttentionKind, KernelOps, StepAttention
 from batchgen.worker.models.hf_backend.probe import LayerPlan, probe_layout
 from batchgen.worker.models.hf_backend.qualify import (
+    LayerKinds,
     causal_lm_class,
     check_config,
     context_limit,
-    layer_windows,
+    layer_kinds,
+)
+from batchgen.worker.models.hf_backend.recurrent import (
+    SEGMENTS,
+    SequenceStates,
+    keep_state_per_sequence,
 )
 from batchgen.worker.models.hf_backend.registered_attention import (
     ACTIVE,
@@ -46,10 +52,12 @@ class BackendConfig:
     num_kv_heads: int
     head_dim: int
     windows: tuple[int | None, ...]  # each layer's sliding window; None: full attention
+    keeps_state: bool  # recurrent layers keep a state per sequence (recurrent.py)
 
     @property
     def release_window(self) -> int | None:
-        return release_window(self.windows)
+        # a stateful model's sequences are known by their first block: it must stay theirs
+        return None if self.keeps_state else release_window(self.windows)
 
 
 class _Step:
@@ -114,12 +122,13 @@ class HfCausalLM:
     """The engine's model interface (``forward``, ``compute_logits``, ``config``) over transformers."""
 
     def __init__(self, hf: Any, layers: dict[torch.nn.Module, LayerPlan], ops: KernelOps,
-                 config: BackendConfig) -> None:  # fmt: skip
+                 config: BackendConfig, states: SequenceStates | None) -> None:  # fmt: skip
         self.hf = hf
         self.base = hf.base_model
         self.layers = layers
         self.ops = ops
         self.config = config
+        self.states = states
         # The model's own forward after its base model: lm_head and whatever the
         # class does to the logits (soft-capping, logit scales), on hidden states we give.
         self.head = copy.copy(hf)
@@ -136,7 +145,8 @@ class HfCausalLM:
         dtype: torch.dtype,
     ) -> HfCausalLM:
         """Builds the model from ``path``'s safetensors, refusing what it cannot run exactly."""
-        windows, _ = cls.check_config(hf_config)
+        kinds, _ = cls.check_config(hf_config)
+        windows = kinds.windows
         model_class = causal_lm_class(hf_config)
         name = model_class.__name__
         checkpoint_files(path)  # safetensors only, every shard present
@@ -155,6 +165,14 @@ class HfCausalLM:
             ) from exc
         _check_loading(name, path, info)
         hf.to(device).eval()
+        states = None
+        if kinds.recurrent:
+            if keep_state_per_sequence(hf.base_model) != len(kinds.recurrent):
+                raise UnsupportedModelError(
+                    f"{name}'s linear-attention layers are not the gated DeltaNet modules whose "
+                    "per-sequence state batchgen keeps"
+                )
+            states = SequenceStates(hf_config)
         layout = probe_layout(hf.base_model, len(windows), windows, device)
         lm_head = hf.get_output_embeddings()
         if lm_head is None:
@@ -163,19 +181,21 @@ class HfCausalLM:
             architecture=name, vocab_size=int(lm_head.weight.shape[0]),
             hidden_size=int(hf_config.hidden_size), num_layers=len(windows),
             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, windows=tuple(windows),
+            keeps_state=states is not None,
         )  # fmt: skip
-        model = cls(hf, layout.layers, ops, config)
+        model = cls(hf, layout.layers, ops, config, states)
         return model
 
     @staticmethod
-    def check_config(hf_config: Any) -> tuple[list[int | None], int | None]:
+    def check_config(hf_config: Any) -> tuple[LayerKinds, int | None]:
         """Refuses, naming the architecture, what the config alone shows cannot run here
-        (before any weight is read). Returns each attention layer's sliding window and
-        the longest context that runs exactly (None: the config gives none)."""
+        (before any weight is read). Returns which layers attend (with their windows) and
+        which keep a recurrent state, and the longest context that runs exactly (None: the
+        config gives none)."""
         name = causal_lm_class(hf_config).__name__
-        windows = layer_windows(hf_config, name)
+        kinds = layer_kinds(hf_config, name)
         check_config(hf_config, name)
-        return windows, context_limit(hf_config)
+        return kinds, context_limit(hf_config)
 
     @torch.inference_mode()
     def forward(
@@ -187,11 +207,13 @@ class HfCausalLM:
     ) -> torch.Tensor:
         """input_ids, positions (num_tokens,) -> final hidden states (num_tokens, hidden)."""
         token = ACTIVE.set(_Step(self.layers, self.ops, batch, kv_caches))
+        segments = SEGMENTS.set(self.states.segments(batch, positions) if self.states else None)
         try:
             out = self.base(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False
             )
         finally:
+            SEGMENTS.reset(segments)
             ACTIVE.reset(token)
         return out.last_hidden_state[0]
 

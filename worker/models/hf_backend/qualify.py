@@ -8,17 +8,20 @@ the kernels do not honour) is the probe's (``probe.py``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from batchgen.worker.models.model_config import UnsupportedModelError
 
 # What a layer type (transformers' ``layer_types``) would need that batchgen does not have.
 _RECURRENT = (
-    "keeps a recurrent state per sequence (linear attention, gated DeltaNet, state-space or "
-    "convolution layers); batchgen keeps only the paged KV cache. Running it would take a "
-    "per-sequence state beside the KV blocks, carried from step to step, that preemption and "
-    "hand-back save or recompute, and a prefix-cache hit restores"
+    "keeps a recurrent state per sequence (linear attention, state-space or convolution "
+    "layers), which batchgen keeps only for Qwen3-Next's and Qwen3.5's gated DeltaNet layers; "
+    "running it would take a per-sequence state of its own beside the KV blocks, carried from "
+    "step to step and recomputed after preemption and hand-back"
 )
+# model types whose linear_attention layers are gated DeltaNet modules recurrent.py runs
+_DELTANET_HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _LAYER_TYPE_REASONS = {
     "linear_attention": _RECURRENT,
     "conv": _RECURRENT,
@@ -64,20 +67,31 @@ def causal_lm_class(hf_config: Any) -> Any:
     return cls
 
 
-def layer_windows(hf_config: Any, name: str) -> list[int | None]:
-    """Each layer's sliding window (None: full attention), as transformers reads the config."""
+@dataclass(frozen=True, slots=True)
+class LayerKinds:
+    windows: list[int | None]  # each attention layer's sliding window (None: full), in order
+    recurrent: list[int]  # the layers that keep a recurrent state instead (gated DeltaNet)
+
+
+def layer_kinds(hf_config: Any, name: str) -> LayerKinds:
+    """Which layers attend (and with which window) and which keep a recurrent state,
+    as transformers reads the config; a refusal for any other kind of layer."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     types, kwargs = get_layer_types_and_kwargs(hf_config)
+    runs: tuple[str, ...] = _ATTENTION_LAYER_TYPES
+    if hf_config.model_type in _DELTANET_HYBRIDS:
+        runs = (*runs, "linear_attention")
     for kind in dict.fromkeys(types):
-        if kind not in _ATTENTION_LAYER_TYPES:
+        if kind not in runs:
             layers = [i for i, t in enumerate(types) if t == kind]
             reason = _LAYER_TYPE_REASONS.get(kind, "is a kind of layer batchgen cannot run")
             raise UnsupportedModelError(
                 f"{name} cannot run: its layers {_span(layers)} are {kind!r}; this model {reason}"
             )
-    return [kw.get("sliding_window") if t == "sliding_attention" else None
-            for t, kw in zip(types, kwargs)]  # fmt: skip
+    windows = [kw.get("sliding_window") if t == "sliding_attention" else None
+               for t, kw in zip(types, kwargs) if t in _ATTENTION_LAYER_TYPES]  # fmt: skip
+    return LayerKinds(windows, [i for i, t in enumerate(types) if t == "linear_attention"])
 
 
 def check_config(hf_config: Any, name: str) -> None:
