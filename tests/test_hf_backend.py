@@ -59,6 +59,27 @@ def test_hybrid_deltanet_models_run_exactly_with_a_state_per_sequence(zoo_model,
     assert_matches_hf(path, VOCAB, atol=5e-4, cached_prefix=0)
 
 
+def test_a_hybrid_handed_back_midway_resumes_exactly(zoo_model):
+    """drain hands requests back with their tokens so far; resumed (here on the same engine,
+    on reused blocks) their DeltaNet state is recomputed from position 0."""
+    engine = Engine.from_pretrained(zoo_model("qwen3_5"), num_kv_blocks=32)
+    prompts = random_prompts(VOCAB, (15, 40), seed=7)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    full = [o.token_ids for o in engine.generate(prompts, params)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"d{i}", prompt, params)
+    for _ in range(6):
+        engine.step()
+    partial = {o.request_id: o.token_ids for o in engine.drain()}
+    assert all(0 < len(partial[f"d{i}"]) < 12 for i in range(2))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params, resume_token_ids=partial[f"d{i}"])
+    resumed = {}
+    while engine.has_unfinished():
+        resumed.update({o.request_id: o.token_ids for o in engine.step()})
+    assert [resumed[f"r{i}"] for i in range(2)] == full
+
+
 def test_backend_on_llama_gives_the_native_engines_tokens(zoo_model):
     path = zoo_model("llama")
     native = Engine.from_pretrained(path, num_kv_blocks=64)
