@@ -210,6 +210,12 @@ ZOO: dict[str, ZooEntry] = {
     ),
     "olmo": ZooEntry("olmo", dict(clip_qkv=2.0)),  # non-parametric LayerNorm, q/k/v clipped
     "nemotron": ZooEntry("nemotron", dict(rope_parameters=_rope(partial_rotary_factor=0.5))),
+    # a switch the native GPT-2 refuses: auto runs it through the backend instead
+    "gpt2-layer-scaled": ZooEntry(
+        "gpt2",
+        dict(n_inner=128, activation_function="gelu_new", scale_attn_by_inverse_layer_idx=True),
+        drop=("num_key_value_heads", "head_dim", "intermediate_size"),
+    ),
     # hybrids: gated DeltaNet layers (a recurrent state per sequence) before a full-attention
     # layer with a gated output, q/k norms and partial rotary; Qwen3-Next's MLP is MoE
     "qwen3_5": ZooEntry("qwen3_5_text", dict(num_hidden_layers=4, **TINY_DELTANET)),
@@ -227,6 +233,8 @@ ZOO: dict[str, ZooEntry] = {
     # refused by the backend: attention outside transformers' registry; a state-space model
     "falcon-refused": ZooEntry("falcon", drop=("head_dim",)),
     "mamba-refused": ZooEntry("mamba", dict(state_size=4)),
+    # a sliding_window transformers' Llama ignores in its mask (while its cache would slide)
+    "llama-sliding-refused": ZooEntry("llama", dict(sliding_window=16)),
 }
 
 

@@ -14,6 +14,7 @@ import torch
 
 from batchgen.jobs.schema.constraints import StructuredOutput
 from batchgen.worker import Engine, SamplingParams
+from batchgen.worker.models import UnsupportedModelError
 from batchgen.worker.models.hf_backend import HfCausalLM
 from tests.family_parity import (
     LOGIT_ATOL,
@@ -28,13 +29,21 @@ from tests.test_model_families import TIGHT_BLOCKS
 BACKEND_ONLY = ["gptj", "opt", "gpt_bigcode", "persimmon", "olmo", "nemotron"]
 # native too; through the backend: every layer sliding (blocks released), local and global
 # layers with soft-caps (Gemma 2) or a rotary base each (Gemma 3), max_window_layers (Qwen2),
-# learned positions, a logit scale
-ALSO_NATIVE = ["mistral", "gemma2", "gemma3", "qwen2", "gpt2", "cohere"]
+# a logit scale
+ALSO_NATIVE = ["mistral", "gemma2", "gemma3", "qwen2", "cohere"]
 
 
 @pytest.mark.parametrize("name", BACKEND_ONLY)
 def test_auto_runs_it_through_the_backend_exactly(zoo_model, name):
     path = zoo_model(name)
+    assert isinstance(Engine.from_pretrained(path, num_kv_blocks=4).runner.model, HfCausalLM)
+    assert_matches_hf(path, VOCAB)
+
+
+def test_auto_runs_a_switch_the_native_family_refuses_through_the_backend(zoo_model):
+    path = zoo_model("gpt2-layer-scaled")  # GPT-2 with a scale per layer
+    with pytest.raises(UnsupportedModelError, match="scale_attn_by_inverse_layer_idx"):
+        Engine.from_pretrained(path, num_kv_blocks=4, model_impl="native")
     assert isinstance(Engine.from_pretrained(path, num_kv_blocks=4).runner.model, HfCausalLM)
     assert_matches_hf(path, VOCAB)
 

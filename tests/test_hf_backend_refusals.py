@@ -94,6 +94,14 @@ def test_state_space_model_is_refused(zoo_model):
     assert message.startswith("MambaForCausalLM cannot run: its layers 0, 1 are 'linear_attention'")
 
 
+def test_a_window_transformers_own_module_ignores_is_refused(zoo_model):
+    message = _refusal(zoo_model("llama-sliding-refused"), model_impl="transformers")
+    assert message == (
+        "layer 0 (LlamaAttention) has sliding_window=16 in its config, which transformers' own "
+        "LlamaAttention does not apply"
+    )
+
+
 def _rewrite_weights(src: Path, dst: Path, change) -> Path:
     from safetensors.torch import load_file, save_file
 

@@ -20,7 +20,7 @@ from batchgen.worker.engine_config import DTYPES, EngineConfig
 from batchgen.worker.models import CausalLM, UnsupportedModelError, build_model
 from batchgen.worker.models.hf_backend import HfCausalLM
 from batchgen.worker.models.hf_config import read_hf_config
-from batchgen.worker.models.registry import find_family, read_native_config
+from batchgen.worker.models.implementation import choose_implementation
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -93,20 +93,14 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     if not root.is_dir():
         raise UnsupportedModelError(f"model path {path} is not a directory")
     hf = read_hf_config(root)
-    native = config.model_impl == "native" or (
-        config.model_impl == "auto" and find_family(hf) is not None
-    )
     # what the config alone refuses is refused before the tokenizer and weights load
-    if native:
-        model_config = read_native_config(hf)
-        max_model_len = _max_model_len(config, model_config.max_position_embeddings)
-    else:
-        limit = HfCausalLM.check_config(hf.hf)[1] or config.max_model_len
-        if limit is None:
-            raise UnsupportedModelError(
-                f"{root / 'config.json'} gives no max_position_embeddings; set max_model_len"
-            )
-        max_model_len = _max_model_len(config, limit)
+    impl = choose_implementation(hf, config.model_impl)
+    limit = impl.max_positions or config.max_model_len
+    if limit is None:
+        raise UnsupportedModelError(
+            f"{root / 'config.json'} gives no max_position_embeddings; set max_model_len"
+        )
+    max_model_len = _max_model_len(config, limit)
     dev = pick_device(config.device)
     torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
     try:
@@ -118,8 +112,8 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
 
     ops = select_ops(dev, config.use_triton)
     model: CausalLM
-    if native:
-        model = build_model(root, model_config, dev, torch_dtype, ops, max_model_len)
+    if impl.native is not None:
+        model = build_model(root, impl.native, dev, torch_dtype, ops, max_model_len)
     else:
         model = HfCausalLM.load(root, hf.hf, ops, dev, torch_dtype)
     num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
@@ -132,7 +126,12 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     eos = eos_token_ids(root, hf.hf, tokenizer)
     graphs = None
     # graphs capture batchgen's own forward; transformers' modules may sync or branch on values
-    if config.use_cuda_graphs and dev.type == "cuda" and ops.name == "triton" and native:
+    if (
+        config.use_cuda_graphs
+        and dev.type == "cuda"
+        and ops.name == "triton"
+        and impl.native is not None
+    ):
         graphs = CudaGraphDecoder(
             model, kv_caches, min(max_num_seqs, 256), max_model_len, block_size, dev
         )

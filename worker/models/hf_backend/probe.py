@@ -69,8 +69,17 @@ def probe_layout(
     """Runs ``base_model`` once on two tokens and plans each attention layer.
 
     ``windows`` is the sliding window of each layer as the config says
-    (transformers' own reading of it); a window the module passes must agree.
+    (transformers' own reading of it); a window the module passes must agree,
+    and a layer the config makes slide must say so to its attention or its model
+    must build sliding masks: a config key transformers' class ignores (Llama
+    given a sliding_window) leaves transformers itself of two minds (a causal
+    mask over a cache that keeps only the window), with nothing exact to match.
     """
+    import inspect
+    import sys
+
+    source = inspect.getsource(sys.modules[type(base_model).__module__])
+    masks_slide = "create_sliding_window_causal_mask" in source
     recorder = _Recorder()
     ids = torch.zeros((1, 2), dtype=torch.long, device=device)
     positions = torch.arange(2, device=device)[None]
@@ -112,14 +121,19 @@ def probe_layout(
             f"{name}'s values ({hv} heads of {dv}) are not shaped like its keys ({hk} of {dk})"
         )
     layers = {
-        module: _plan(i, module, kwargs, windows[i], dk)
+        module: _plan(i, module, kwargs, windows[i], dk, masks_slide)
         for i, (module, _, _, kwargs) in enumerate(calls)
     }
     return ProbedLayout(layers=layers, num_kv_heads=hk, head_dim=dk)
 
 
 def _plan(
-    index: int, module: torch.nn.Module, kwargs: dict[str, Any], window: int | None, head_dim: int
+    index: int,
+    module: torch.nn.Module,
+    kwargs: dict[str, Any],
+    window: int | None,
+    head_dim: int,
+    masks_slide: bool,
 ) -> LayerPlan:
     what = f"layer {index} ({type(module).__name__})"
     if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
@@ -130,6 +144,11 @@ def _plan(
     if passed is not None and passed != window:
         raise UnsupportedModelError(
             f"{what} passes sliding_window={passed} but its config gives it {window}"
+        )
+    if window is not None and passed is None and not masks_slide:
+        raise UnsupportedModelError(
+            f"{what} has sliding_window={window} in its config, which transformers' own "
+            f"{type(module).__name__} does not apply"
         )
     unknown = sorted(
         k for k, v in kwargs.items()
