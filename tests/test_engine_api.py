@@ -196,14 +196,14 @@ def test_loading_errors_name_the_problem(tmp_path, toy_model):
     config["architectures"] = ["GPT2LMHeadModel"]
     config["model_type"] = "gpt2"
     (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(
-        UnsupportedModelError, match=r"architecture GPT2LMHeadModel .* is not supported"
-    ):
+    native = r"sets .*, which batchgen's native gpt2 implementation does not read"
+    with pytest.raises(UnsupportedModelError, match=native):
         Engine.from_pretrained(bad, model_impl="native")
-    # auto takes it to the transformers backend, which finds Llama's tensors, not GPT-2's
+    # auto falls back to the transformers backend, which finds Llama's tensors, not GPT-2's
     with pytest.raises(
         UnsupportedModelError,
-        match=r"lacks 'lm_head.weight', .* never reads: 'model.embed_tokens.weight'",
+        match=native + r".*; through transformers: checkpoint .* lacks 'lm_head.weight', .* "
+        r"never reads: 'model.embed_tokens.weight'",
     ):
         Engine.from_pretrained(bad)
     noweights = tmp_path / "noweights"

@@ -106,6 +106,25 @@ def test_backend_on_llama_gives_the_native_engines_tokens(zoo_model):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("name", ["gptj", "gemma2"])
+def test_the_backend_on_the_triton_kernels_equals_the_cpu_path(zoo_model, name):
+    """Triton under the interpreter; Gemma 2: local/global layers with soft-capping."""
+    path = zoo_model(name)
+    engines = [
+        Engine.from_pretrained(path, num_kv_blocks=16, use_triton=flag, max_num_batched_tokens=24,
+                               model_impl="transformers")
+        for flag in (True, False)
+    ]  # fmt: skip
+    assert [e.runner.model.ops.name for e in engines] == ["triton", "cpu"]
+    (tokens,) = random_prompts(VOCAB, (40,), seed=8)  # two chunks, past the window of 16
+    got, expected = (engine_prompt_logits(e, tokens)[0] for e in engines)
+    torch.testing.assert_close(got, expected, atol=LOGIT_ATOL, rtol=0)
+    prompts = random_prompts(VOCAB, (7, 30), seed=9)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    triton, cpu = ([o.token_ids for o in e.generate(prompts, params)] for e in engines)
+    assert triton == cpu
+
+
 def test_logprobs_are_hfs_log_softmax(zoo_model):
     path = zoo_model("opt")
     engine = Engine.from_pretrained(path, num_kv_blocks=64)

@@ -61,6 +61,23 @@ def test_encoder_decoder_is_refused(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"add_cross_attention": True}, "GPT2LMHeadModel has cross-attention layers"),
+        ({"use_bidirectional_attention": True}, "GPT2LMHeadModel attends bidirectionally"),
+        ({"quantization_config": {"quant_method": "fp8"}},
+         "GPT2LMHeadModel is a quantized checkpoint"),
+    ],
+)  # fmt: skip
+def test_switches_outside_the_modules_are_refused(tmp_path, config, message):
+    from transformers import GPT2Config
+
+    path = _config_only(tmp_path, GPT2Config(n_embd=64, n_layer=2, n_head=4, **config),
+                        "GPT2LMHeadModel")  # fmt: skip
+    assert _refusal(path, model_impl="transformers").startswith(message)
+
+
 def test_remote_code_is_refused(tmp_path):
     from transformers import GPTNeoXConfig
 
@@ -140,9 +157,12 @@ def test_native_asked_for_an_architecture_batchgen_has_no_code_for(zoo_model):
 class _Attention(torch.nn.Module):
     """A layer that attends through the registry with the arguments it is given."""
 
-    def __init__(self, calls: bool = True, mask: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, calls: bool = True, mask: bool = False, v_dim: int = 4, **kwargs: Any
+    ) -> None:
         super().__init__()
         self.calls, self.mask, self.kwargs, self.is_causal = calls, mask, kwargs, True
+        self.v_dim = v_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.calls:  # a layer that keeps to itself (a recurrent mixer, say)
@@ -152,8 +172,9 @@ class _Attention(torch.nn.Module):
         )
 
         q = x.view(1, x.shape[1], 2, 4).transpose(1, 2)
+        v = x.view(1, x.shape[1], -1, self.v_dim).transpose(1, 2)
         mask = torch.zeros(1, 1, x.shape[1], x.shape[1]) if self.mask else None
-        out, _ = paged_attention_forward(self, q, q, q, mask, scaling=0.5, **self.kwargs)
+        out, _ = paged_attention_forward(self, q, q, v, mask, scaling=0.5, **self.kwargs)
         return out.reshape(1, x.shape[1], 8)
 
 
@@ -178,6 +199,10 @@ class _Base(torch.nn.Module):
          "layer 0 (_Attention) passes alibi_slopes to its attention, which batchgen's paged "
          "attention does not honour"),
         ((_Attention(mask=True),), "_Attention receives an attention mask its model built itself"),
+        ((_Attention(s_aux=torch.zeros(2)),),
+         "layer 0 (_Attention) passes s_aux to its attention, which batchgen's paged attention "
+         "does not honour"),
+        ((_Attention(v_dim=2),), "_Base's values (4 heads of 2) are not shaped like its keys"),
         ((_Attention(sliding_window=8),),
          "layer 0 (_Attention) passes sliding_window=8 but its config gives it None"),
     ],

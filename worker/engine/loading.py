@@ -115,7 +115,10 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     if impl.native is not None:
         model = build_model(root, impl.native, dev, torch_dtype, ops, max_model_len)
     else:
-        model = HfCausalLM.load(root, hf.hf, ops, dev, torch_dtype)
+        try:
+            model = HfCausalLM.load(root, hf.hf, ops, dev, torch_dtype)
+        except UnsupportedModelError as exc:
+            raise impl.refusal(exc) from exc
     num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
         model.config, block_size, torch_dtype, dev, config.kv_cache_bytes,
         config.gpu_memory_utilization,

@@ -25,6 +25,14 @@ log = logging.getLogger(__name__)
 class Implementation:
     native: ModelConfig | None  # None: the transformers backend runs it
     max_positions: int | None  # the longest context that runs exactly; None: unknown
+    # why the native family that reads the architecture refused it (auto fell back)
+    native_refusal: str | None = None
+
+    def refusal(self, backend: UnsupportedModelError) -> UnsupportedModelError:
+        """The backend's refusal at load, after the native one when auto fell back."""
+        if self.native_refusal is None:
+            return backend
+        return UnsupportedModelError(f"{self.native_refusal}; through transformers: {backend}")
 
 
 def choose_implementation(hf: HFConfig, model_impl: str) -> Implementation:
@@ -36,7 +44,7 @@ def choose_implementation(hf: HFConfig, model_impl: str) -> Implementation:
             if model_impl == "native":
                 raise
             try:
-                backend = _backend(hf)
+                backend = _backend(hf, str(refusal))
             except UnsupportedModelError as also:
                 raise UnsupportedModelError(f"{refusal}; through transformers: {also}") from also
             log.info("%s; transformers' own modules run it instead (the backend)", refusal)
@@ -44,5 +52,5 @@ def choose_implementation(hf: HFConfig, model_impl: str) -> Implementation:
     return _backend(hf)
 
 
-def _backend(hf: HFConfig) -> Implementation:
-    return Implementation(None, HfCausalLM.check_config(hf.hf)[1])
+def _backend(hf: HFConfig, native_refusal: str | None = None) -> Implementation:
+    return Implementation(None, HfCausalLM.check_config(hf.hf)[1], native_refusal)
