@@ -22,7 +22,7 @@ from tests.family_parity import (
     engine_prompt_logits,
     random_prompts,
 )
-from tests.hf_reference import hf_logits
+from tests.hf_reference import hf_last_hidden_state, hf_logits
 from tests.model_zoo import VOCAB
 from tests.test_model_families import TIGHT_BLOCKS
 
@@ -123,6 +123,18 @@ def test_the_backend_on_the_triton_kernels_equals_the_cpu_path(zoo_model, name):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     triton, cpu = ([o.token_ids for o in e.generate(prompts, params)] for e in engines)
     assert triton == cpu
+
+
+def test_an_embedding_is_the_models_last_hidden_state(zoo_model):
+    """OPT projects its last hidden state to a smaller width (32 of 64): that is the vector
+    (last-token pooling, normalised, the default)."""
+    path = zoo_model("opt")
+    engine = Engine.from_pretrained(path, num_kv_blocks=16)
+    assert engine.runner.model.config.hidden_size == 32
+    tokens = [5, 6, 7, 8]
+    (vector,) = engine.embed([tokens])
+    expected = torch.nn.functional.normalize(hf_last_hidden_state(path, tokens)[-1], dim=0)
+    torch.testing.assert_close(torch.tensor(vector), expected, atol=1e-5, rtol=0)
 
 
 def test_logprobs_are_hfs_log_softmax(zoo_model):

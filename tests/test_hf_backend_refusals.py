@@ -221,7 +221,7 @@ def test_the_probe_plans_each_layer_by_its_arguments():
 
     first, second = _Attention(softcap=30.0), _Attention(sliding_window=16)
     layout = probe_layout(_Base(first, second), 2, [None, 16], torch.device("cpu"))
-    assert (layout.num_kv_heads, layout.head_dim) == (2, 4)
+    assert (layout.num_kv_heads, layout.head_dim, layout.hidden_size) == (2, 4, 8)
     assert layout.layers[first].index == 0 and layout.layers[second].index == 1
     assert layout.layers[first].kind == AttentionKind(scale=0.5, softcap=30.0)
     assert layout.layers[second].kind == AttentionKind(scale=0.5, window=16)

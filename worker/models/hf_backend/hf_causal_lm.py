@@ -179,7 +179,7 @@ class HfCausalLM:
             raise UnsupportedModelError(f"{name} has no output embeddings (LM head)")
         config = BackendConfig(
             architecture=name, vocab_size=int(lm_head.weight.shape[0]),
-            hidden_size=int(hf_config.hidden_size), num_layers=len(windows),
+            hidden_size=layout.hidden_size, num_layers=len(windows),
             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, windows=tuple(windows),
             keeps_state=states is not None,
         )  # fmt: skip

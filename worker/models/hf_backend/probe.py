@@ -45,6 +45,7 @@ class ProbedLayout:
     layers: dict[torch.nn.Module, LayerPlan]  # keyed by the attention module
     num_kv_heads: int
     head_dim: int
+    hidden_size: int  # of the base model's output (OPT projects it below its own width)
 
 
 class _Recorder:
@@ -86,7 +87,7 @@ def probe_layout(
     token = ACTIVE.set(recorder)
     try:
         with torch.inference_mode():
-            base_model(input_ids=ids, position_ids=positions, use_cache=False)
+            out = base_model(input_ids=ids, position_ids=positions, use_cache=False)
     except UnsupportedModelError:
         raise
     except Exception as exc:  # the model's own code failed with our attention: say so
@@ -124,7 +125,8 @@ def probe_layout(
         module: _plan(i, module, kwargs, windows[i], dk, masks_slide)
         for i, (module, _, _, kwargs) in enumerate(calls)
     }
-    return ProbedLayout(layers=layers, num_kv_heads=hk, head_dim=dk)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+    return ProbedLayout(layers=layers, num_kv_heads=hk, head_dim=dk, hidden_size=hidden.shape[-1])
 
 
 def _plan(
