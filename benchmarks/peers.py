@@ -57,9 +57,14 @@ def run_batchgen_transformers(path: Path, wl: Workload, **engine_kwargs: Any) ->
 def _hf_model(path: Path, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn
+        )
+    except ValueError:  # no SDPA for this architecture (Gemma 2's soft-capping): eager
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        )
     model.eval()
     model.generation_config.eos_token_id = None  # EOS off: else generate fills in the config's
     return model

@@ -21,6 +21,8 @@ from batchgen.kernels.cpu.decode_native import KernelDecode
 from tests.test_kernels_cpu import attention_by_loops
 
 WINDOW, SOFTCAP, BLOCK = 20, 3.0, 8
+# the Triton kernels run compiled on a GPU, through the interpreter elsewhere
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONTEXTS = [70, 33, 21, 20, 9, 1]  # longest first; longer and shorter than the window
 
 
@@ -107,10 +109,11 @@ def test_triton_decode_windowed_and_capped(softcap, num_splits):
     k_cache, v_cache, tables, dense_kv = _paged(CONTEXTS, [1] * len(CONTEXTS))
     q = torch.randn(len(CONTEXTS), 4, 16)
     lens = torch.tensor(CONTEXTS, dtype=torch.int32)
+    q_, k_, v_, tables_, lens_ = (t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens))
     out = decode_attention(
-        q, k_cache, v_cache, tables, lens, 0.4, max(CONTEXTS), window=WINDOW, softcap=softcap,
+        q_, k_, v_, tables_, lens_, 0.4, max(CONTEXTS), window=WINDOW, softcap=softcap,
         num_splits=num_splits, tile_size=16,
-    )  # fmt: skip
+    ).cpu()  # fmt: skip
     _check(out, q, list(range(len(CONTEXTS) + 1)), dense_kv, 0.4, WINDOW, softcap, tol=2e-5)
 
 
@@ -125,9 +128,12 @@ def test_triton_prefill_windowed_and_capped(softcap):
     for n in q_lens:
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], 4, 16)
+    lens, locs = torch.tensor(contexts, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
+    q_, k_, v_, tables_, lens_, locs_ = (
+        t.to(DEVICE) for t in (q, k_cache, v_cache, tables, lens, locs)
+    )
     out = prefill_attention(
-        q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32),
-        torch.tensor(starts, dtype=torch.int32), 1 / math.sqrt(16), max(q_lens), max(contexts),
+        q_, k_, v_, tables_, lens_, locs_, 1 / math.sqrt(16), max(q_lens), max(contexts),
         window=WINDOW, softcap=softcap, block_m=16, tile_size=16,
-    )  # fmt: skip
+    ).cpu()  # fmt: skip
     _check(out, q, starts, dense_kv, 1 / math.sqrt(16), WINDOW, softcap, tol=2e-5)

@@ -67,3 +67,13 @@ def test_null_switches_and_bookkeeping_keys_load(zoo_model, tmp_path):
     _edit_config(path, sliding_window=None, rope_scaling=None, initializer_range=0.5,
                  auto_map={"AutoModelForCausalLM": "x.Y"})  # fmt: skip
     Engine.from_pretrained(path, num_kv_blocks=8)
+
+
+def test_a_qwen2_5_config_with_its_window_switched_off_loads_without_windows(zoo_model, tmp_path):
+    """Qwen2.5 ships sliding_window 32768 with use_sliding_window false: transformers
+    attends to everything, and so does batchgen (the keys are read, not refused)."""
+    path = _copy(zoo_model, tmp_path, "qwen2")
+    _edit_config(path, use_sliding_window=False, sliding_window=32768, max_window_layers=28,
+                 layer_types=None)  # fmt: skip
+    engine = Engine.from_pretrained(path, num_kv_blocks=8)
+    assert engine.runner.model.config.windows == (None, None, None)

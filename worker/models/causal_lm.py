@@ -24,6 +24,8 @@ class ModelShape(Protocol):
     @property
     def head_dim(self) -> int: ...
     @property
+    def windows(self) -> tuple[int | None, ...]: ...  # each KV layer's sliding window
+    @property
     def release_window(self) -> int | None: ...  # see model_config.release_window
 
 

@@ -11,12 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from batchgen.worker.models.decoder import DecoderLayer, DecoderWeights
 from batchgen.worker.models.mlp import DenseMlp
-from batchgen.worker.models.model_config import BlockKind, ModelConfig, NormSpec, QKNormScope
+from batchgen.worker.models.model_config import (
+    BlockKind,
+    MlpKind,
+    ModelConfig,
+    NormSpec,
+    QKNormScope,
+)
 from batchgen.worker.models.norms import Norm
 from batchgen.worker.models.self_attention import SelfAttention
 from batchgen.worker.models.tensor_store import TensorStore
@@ -56,10 +63,24 @@ class CheckpointLayout:
     rope_interleaved: bool = False  # rotary pairs (2i, 2i+1) rather than (i, i + d/2)
 
 
-def read_dense(store: TensorStore, config: ModelConfig, layout: CheckpointLayout) -> DecoderWeights:
-    reader = _Reader(store, config, layout)
+# (store, config, layer prefix, layer index) -> that layer's block, for the layers a
+# family builds itself: an MoE family's expert MLPs, MLA attention
+BlockReader = Callable[[TensorStore, ModelConfig, str, int], Any]
+
+
+def read_dense(
+    store: TensorStore,
+    config: ModelConfig,
+    layout: CheckpointLayout,
+    *,
+    mlp: BlockReader | None = None,
+    attention: BlockReader | None = None,
+) -> DecoderWeights:
+    """Every tensor of the layout; ``mlp`` builds the MLP of each layer whose
+    ``LayerSpec.mlp`` is not dense, ``attention`` every layer's attention."""
+    reader = _Reader(store, config, layout, mlp, attention)
     layers = [
-        reader.layer(f"{layout.prefix}{layout.layers}.{i}.") for i in range(config.num_layers)
+        reader.layer(f"{layout.prefix}{layout.layers}.{i}.", i) for i in range(config.num_layers)
     ]
     embed = store.take(f"{layout.prefix}{layout.embed}.weight")
     position_embed = None
@@ -83,6 +104,8 @@ class _Reader:
     store: TensorStore
     config: ModelConfig
     layout: CheckpointLayout
+    mlp_reader: BlockReader | None = None
+    attention_reader: BlockReader | None = None
 
     def linear(self, name: str, bias: bool) -> Linear:
         return self.fused([name], bias)
@@ -99,21 +122,17 @@ class _Reader:
         weight = (weight + self.layout.norm_offset).to(self.store.dtype)
         return Norm(spec, weight, self.store.take_if(spec.bias, f"{name}.bias"))
 
-    def layer(self, p: str) -> DecoderLayer:
+    def layer(self, p: str, i: int) -> DecoderLayer:
         cfg, lay, block = self.config, self.layout, self.config.block
-        a = cfg.attention
-        attention = SelfAttention(a, self.qkv(p), self.linear(p + lay.o, a.o_bias))
-        if a.qk_norm is not None:
-            attention.q_norm = self.qk_norm(p + lay.q_norm, a.num_heads)
-            attention.k_norm = self.qk_norm(p + lay.k_norm, a.num_kv_heads)
-        m = cfg.mlp
-        if m.gated and lay.gate_up is not None:
-            up = self.linear(p + lay.gate_up, m.bias)
-        elif m.gated:
-            up = self.fused([p + lay.gate, p + lay.up], m.bias)
+        if self.attention_reader is not None:
+            attention = self.attention_reader(self.store, cfg, p, i)
         else:
-            up = self.linear(p + lay.up, m.bias)
-        mlp = DenseMlp(m, up, self.linear(p + lay.down, m.bias))
+            attention = self.self_attention(p)
+        if cfg.layers[i].mlp is MlpKind.DENSE:
+            mlp = self.dense_mlp(p)
+        else:
+            assert self.mlp_reader is not None, f"no reader for {cfg.layers[i].mlp} MLPs"
+            mlp = self.mlp_reader(self.store, cfg, p, i)
         pre, post = block.pre_norms, block.post_norms
         shared = block.kind is BlockKind.PARALLEL and block.shared_norm
         return DecoderLayer(
@@ -124,6 +143,24 @@ class _Reader:
             post_attn_norm=self.norm(p + lay.post_attn_norm, cfg.norm) if post else None,
             post_mlp_norm=self.norm(p + lay.post_mlp_norm, cfg.norm) if post else None,
         )
+
+    def self_attention(self, p: str) -> SelfAttention:
+        a, lay = self.config.attention, self.layout
+        attention = SelfAttention(a, self.qkv(p), self.linear(p + lay.o, a.o_bias))
+        if a.qk_norm is not None:
+            attention.q_norm = self.qk_norm(p + lay.q_norm, a.num_heads)
+            attention.k_norm = self.qk_norm(p + lay.k_norm, a.num_kv_heads)
+        return attention
+
+    def dense_mlp(self, p: str) -> DenseMlp:
+        m, lay = self.config.mlp, self.layout
+        if m.gated and lay.gate_up is not None:
+            up = self.linear(p + lay.gate_up, m.bias)
+        elif m.gated:
+            up = self.fused([p + lay.gate, p + lay.up], m.bias)
+        else:
+            up = self.linear(p + lay.up, m.bias)
+        return DenseMlp(m, up, self.linear(p + lay.down, m.bias))
 
     def qkv(self, p: str) -> Linear:
         a, lay = self.config.attention, self.layout
