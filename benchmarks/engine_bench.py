@@ -2,13 +2,16 @@
 
     python benchmarks/engine_bench.py                 # tiny (N=64) and small (N=32), all peers
     python benchmarks/engine_bench.py --sizes tiny --peers batchgen,hf-continuous
+    python benchmarks/engine_bench.py --sizes tiny --peers batchgen,batchgen-transformers
 
 Workload "mixed" (seeded): prompts uniform 16..256 tokens, outputs 70% uniform
 16..64 and 30% uniform 256..512, random token ids, greedy, EOS off. Peers: HF
 generate on static batches of 16 (left padding), HF continuous batching with a
-length per request, batchgen. Also: a shared-prefix workload (512-token common
-prefix) with prefix caching on and off, and batchgen's per-step CPU overhead
-with the model taken out. Every system runs in its own process (peak RSS is
+length per request, batchgen, and batchgen-transformers (batchgen's engine on
+transformers' own modules, the backend for architectures batchgen has no code
+for: beside batchgen it measures what the backend costs). Also: a
+shared-prefix workload (512-token common prefix) with prefix caching on and
+off, and batchgen's per-step CPU overhead with the model taken out. Every system runs in its own process (peak RSS is
 its own) under torch.inference_mode; the machine should be otherwise idle.
 Every process gets OMP_WAIT_POLICY=PASSIVE unless the environment sets it
 (--omp-wait-policy unset leaves libgomp's default): on a machine shared with
@@ -52,7 +55,7 @@ def child(args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     wl = WORKLOADS[args.workload](args.num_requests, args.vocab)
-    kwargs = json.loads(args.engine_kwargs) if args.peer == "batchgen" else {}
+    kwargs = json.loads(args.engine_kwargs) if args.peer.startswith("batchgen") else {}
     with torch.inference_mode():
         result = PEERS[args.peer](Path(args.model), wl, **kwargs)
     ids = result.pop("token_ids")

@@ -19,6 +19,7 @@ from benchmarks.workloads import Workload
 def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, Any]:
     """Also times the run's matmuls alone (benchmarks/matmul_floor.py), after the run."""
     from batchgen.worker import Engine, SamplingParams
+    from batchgen.worker.models.hf_backend import HfCausalLM
     from benchmarks.matmul_floor import matmul_floor_s, record_step_shapes
 
     engine = Engine.from_pretrained(path, **engine_kwargs)
@@ -32,7 +33,9 @@ def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, An
     outputs = engine.generate(wl.prompts, params)
     wall = time.perf_counter() - start
     stats = engine.stats()
-    floor = matmul_floor_s(engine.runner.model, shapes)
+    model = engine.runner.model
+    # the floor is timed on batchgen's own weights (None for MoE); the backend has none
+    floor = None if isinstance(model, HfCausalLM) else matmul_floor_s(model, shapes)
     return {
         "wall_s": wall,
         **({} if floor is None else {"matmul_floor_s": floor}),
@@ -42,6 +45,11 @@ def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, An
         "prefix_cache_hit_rate": round(stats.prefix_cache_hit_rate, 3),
         "token_ids": [o.token_ids for o in outputs],
     }
+
+
+def run_batchgen_transformers(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, Any]:
+    """batchgen's engine on transformers' own modules (``model_impl="transformers"``)."""
+    return run_batchgen(path, wl, **engine_kwargs, model_impl="transformers")
 
 
 def _hf_model(path: Path, attn: str = "sdpa"):
@@ -130,6 +138,7 @@ def run_hf_continuous(path: Path, wl: Workload, block_size: int = 16) -> dict[st
 
 PEERS: dict[str, Callable[..., dict[str, Any]]] = {
     "batchgen": run_batchgen,
+    "batchgen-transformers": run_batchgen_transformers,
     "hf-static": run_hf_static,
     "hf-continuous": run_hf_continuous,
 }

@@ -51,6 +51,15 @@ class ZooEntry:
         return {**small, **self.config}
 
 
+# gated DeltaNet sizes (the defaults are a real model's: 16 and 32 heads of 128)
+TINY_DELTANET: dict[str, Any] = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+
+
 def _rope(theta: float = 10000.0, **extra: Any) -> dict[str, Any]:
     return {"rope_type": "default", "rope_theta": theta, **extra}
 
@@ -228,6 +237,50 @@ ZOO: dict[str, ZooEntry] = {
         norm_topk_prob=True, rope_interleave=True,
         rope_parameters=_yarn(10000.0, mscale=1.0, mscale_all_dim=1.0),
     )),
+    # run by the transformers backend (worker/models/hf_backend/): batchgen has no code of
+    # its own for these; each with the switches that set it apart turned on
+    # partial rotary on interleaved pairs
+    "gptj": ZooEntry("gptj", dict(n_inner=128, rotary_dim=8), drop=("num_key_value_heads",)),
+    # learned positions (offset 2), embeddings projected to and from a smaller width
+    "opt": ZooEntry("opt", dict(ffn_dim=128, word_embed_proj_dim=32)),
+    # multi-query attention: one K/V head
+    "gpt_bigcode": ZooEntry(
+        "gpt_bigcode", dict(n_inner=128, multi_query=True), drop=("num_key_value_heads",)
+    ),
+    # per-head q/k LayerNorm, partial rotary, squared ReLU
+    "persimmon": ZooEntry(
+        "persimmon",
+        dict(
+            qk_layernorm=True, hidden_act="relu2", rope_parameters=_rope(partial_rotary_factor=0.5)
+        ),
+    ),
+    "olmo": ZooEntry("olmo", dict(clip_qkv=2.0)),  # non-parametric LayerNorm, q/k/v clipped
+    "nemotron": ZooEntry("nemotron", dict(rope_parameters=_rope(partial_rotary_factor=0.5))),
+    # a switch the native GPT-2 refuses: auto runs it through the backend instead
+    "gpt2-layer-scaled": ZooEntry(
+        "gpt2",
+        dict(n_inner=128, activation_function="gelu_new", scale_attn_by_inverse_layer_idx=True),
+        drop=("num_key_value_heads", "head_dim", "intermediate_size"),
+    ),
+    # hybrids: gated DeltaNet layers (a recurrent state per sequence) before a full-attention
+    # layer with a gated output, q/k norms and partial rotary; Qwen3-Next's MLP is MoE
+    "qwen3_5": ZooEntry("qwen3_5_text", dict(num_hidden_layers=4, **TINY_DELTANET)),
+    "qwen3_next": ZooEntry(
+        "qwen3_next",
+        dict(
+            num_hidden_layers=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            **TINY_DELTANET,
+        ),
+    ),
+    # refused by the backend: attention outside transformers' registry; a state-space model
+    "falcon-refused": ZooEntry("falcon", drop=("head_dim",)),
+    "mamba-refused": ZooEntry("mamba", dict(state_size=4)),
+    # a sliding_window transformers' Llama ignores in its mask (while its cache would slide)
+    "llama-sliding-refused": ZooEntry("llama", dict(sliding_window=16)),
 }  # fmt: skip
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
 

@@ -285,7 +285,7 @@ def test_the_compose_block_matches_the_compose_file(tmp_path: Path):
 
 
 BENCHMARK_BLOCKS = ["bench-engine", "bench-embed", "bench-pipeline", "bench-cache",
-                    "bench-tables", "bench-serve", "gpu-check", "soak", "bench-moe"]  # fmt: skip
+                    "bench-tables", "bench-serve", "gpu-check", "soak", "bench-moe", "bench-backend"]  # fmt: skip
 PARSE_ONLY = """
 import argparse, json, runpy, sys
 class Parsed(Exception):

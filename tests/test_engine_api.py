@@ -198,7 +198,29 @@ def test_loading_errors_name_the_problem(tmp_path, toy_model):
     with pytest.raises(
         UnsupportedModelError, match=r"architecture NoSuchModelForCausalLM .* is not supported"
     ):
+        Engine.from_pretrained(bad, model_impl="native")
+    with pytest.raises(  # auto: nor does transformers build such a class for model_type llama
+        UnsupportedModelError,
+        match=r"^NoSuchModelForCausalLM is not the causal LM transformers builds for model_type "
+        r"'llama' \(LlamaForCausalLM\)$",
+    ):
         Engine.from_pretrained(bad)
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(src, gpt2)
+    config = json.loads((gpt2 / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    config["model_type"] = "gpt2"
+    (gpt2 / "config.json").write_text(json.dumps(config))
+    native = r"sets .*, which batchgen's native gpt2 implementation does not read"
+    with pytest.raises(UnsupportedModelError, match=native):
+        Engine.from_pretrained(gpt2, model_impl="native")
+    # auto falls back to the transformers backend, which finds Llama's tensors, not GPT-2's
+    with pytest.raises(
+        UnsupportedModelError,
+        match=native + r".*; through transformers: checkpoint .* lacks 'lm_head.weight', .* "
+        r"never reads: 'model.embed_tokens.weight'",
+    ):
+        Engine.from_pretrained(gpt2)
     noweights = tmp_path / "noweights"
     shutil.copytree(src, noweights)
     (noweights / "model.safetensors").unlink()

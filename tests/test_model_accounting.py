@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -43,7 +44,8 @@ def test_a_switch_nobody_reads_is_refused_by_name(zoo_model, tmp_path):
     path = _copy(zoo_model, tmp_path)
     _edit_config(path, attention_sink_tokens=4)
     with pytest.raises(UnsupportedModelError, match=r"sets attention_sink_tokens, which"):
-        Engine.from_pretrained(path, num_kv_blocks=8)
+        Engine.from_pretrained(path, num_kv_blocks=8, model_impl="native")
+    # auto: transformers' own Llama, which reads no such key either, runs it (the backend)
 
 
 def test_a_switch_llama_code_does_not_have_is_refused(zoo_model, tmp_path):
@@ -76,3 +78,25 @@ def test_a_qwen2_5_config_with_its_window_switched_off_loads_without_windows(zoo
                  layer_types=None)  # fmt: skip
     engine = Engine.from_pretrained(path, num_kv_blocks=8)
     assert engine.runner.model.config.windows == (None, None, None)
+
+
+def test_the_docs_and_readme_name_every_native_architecture_and_only_those():
+    """docs/models.md's "native" rows and the README's count are the registry's families."""
+    import re
+
+    from batchgen.worker.models.registry import native_architectures
+
+    repo = Path(__file__).resolve().parents[1]
+    rows = [line for line in (repo / "docs" / "models.md").read_text().splitlines()
+            if line.startswith("| ") and "| native" in line]  # fmt: skip
+    documented = sorted(
+        {
+            name
+            for row in rows
+            for name in re.findall(r"\b\w+ForCausalLM\b|GPT2LMHeadModel", row.split("|")[1])
+        }
+    )
+    assert documented == native_architectures()
+    count = re.search(r"(\d+)\s+architectures run on batchgen's own decoder",
+                      " ".join((repo / "README.md").read_text().split()))  # fmt: skip
+    assert count is not None and int(count.group(1)) == len(native_architectures())

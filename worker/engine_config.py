@@ -17,6 +17,8 @@ from typing import Any
 from batchgen.jobs.schema.errors import UsageError
 
 DTYPES = ("float32", "bfloat16", "float16")
+# auto: batchgen's own code when it has the architecture, else transformers' modules
+MODEL_IMPLS = ("auto", "native", "transformers")
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 
 
@@ -35,7 +37,10 @@ class EngineConfig:
     default 4096 on CUDA, 2048 on CPU). On CUDA the Triton kernels run
     (``use_triton=False``: the CPU path's torch ops) and decode steps replay
     CUDA graphs (``use_cuda_graphs=False`` turns that off). ``seed`` seeds
-    the draws of requests without their own."""
+    the draws of requests without their own. ``model_impl``: "native" runs
+    batchgen's own model code, "transformers" the checkpoint's transformers
+    modules with batchgen's paged attention, "auto" native when batchgen has
+    the architecture, else transformers."""
 
     device: str | None = None
     dtype: str | None = None
@@ -50,6 +55,7 @@ class EngineConfig:
     use_triton: bool | None = None  # default: on CUDA
     use_cuda_graphs: bool = True
     seed: int | None = None
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):
@@ -68,6 +74,10 @@ class EngineConfig:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InvalidEngineConfig(
                 f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        if self.model_impl not in MODEL_IMPLS:
+            raise InvalidEngineConfig(
+                f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}"
             )
         utilization = self.gpu_memory_utilization
         if not (_is_number(utilization) and 0 < utilization <= 1):

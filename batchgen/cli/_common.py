@@ -23,6 +23,17 @@ def redis_option(func: Callable[..., Any]) -> Callable[..., Any]:
                         callback=_hide_password)(func)  # fmt: skip
 
 
+def model_impl_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    from batchgen.worker.engine_config import MODEL_IMPLS
+
+    return click.option(
+        "--model-impl", type=click.Choice(MODEL_IMPLS), default="auto", show_default=True,
+        help="native: batchgen's own model code; transformers: the checkpoint's transformers "
+        "modules with batchgen's paged attention; auto: native when batchgen has the "
+        "architecture, else transformers.",
+    )(func)  # fmt: skip
+
+
 def _hide_password(_ctx: click.Context, _param: click.Parameter, url: str | None) -> str | None:
     """Others can read our command line (ps) for as long as a worker runs: blank the password."""
     if url:

@@ -11,6 +11,7 @@ import click
 from batchgen.cli._common import (
     connect,
     handles_errors,
+    model_impl_option,
     progress_bar,
     redis_option,
     sampling_options,
@@ -38,13 +39,15 @@ if TYPE_CHECKING:
 @click.option("--device", default=None, help="cpu, cuda, ... (default: the engine's choice).")
 @click.option("--max-num-seqs", type=int, default=256, show_default=True)
 @click.option("--num-kv-blocks", type=int, default=None)
+@model_impl_option
 @click.option("--job-id", default=None, help="Name the job (re-running it resumes it).")
 @click.option("--skip-invalid", is_flag=True, help="Run the valid lines; report the others.")
 @redis_option
 @handles_errors
 def run(
     prompts: str, model: str, dest: str, job_output: str | None, defaults: dict[str, Any],
-    table: TableSpec, device: str | None, max_num_seqs: int, num_kv_blocks: int | None, job_id: str | None,
+    table: TableSpec, device: str | None, max_num_seqs: int, num_kv_blocks: int | None,
+    model_impl: str, job_id: str | None,
     skip_invalid: bool, redis_url: str | None,
 ) -> None:  # fmt: skip
     """Generate for every line (or table row) of PROMPTS and write OUTPUT, all in this
@@ -67,8 +70,9 @@ def run(
     from batchgen.worker.loop.queue_loop import QueueLoop
 
     engine_config = EngineConfig(
-        device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks
-    )
+        device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
+        model_impl=model_impl,
+    )  # fmt: skip
     job_id = check_job_id(job_id) if job_id else new_job_id()
     conn, keys, target = connect(redis_url)
     result = submit(

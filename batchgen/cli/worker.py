@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from batchgen.cli._common import connect, handles_errors, redis_option
+from batchgen.cli._common import connect, handles_errors, model_impl_option, redis_option
 
 
 @click.command("worker")
@@ -30,6 +30,7 @@ from batchgen.cli._common import connect, handles_errors, redis_option
     "--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)."
 )
 @click.option("--max-model-len", type=int, default=None, help="Cap the context length.")
+@model_impl_option
 @click.option(
     "--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port."
 )
@@ -43,7 +44,7 @@ from batchgen.cli._common import connect, handles_errors, redis_option
 @handles_errors
 def worker(
     model: str, gpus: str | None, device: str | None, workers: int | None, burst: bool,
-    max_num_seqs: int, num_kv_blocks: int | None, max_model_len: int | None,
+    max_num_seqs: int, num_kv_blocks: int | None, max_model_len: int | None, model_impl: str,
     metrics_port: int | None, claim_timeout: float, max_attempts: int, drain_timeout: float,
     redis_url: str | None,
 ) -> None:  # fmt: skip
@@ -65,7 +66,7 @@ def worker(
     plan = plan_children(gpus, device, workers)
     engine = EngineConfig(
         device=plan[0]["device"], max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
-        max_model_len=max_model_len,
+        max_model_len=max_model_len, model_impl=model_impl,
     )  # fmt: skip
     conn, _, target = connect(redis_url)
     base = LoopConfig(

@@ -121,7 +121,7 @@ class Engine:
         loaded = build_engine(path, config)
         return cls(
             loaded.runner, loaded.tokenizer, loaded.limits, loaded.eos_token_ids,
-            config.enable_prefix_caching,
+            loaded.enable_prefix_caching,
         )  # fmt: skip
 
     # -- requests in ----------------------------------------------------------

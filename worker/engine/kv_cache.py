@@ -7,13 +7,13 @@ import mmap
 
 import torch
 
-from batchgen.worker.models.model_config import ModelConfig
+from batchgen.worker.models import ModelShape
 
 # CPU has no "free device memory" to read; without an explicit size we take this.
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(config: ModelShape, block_size: int, dtype: torch.dtype) -> int:
     """K and V of every layer for block_size tokens (MLA: the one latent tensor)."""
     elem = torch.empty((), dtype=dtype).element_size()
     tensors = 1 if config.kv_shared else 2
@@ -21,7 +21,7 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 def num_blocks_for_budget(
-    config: ModelConfig,
+    config: ModelShape,
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
@@ -45,7 +45,7 @@ def num_blocks_for_budget(
 
 
 def allocate_kv_cache(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    config: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One allocation; per layer a (k, v) pair of (num_blocks, block_size, num_kv_heads, head_dim).
 

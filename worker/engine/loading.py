@@ -17,12 +17,10 @@ from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.pooling import load_pooling
 from batchgen.worker.engine.sampler import Sampler
 from batchgen.worker.engine_config import DTYPES, EngineConfig
-from batchgen.worker.models import (
-    ModelConfig,
-    UnsupportedModelError,
-    build_model,
-    load_model_config,
-)
+from batchgen.worker.models import CausalLM, UnsupportedModelError, build_model
+from batchgen.worker.models.hf_backend import HfCausalLM
+from batchgen.worker.models.hf_config import read_hf_config
+from batchgen.worker.models.implementation import choose_implementation
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,6 +45,7 @@ class LoadedEngine:
     tokenizer: PreTrainedTokenizerBase
     limits: EngineLimits
     eos_token_ids: tuple[int, ...]
+    enable_prefix_caching: bool  # as asked, unless the model keeps a state per sequence
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -58,24 +57,25 @@ def pick_device(device: str | None) -> torch.device:
     return dev
 
 
-def pick_dtype(dtype: str | None, device: torch.device, config: ModelConfig) -> torch.dtype:
+def pick_dtype(dtype: str | None, device: torch.device, saved: str | None) -> torch.dtype:
+    """The asked dtype, else fp32 on CPU, else the checkpoint's half type (``saved``) or bf16."""
     if dtype is not None:
         return _DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32
-    if config.torch_dtype in ("float16", "bfloat16"):
-        return _DTYPES[config.torch_dtype]
+    if saved in ("float16", "bfloat16"):
+        return _DTYPES[saved]
     return torch.bfloat16
 
 
-def eos_token_ids(path: Path, config: ModelConfig, tokenizer: Any) -> tuple[int, ...]:
+def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
     """generation_config.json's EOS list, else the model config's, else the tokenizer's."""
     candidates: Any = None
     gen = path / "generation_config.json"
     if gen.is_file():
         candidates = json.loads(gen.read_text()).get("eos_token_id")
     if candidates is None:
-        candidates = getattr(config.hf_config, "eos_token_id", None)
+        candidates = getattr(hf_config, "eos_token_id", None)
     if candidates is None:
         candidates = tokenizer.eos_token_id
     if candidates is None:
@@ -92,39 +92,61 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     root = Path(path)
     if not root.is_dir():
         raise UnsupportedModelError(f"model path {path} is not a directory")
-    model_config = load_model_config(root)
+    hf = read_hf_config(root)
+    # what the config alone refuses is refused before the tokenizer and weights load
+    impl = choose_implementation(hf, config.model_impl)
+    limit = impl.max_positions or config.max_model_len
+    if limit is None:
+        raise UnsupportedModelError(
+            f"{root / 'config.json'} gives no max_position_embeddings; set max_model_len"
+        )
+    max_model_len = _max_model_len(config, limit)
     dev = pick_device(config.device)
-    torch_dtype = pick_dtype(config.dtype, dev, model_config)
+    torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(root))
     except (OSError, ValueError) as exc:
         raise UnsupportedModelError(f"cannot load the tokenizer from {root}: {exc}") from exc
-
-    limit = model_config.max_position_embeddings
-    max_model_len = config.max_model_len or limit
-    if max_model_len > limit:
-        raise UnsupportedModelError(
-            f"max_model_len {max_model_len} exceeds what the model supports ({limit})"
-        )
     max_num_batched_tokens = config.max_num_batched_tokens or (4096 if dev.type == "cuda" else 2048)
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
 
     ops = select_ops(dev, config.use_triton)
-    a = model_config.attention
-    problem = ops.attention_limits(a.num_heads, a.num_kv_heads, a.head_dim)
-    if problem is not None:
-        raise UnsupportedModelError(f"{model_config.family} on the {ops.name} kernels: {problem}")
-    model = build_model(root, model_config, dev, torch_dtype, ops, max_model_len)
+    model: CausalLM
+    if impl.native is not None:
+        a = impl.native.attention
+        problem = ops.attention_limits(a.num_heads, a.num_kv_heads, a.head_dim)
+        if problem is not None:
+            raise UnsupportedModelError(
+                f"{impl.native.family} on the {ops.name} kernels: {problem}"
+            )
+        model = build_model(root, impl.native, dev, torch_dtype, ops, max_model_len)
+    else:
+        try:
+            model = HfCausalLM.load(root, hf.hf, ops, dev, torch_dtype)
+        except UnsupportedModelError as exc:
+            raise impl.refusal(exc) from exc
+        shape = model.config
+        problem = ops.attention_limits(shape.num_heads, shape.num_kv_heads, shape.head_dim)
+        if problem is not None:
+            raise UnsupportedModelError(
+                f"{shape.architecture} on the {ops.name} kernels: {problem}"
+            )
     num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
-        model_config, block_size, torch_dtype, dev, config.kv_cache_bytes,
+        model.config, block_size, torch_dtype, dev, config.kv_cache_bytes,
         config.gpu_memory_utilization,
     )  # fmt: skip
     if num_kv_blocks < 1:
         raise UnsupportedModelError("no memory left for the KV cache; lower the model size")
-    kv_caches = allocate_kv_cache(model_config, num_kv_blocks, block_size, torch_dtype, dev)
-    eos = eos_token_ids(root, model_config, tokenizer)
+    kv_caches = allocate_kv_cache(model.config, num_kv_blocks, block_size, torch_dtype, dev)
+    eos = eos_token_ids(root, hf.hf, tokenizer)
     graphs = None
-    if config.use_cuda_graphs and dev.type == "cuda" and ops.name == "triton":
+    # graphs capture batchgen's own forward; transformers' modules may sync or branch on values
+    if (
+        config.use_cuda_graphs
+        and dev.type == "cuda"
+        and ops.name == "triton"
+        and impl.native is not None
+    ):
         graphs = CudaGraphDecoder(
             model, kv_caches, min(max_num_seqs, 256), max_model_len, block_size, dev
         )
@@ -139,4 +161,18 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
     )
-    return LoadedEngine(runner, tokenizer, limits, eos)
+    # a cached prefix would skip the tokens a recurrent state is made of
+    keeps_state = isinstance(model, HfCausalLM) and model.config.keeps_state
+    return LoadedEngine(
+        runner, tokenizer, limits, eos, config.enable_prefix_caching and not keeps_state
+    )
+
+
+def _max_model_len(config: EngineConfig, limit: int) -> int:
+    """The context: what the model supports (``limit``), or less if asked."""
+    max_model_len = config.max_model_len or limit
+    if max_model_len > limit:
+        raise UnsupportedModelError(
+            f"max_model_len {max_model_len} exceeds what the model supports ({limit})"
+        )
+    return max_model_len

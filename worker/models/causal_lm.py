@@ -7,11 +7,34 @@ from typing import Protocol
 import torch
 
 from batchgen.kernels import AttentionBatch, KernelOps
-from batchgen.worker.models.model_config import ModelConfig
+
+
+class ModelShape(Protocol):
+    """What the engine reads of a model's config: batchgen's ``ModelConfig`` or the
+    transformers backend's ``BackendConfig``."""
+
+    @property
+    def vocab_size(self) -> int: ...  # the width of the logits
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...  # KV cache layers
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def windows(self) -> tuple[int | None, ...]: ...  # each KV layer's sliding window
+    @property
+    def release_window(self) -> int | None: ...  # see model_config.release_window
+    @property
+    def kv_shared(self) -> bool: ...  # K and V are one tensor (MLA's latent)
 
 
 class CausalLM(Protocol):
-    config: ModelConfig
+    @property
+    def config(self) -> ModelShape: ...
+
     ops: KernelOps  # the kernel set it runs on
 
     def forward(

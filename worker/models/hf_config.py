@@ -25,6 +25,12 @@ class HFConfig:
     def model_type(self) -> str:
         return str(getattr(self.hf, "model_type", ""))
 
+    @property
+    def torch_dtype(self) -> str | None:
+        """The dtype the checkpoint was saved in ("bfloat16", ...), when the config says."""
+        dtype = getattr(self.hf, "dtype", None) or getattr(self.hf, "torch_dtype", None)
+        return str(dtype).removeprefix("torch.") if dtype is not None else None
+
 
 def read_hf_config(path: str | Path) -> HFConfig:
     from transformers import AutoConfig

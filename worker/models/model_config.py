@@ -12,9 +12,12 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen.jobs.schema.errors import BatchgenError
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint is not one batchgen can run (architecture, file or feature)."""
+
+class UnsupportedModelError(BatchgenError, ValueError):
+    """The checkpoint is not one batchgen can run (architecture, file or feature); the CLI
+    reports it in one line."""
 
 
 class NormKind(str, enum.Enum):
@@ -198,9 +201,12 @@ class ModelConfig:
 
     @property
     def release_window(self) -> int | None:
-        """The widest window when every layer slides: a sequence's keys older than
-        that are read by no layer again. None when any layer attends to everything."""
-        windows = self.windows
-        if not windows or any(w is None for w in windows):
-            return None
-        return max(w for w in windows if w is not None)
+        return release_window(self.windows)
+
+
+def release_window(windows: tuple[int | None, ...]) -> int | None:
+    """The widest window when every layer slides: a sequence's keys older than
+    that are read by no layer again. None when any layer attends to everything."""
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)
