@@ -85,8 +85,9 @@ def replaced(text: str, replace: dict[str, str]) -> str:
 def shell_env(home: Path, **extra: str) -> dict[str, str]:
     """A reader's shell with batchgen on PATH (as ``. .venv/bin/activate`` puts it) and the
     embedded Redis under ``home``; nothing of the test run's own batchgen or AWS settings."""
+    # nor the make that may be running this suite (MAKELEVEL makes a nested make chatty)
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("BATCHGEN_", "AWS_", "VIRTUAL_ENV"))}  # fmt: skip
+           if not k.startswith(("BATCHGEN_", "AWS_", "VIRTUAL_ENV", "MAKE", "MFLAGS"))}  # fmt: skip
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.update(BATCHGEN_HOME=str(home), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
