@@ -27,6 +27,8 @@ def real_path(line: str) -> str:
 
 def main() -> int:
     shutil.rmtree(TREE, ignore_errors=True)
+    # setuptools builds in build/lib and never removes a module deleted since: start clean
+    shutil.rmtree(REPO / "build" / "lib", ignore_errors=True)
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-qq", "--no-deps", "--no-build-isolation",
          "--no-compile", "--target", str(TREE), str(REPO)],
