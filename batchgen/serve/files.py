@@ -21,6 +21,7 @@ import redis
 
 from batchgen.jobs.redis import hash_codec
 from batchgen.jobs.redis.keys import Keys, text
+from batchgen.jobs.schema.errors import UsageError
 from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.serve.openai_errors import not_found
 
@@ -51,7 +52,11 @@ class FileStore:
         self.conn, self.keys = conn, keys
         self.dir = OutputDir.open(files_dir)
         if self.dir.local:
-            os.makedirs(self.dir.path, exist_ok=True)
+            try:
+                os.makedirs(self.dir.path, exist_ok=True)
+            except OSError as exc:  # a path through a regular file, no permission, ...
+                raise UsageError(f"--files-dir {files_dir}: cannot use it as a folder "
+                                 f"({exc.strerror or exc})") from None  # fmt: skip
 
     @contextlib.contextmanager
     def writing(self, file_id: str) -> Iterator[IO[bytes]]:

@@ -115,9 +115,11 @@ def submit(
     cache: str = "",
     table: TableSpec | None = None,
     input_format: str | None = None,
+    tenant: str = "",
 ) -> SubmitResult:
     """``table``: how a Parquet or CSV input's rows become requests (tables.py);
-    ``input_format``: "jsonl", "parquet" or "csv" when the name does not say."""
+    ``input_format``: "jsonl", "parquet" or "csv" when the name does not say; ``tenant``:
+    who submits it through ``batchgen serve`` (job_record.py)."""
     job_id = check_job_id(job_id) if job_id else new_job_id()
     with SpoolDir() as spool_dir:
         checked, kept_names, fmt = validate_input(
@@ -141,6 +143,7 @@ def submit(
         record = JobRecord(
             id=job_id,
             model=model,
+            tenant=tenant,
             queue=name,
             tag=qk.tag,
             output=output,
