@@ -35,8 +35,9 @@ The result cache (cache.py) keeps one index per cache location ``URI``::
     P:{cache-H}:files             zset  cache file -> last used (unix s): LRU eviction order
     P:{cache-H}:meta              hash  cache file -> {bytes, job, keys} JSON
     P:{cache-H}:stats             hash  bytes, entries stored, hits, misses, evicted
+    P:{cache-H}:secret            str   the key of the cached rows' MACs (never in the files)
 
-``H`` is a short hash of the location's URI; the four keys share its hash tag.
+``H`` is a short hash of the location's URI; the five keys share its hash tag.
 
 ``TAG`` is a short hash of the model's queue name. It is a Redis Cluster hash
 tag: a model's stream and all its jobs' keys share one slot, so the commit step
@@ -141,6 +142,7 @@ class CacheKeys:
     files: str
     meta: str
     stats: str
+    secret: str  # the MAC key (result_cache.py): kept when the cache is cleared
 
     def all(self) -> tuple[str, ...]:
         return (self.index, self.files, self.meta, self.stats)
@@ -185,7 +187,8 @@ class Keys:
 
     def cache(self, uri: str) -> CacheKeys:
         base = f"{self.prefix}:{{cache-{queue_tag(uri)}}}"
-        return CacheKeys(f"{base}:index", f"{base}:files", f"{base}:meta", f"{base}:stats")
+        return CacheKeys(f"{base}:index", f"{base}:files", f"{base}:meta", f"{base}:stats",
+                         f"{base}:secret")  # fmt: skip
 
     # -- batchgen serve ---------------------------------------------------------
 
