@@ -31,8 +31,8 @@ from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.jobs.schema.rows import SCHEMA, FinishReason, Row, to_table
 from batchgen.jobs.schema.sampling import DEFAULTS
-from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.jobs.storage import result_cache
+from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.jobs.storage.result_cache import ResultCache, content_key, location
 from batchgen.worker.engine_config import EngineConfig
 from batchgen.worker.loop import LoopConfig, QueueLoop

@@ -31,11 +31,11 @@ import dataclasses
 import hashlib
 import hmac
 import io
-import secrets
 import json
 import logging
 import os
 import re
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -259,8 +259,13 @@ class ResultCache:
         for key, r in wanted:
             row = rows[r] if r < len(rows) else None
             try:
-                ok = row is not None and row["key"] == key and hmac.compare_digest(
-                    str(row["mac"]), _mac(secret, key, str(row["job_id"]), row))
+                ok = (
+                    row is not None
+                    and row["key"] == key
+                    and hmac.compare_digest(
+                        str(row["mac"]), _mac(secret, key, str(row["job_id"]), row)
+                    )
+                )
             except (KeyError, TypeError):  # no "mac": written before it, or not by batchgen
                 ok = False
             if not ok:
