@@ -107,6 +107,7 @@ def test_the_tables_block(workspace: Path, s3_endpoint: str):
         "body": ["The sea comes in.", "A key-value store.", "Columns on disk.", "Fast ops."],
         "url": [f"https://example.com/{i}" for i in range(4)],
         "published": pa.array([1_700_000_000_000 + i for i in range(4)], pa.timestamp("ms")),
+        "temp": [0.0, 0.0, 0.0, 0.0],  # --sampling-columns temperature=temp
     })  # fmt: skip
     pq.write_table(table.slice(0, 2), "bucket/docs/part-0.parquet", filesystem=store)
     pq.write_table(table.slice(2), "bucket/docs/part-1.parquet", filesystem=store)
