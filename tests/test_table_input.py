@@ -56,8 +56,11 @@ def docs() -> pa.Table:
 def test_parquet_template_sampling_columns_and_id_column(redis_url, tmp_path):
     table = docs().slice(0, 2)
     pq.write_table(table, tmp_path / "docs.parquet")
-    spec = TableSpec(template="Summarise: {title}\n{body} {{x}}", id_column="doc",
-                     sampling_columns=parse_sampling_columns("max_tokens,temperature,seed"))
+    spec = TableSpec(
+        template="Summarise: {title}\n{body} {{x}}",
+        id_column="doc",
+        sampling_columns=parse_sampling_columns("max_tokens,temperature,seed"),
+    )
     result = run(rconn(redis_url), tmp_path / "docs.parquet", tmp_path, table=spec)
     assert (result.total, result.enqueued_now, result.skipped) == (2, 2, 0)
     # a value holding "{x}" is inserted as it is, never expanded
@@ -371,7 +374,8 @@ def test_an_oversized_csv_cell_is_an_error_of_its_row_and_column(redis_url, tmp_
     with pytest.raises(InvalidInput) as info:
         run(conn, tmp_path / "cells.csv", tmp_path, job_id="c1", table=spec)
     assert str(info.value).endswith(
-        "row 2, column q: the value is 8,388,613 bytes, over the limit of 8,388,608 bytes")
+        "row 2, column q: the value is 8,388,613 bytes, over the limit of 8,388,608 bytes"
+    )
     result = run(conn, tmp_path / "cells.csv", tmp_path, job_id="c2", table=spec,
                  skip_invalid=True)  # fmt: skip
     assert (result.total, result.skipped) == (3, 1)

@@ -34,8 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from batchgen.jobs.intake import kept, template
-from batchgen.jobs.intake import csv_limits
+from batchgen.jobs.intake import csv_limits, kept, template
 from batchgen.jobs.intake.inputs import FieldError, native_entry
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES, RowError
 from batchgen.jobs.intake.sources import Input
