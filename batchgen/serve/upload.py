@@ -1,6 +1,9 @@
 """A multipart/form-data upload parsed as it streams in: the file part's bytes come out
-chunk by chunk (to be written to the files store), never held whole; other fields are
-small text values, capped."""
+chunk by chunk (to be written to the files store), never held whole. Everything
+else is bounded: at most ``MAX_FIELDS`` other fields of ``MAX_FIELD_BYTES`` each, and
+``MAX_HEADER_BYTES`` of headers a part, so no body makes the server hold more than a
+few tens of KB besides the chunk in hand. An upload is complete only once its closing
+boundary arrived: a body cut short (however its Content-Length reads) is refused."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from batchgen.serve.openai_errors import APIError
 
 MAX_FIELD_BYTES = 4096
+MAX_FIELDS = 16  # parts other than the file
+MAX_HEADER_BYTES = 8192  # of one part's headers, names and values together
 
 
 class MultipartUpload:
@@ -30,14 +35,18 @@ class MultipartUpload:
         self._header_name = bytearray()
         self._header_value = bytearray()
         self._headers: dict[bytes, bytes] = {}
+        self._header_bytes = 0
+        self._parts = 0
+        self.complete = False  # the closing boundary arrived
         callbacks: Any = {
             "on_part_begin": self._part_begin,
             "on_part_data": self._part_data,
             "on_part_end": self._part_end,
-            "on_header_field": lambda d, s, e: self._header_name.extend(d[s:e]),
-            "on_header_value": lambda d, s, e: self._header_value.extend(d[s:e]),
+            "on_header_field": lambda d, s, e: self._header(self._header_name, d[s:e]),
+            "on_header_value": lambda d, s, e: self._header(self._header_value, d[s:e]),
             "on_header_end": self._header_end,
             "on_headers_finished": self._headers_finished,
+            "on_end": self._end,
         }
         self.parser = MultipartParser(boundary, callbacks)
 
@@ -48,11 +57,30 @@ class MultipartUpload:
         return out
 
     def finish(self) -> None:
+        """The body ended: refused unless its closing boundary arrived."""
         self.parser.finalize()
+        if not self.complete:
+            raise APIError(400, "the upload ended before its closing boundary (the body was "
+                           "cut short); nothing was stored", code="incomplete_upload")  # fmt: skip
+
+    def _end(self) -> None:
+        self.complete = True
 
     def _part_begin(self) -> None:
+        self._parts += 1
+        if self._parts > MAX_FIELDS + 1:
+            raise APIError(400, f"an upload takes the file and at most {MAX_FIELDS} other "
+                           "form fields", code="invalid_request")  # fmt: skip
         self._headers, self._part_name, self._is_file = {}, "", False
+        self._header_bytes = 0
         self._field.clear()
+
+    def _header(self, into: bytearray, data: bytes) -> None:
+        self._header_bytes += len(data)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            raise APIError(400, f"a part's headers are over {MAX_HEADER_BYTES} bytes",
+                           code="invalid_request")  # fmt: skip
+        into.extend(data)
 
     def _header_end(self) -> None:
         self._headers[bytes(self._header_name).lower()] = bytes(self._header_value)
