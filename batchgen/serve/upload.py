@@ -1,21 +1,22 @@
 """A multipart/form-data upload parsed as it streams in: the file part's bytes come out
 chunk by chunk (to be written to the files store), never held whole. Everything
-else is bounded: at most ``MAX_FIELDS`` other fields of ``MAX_FIELD_BYTES`` each, and
-``MAX_HEADER_BYTES`` of headers a part, so no body makes the server hold more than a
-few tens of KB besides the chunk in hand. An upload is complete only once its closing
+else is bounded: at most ``MAX_FIELDS`` other fields of ``MAX_FIELD_BYTES`` each (and
+python-multipart's own bounds on a part's headers: 8 of 4 KB), so no body makes the
+server hold more than a few tens of KB besides the chunk in hand. A malformed body is
+a 400. An upload is complete only once its closing
 boundary arrived: a body cut short (however its Content-Length reads) is refused."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from batchgen.serve.openai_errors import APIError
 
 MAX_FIELD_BYTES = 4096
 MAX_FIELDS = 16  # parts other than the file
-MAX_HEADER_BYTES = 8192  # of one part's headers, names and values together
 
 
 class MultipartUpload:
@@ -35,15 +36,14 @@ class MultipartUpload:
         self._header_name = bytearray()
         self._header_value = bytearray()
         self._headers: dict[bytes, bytes] = {}
-        self._header_bytes = 0
         self._parts = 0
         self.complete = False  # the closing boundary arrived
         callbacks: Any = {
             "on_part_begin": self._part_begin,
             "on_part_data": self._part_data,
             "on_part_end": self._part_end,
-            "on_header_field": lambda d, s, e: self._header(self._header_name, d[s:e]),
-            "on_header_value": lambda d, s, e: self._header(self._header_value, d[s:e]),
+            "on_header_field": lambda d, s, e: self._header_name.extend(d[s:e]),
+            "on_header_value": lambda d, s, e: self._header_value.extend(d[s:e]),
             "on_header_end": self._header_end,
             "on_headers_finished": self._headers_finished,
             "on_end": self._end,
@@ -52,7 +52,11 @@ class MultipartUpload:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Parse ``chunk``; the file data it completed (write it out, in order)."""
-        self.parser.write(chunk)
+        try:
+            self.parser.write(chunk)
+        except MultipartParseError as exc:
+            raise APIError(400, f"the multipart body is malformed: {exc}",
+                           code="invalid_request") from None  # fmt: skip
         out, self._pending = self._pending, []
         return out
 
@@ -72,15 +76,7 @@ class MultipartUpload:
             raise APIError(400, f"an upload takes the file and at most {MAX_FIELDS} other "
                            "form fields", code="invalid_request")  # fmt: skip
         self._headers, self._part_name, self._is_file = {}, "", False
-        self._header_bytes = 0
         self._field.clear()
-
-    def _header(self, into: bytearray, data: bytes) -> None:
-        self._header_bytes += len(data)
-        if self._header_bytes > MAX_HEADER_BYTES:
-            raise APIError(400, f"a part's headers are over {MAX_HEADER_BYTES} bytes",
-                           code="invalid_request")  # fmt: skip
-        into.extend(data)
 
     def _header_end(self) -> None:
         self._headers[bytes(self._header_name).lower()] = bytes(self._header_value)
