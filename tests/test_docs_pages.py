@@ -221,6 +221,37 @@ def test_the_serve_blocks(workspace: Path, capsys, monkeypatch):
     assert {line["response"]["status_code"] for line in printed} == {200}
 
 
+def test_the_keys_file_block(workspace: Path):
+    """Two keys of one tenant share its files, another tenant's key sees none, the admin all."""
+    import openai
+
+    port = free_port()
+    procs = start_sh(doc_block("keys-file"), workspace, shell_env(workspace / "home"),
+                     workspace / "keys.log", {"--port 8000": f"--port {port}"})  # fmt: skip
+
+    def as_key(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                as_key("sk-bob").files.list()
+                break
+            except openai.APIConnectionError:
+                assert procs.poll() in (None, 0), (workspace / "keys.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, (workspace / "keys.log").read_text()[-3000:]
+                time.sleep(0.5)
+        mine = as_key("sk-alice-1").files.create(file=("r.jsonl", b"{}\n"), purpose="batch")
+        assert [f.id for f in as_key("sk-alice-2").files.list()] == [mine.id]
+        assert [f.id for f in as_key("sk-bob").files.list()] == []
+        with pytest.raises(openai.NotFoundError):
+            as_key("sk-bob").files.content(mine.id)
+        assert as_key("sk-ops").files.retrieve(mine.id).id == mine.id
+    finally:
+        stop(procs)
+
+
 def test_the_python_api_block(workspace: Path, monkeypatch):
     monkeypatch.chdir(workspace)
     names: dict = {}

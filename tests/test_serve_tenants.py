@@ -160,6 +160,11 @@ def test_jobs_on_the_dashboard_api_are_scoped_and_cli_jobs_are_admin_only(stack,
     assert status == 200 and b_batch.id not in {j["job_id"] for j in overview["jobs"]}
     status, points = api(stack, "/api/series", "sk-a1")
     assert status == 200 and all(b_batch.id not in p["jobs"] for p in points)
+    _, everyone = api(stack, "/api/series", "sk-root")
+    assert [p["fleet"] for p in points] == [p["fleet"] for p in everyone[: len(points)]]
+    for key in ("sk-a1", "sk-b", "sk-solo"):  # the fleet's workers: every key sees them
+        status, workers = api(stack, "/api/workers", key)
+        assert status == 200 and [w["model"] for w in workers] == [str(stack.model)]
     for key in ("sk-a1", "sk-b", "sk-solo"):  # a CLI job: only admins
         for path, method in (("/api/jobs/cli-job", "GET"), ("/api/jobs/cli-job/cancel", "POST")):
             status, body = api(stack, path, key, method)

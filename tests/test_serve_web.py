@@ -142,3 +142,20 @@ def test_without_a_key_only_a_loopback_host_is_answered(redis_url: str, tmp_path
         assert status == 403
     finally:
         stack.stop()
+
+
+def test_a_session_lasts_a_day_at_most_and_ends_with_its_key(stack, tmp_path):
+    status, headers, _ = call(stack, "POST", "/login", {
+        "Content-Type": "application/x-www-form-urlencoded", "Origin": stack.base,
+    }, urllib.parse.urlencode({"key": KEY}).encode())  # fmt: skip
+    assert status == 303 and "Max-Age=86400" in headers["set-cookie"]
+    cookie = headers["set-cookie"].split(";")[0]
+    conn: Any = redis.Redis.from_url(stack.redis_url)
+    (session,) = conn.keys("bg:serve:session:*")
+    assert 86390 < conn.ttl(session) <= 86400
+    assert call(stack, "GET", "/api/jobs", {"Cookie": cookie})[0] == 200
+    stack.kill_server()  # the same server, its key taken out of its keys file
+    (tmp_path / "keys.txt").write_text("sk-other ops admin\n")
+    stack.serve("--keys-file", str(tmp_path / "keys.txt"), name="serve-2")
+    assert conn.exists(session)  # the session is still stored, but its key is not served
+    assert call(stack, "GET", "/api/jobs", {"Cookie": cookie})[0] == 401

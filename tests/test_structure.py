@@ -42,8 +42,14 @@ MAY_IMPORT: dict[str, set[str]] = {
         "jobs.ops",
         "jobs.consumer",
     },
-    "serve": {"jobs.schema", "jobs.redis", "jobs.storage", "jobs.intake", "jobs.ops",
-              "jobs.crashpoints"},  # fmt: skip
+    "serve": {
+        "jobs.schema",
+        "jobs.redis",
+        "jobs.storage",
+        "jobs.intake",
+        "jobs.ops",
+        "jobs.crashpoints",
+    },
     "toy": set(),
     "cli": {"*"},
     "__init__": set(),

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from fastapi import FastAPI, Request
+from fastapi import BackgroundTasks, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -81,7 +81,7 @@ def create_app(config: ServeConfig, conn: redis.Redis, keys: Keys) -> FastAPI:
     # -- batches --------------------------------------------------------------------
 
     @app.post("/v1/batches")
-    async def create_batch(request: Request, who: Who) -> Any:
+    async def create_batch(request: Request, who: Who, after: BackgroundTasks) -> Any:
         try:
             body = await request.json()
         except ValueError:
@@ -89,7 +89,7 @@ def create_app(config: ServeConfig, conn: redis.Redis, keys: Keys) -> FastAPI:
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object", "invalid_request")
         record = await run_in_threadpool(batches.create, body, who)
-        pool.submit(validator.validate, record.id)
+        after.add_task(pool.submit, validator.validate, record.id)  # once the reply is out
         return batches.view(record)
 
     @app.get("/v1/batches")

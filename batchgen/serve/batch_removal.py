@@ -1,5 +1,5 @@
 """Removing a batch: its record, its places in the indexes, its output and error files
-(records and bytes). The sweep does it when an ended batch expires; ``batchgen
+(records and bytes), its line in the dashboard's tok/s samples. The sweep does it when an ended batch expires; ``batchgen
 delete BATCH_ID`` does it at once (with the batch's job). Its input file is the
 user's own object (``DELETE /v1/files/ID``), kept.
 """
@@ -14,6 +14,7 @@ from batchgen.jobs.redis.keys import Keys, text_hash
 from batchgen.jobs.schema.errors import BatchgenError
 from batchgen.serve.batch_record import BatchRecord
 from batchgen.serve.files import FileStore
+from batchgen.serve.series import forget_job
 
 
 def remove_batch(conn: redis.Redis, keys: Keys, batch_id: str, files_dir: str = "") -> int:
@@ -35,6 +36,7 @@ def remove_batch(conn: redis.Redis, keys: Keys, batch_id: str, files_dir: str = 
                     store.remove(obj)
                     removed += 1
     _unindex(conn, keys, batch_id, record.tenant, store_dir)
+    forget_job(conn, keys, batch_id)
     return removed
 
 
