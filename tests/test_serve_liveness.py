@@ -276,20 +276,32 @@ def test_files_and_batches_expire_and_delete_removes_a_batch_whole(fleet, tmp_pa
 def test_a_batch_waits_for_a_worker_that_is_still_starting(fleet, toy_model, tmp_path):
     """A worker supervisor announces its model before its engine loads and hashes the
     weights (frozen here with SIGSTOP): a batch for that model waits instead of failing
-    with model_not_found; it fails with that reason once --model-wait passes."""
+    with model_not_found, and fails with that reason once --model-wait passes."""
     import psutil
+
+    from batchgen.jobs.redis.heartbeat import live_workers, starting_queues
 
     model = toy_model("llama", seed=7)  # a model only the worker started here serves
     stack = Stack(fleet.redis_url, tmp_path)
     conn: Any = redis.Redis.from_url(fleet.redis_url)
+    keys = Keys("bg")
     try:
-        stack.serve("--api-key", KEY, "--model-wait", "120")
+        stack.serve("--api-key", KEY, "--model-wait", "2", name="serve-short")
         supervisor = stack._start("late-worker", "worker", "--model", str(model), "--device",
                                   "cpu")  # fmt: skip
         wait_for(lambda: psutil.Process(supervisor.pid).children(), 60, "its engine process")
         (engine,) = psutil.Process(supervisor.pid).children()
-        engine.suspend()  # still loading: no heartbeat yet
-        wait_for(lambda: conn.keys("bg:supervisor:*"), 30, "the supervisor's announcement")
+        engine.suspend()  # loading its model: no heartbeat yet
+        wait_for(lambda: str(model) in starting_queues(conn, keys), 30, "the announcement")
+        assert [w for w in live_workers(conn, keys) if w["queue"] == str(model)] == []
+        c = client(stack)
+        failed = finished(c, create(c, rows(str(model), 1, "never")).id, 60)
+        (error,) = failed.errors.data
+        assert (error.code, error.message) == ("model_not_found", (
+            f"a worker was starting for the model {str(model)!r} but none served it "
+            "within 2 s"))  # fmt: skip
+        stack.kill_server()
+        stack.serve("--api-key", KEY, "--model-wait", "120", name="serve-long")
         c = client(stack)
         batch = create(c, rows(str(model), 2, "late"))
         deadline = time.monotonic() + 4
@@ -299,20 +311,5 @@ def test_a_batch_waits_for_a_worker_that_is_still_starting(fleet, toy_model, tmp
         engine.resume()
         done = finished(c, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 2
-        os.killpg(supervisor.pid, 9)
-        supervisor.wait()
-        # one that never comes up: bounded by --model-wait
-        stack.kill_server()
-        stack.serve("--api-key", KEY, "--model-wait", "2", name="serve-short")
-        broken = tmp_path / "not-a-model"
-        broken.mkdir()
-        stack._start("broken-worker", "worker", "--model", str(broken), "--device", "cpu")
-        wait_for(lambda: conn.keys("bg:supervisor:*"), 30, "the supervisor's announcement")
-        c = client(stack)
-        failed = finished(c, create(c, rows(str(broken), 1, "never")).id, 60)
-        (error,) = failed.errors.data
-        assert (error.code, error.message) == ("model_not_found", (
-            f"a worker was starting for the model {str(broken)!r} but none served it "
-            "within 2 s"))  # fmt: skip
     finally:
         stack.stop()
