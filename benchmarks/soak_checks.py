@@ -72,7 +72,9 @@ def check_world(
         done = subprocess.run([*cli, "delete", job], env=env, capture_output=True, text=True)
         if done.returncode != 0:
             problems.append(f"delete {job}: {done.stderr.strip()}")
-    left = [key for key, dump in _dump(conn).items() if any(j in key or j in dump for j in JOBS)]
+    left = [
+        key for key, dump in dump_redis(conn).items() if any(j in key or j in dump for j in JOBS)
+    ]
     result.keys_left = len(left)
     if left:
         problems.append(f"keys still mention the jobs after delete: {left[:5]}")
@@ -90,7 +92,8 @@ def _late(rows: dict[str, list], cancel: CancelRecord) -> int:
     return late
 
 
-def _dump(conn: Any) -> dict[str, str]:
+def dump_redis(conn: Any) -> dict[str, str]:
+    """Every key of the Redis behind ``conn`` and a repr of its value."""
     out = {}
     for raw in conn.scan_iter(count=1000):
         key = raw.decode()

@@ -38,18 +38,27 @@ class Stack:
     procs: list[subprocess.Popen] = field(default_factory=list)
     port: int = 0
     server: subprocess.Popen | None = None
+    server_log: str = "serve"
 
     @property
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def serve(self, *args: str) -> subprocess.Popen:
+    def serve(self, *args: str, name: str = "serve") -> subprocess.Popen:
+        """A server (its log: ``name``.log), on the stack's files dir unless ``args`` say."""
         self.port = free_port()
-        self.server = self._start("serve", "serve", "--port", str(self.port), "--files-dir",
+        self.server = self._start(name, "serve", "--port", str(self.port), "--files-dir",
                                   str(self.tmp / "files"), "--output-root", str(self.tmp / "out"),
                                   *args)  # fmt: skip
+        self.server_log = name
         wait_for(self._up, 60, "batchgen serve to answer")
         return self.server
+
+    def kill_server(self) -> None:
+        """kill -9 of the server (its whole process group)."""
+        assert self.server is not None
+        os.killpg(self.server.pid, signal.SIGKILL)
+        self.server.wait()
 
     def worker(self, model: Path, *args: str) -> subprocess.Popen:
         proc = self._start(f"worker-{len(self.procs)}", "worker", "--model", str(model),
@@ -77,7 +86,7 @@ class Stack:
         return proc
 
     def _up(self) -> bool:
-        assert self.server is not None and self.server.poll() is None, self.log("serve")
+        assert self.server is not None and self.server.poll() is None, self.log(self.server_log)
         try:
             with urllib.request.urlopen(self.base + "/", timeout=2) as r:
                 return r.status == 200

@@ -107,6 +107,7 @@ def test_the_tables_block(workspace: Path, s3_endpoint: str):
         "body": ["The sea comes in.", "A key-value store.", "Columns on disk.", "Fast ops."],
         "url": [f"https://example.com/{i}" for i in range(4)],
         "published": pa.array([1_700_000_000_000 + i for i in range(4)], pa.timestamp("ms")),
+        "temp": [0.0, 0.0, 0.0, 0.0],  # --sampling-columns temperature=temp
     })  # fmt: skip
     pq.write_table(table.slice(0, 2), "bucket/docs/part-0.parquet", filesystem=store)
     pq.write_table(table.slice(2), "bucket/docs/part-1.parquet", filesystem=store)
@@ -218,6 +219,37 @@ def test_the_serve_blocks(workspace: Path, capsys, monkeypatch):
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
     assert sorted(line["custom_id"] for line in printed) == [f"doc-{i}" for i in range(4)]
     assert {line["response"]["status_code"] for line in printed} == {200}
+
+
+def test_the_keys_file_block(workspace: Path):
+    """Two keys of one tenant share its files, another tenant's key sees none, the admin all."""
+    import openai
+
+    port = free_port()
+    procs = start_sh(doc_block("keys-file"), workspace, shell_env(workspace / "home"),
+                     workspace / "keys.log", {"--port 8000": f"--port {port}"})  # fmt: skip
+
+    def as_key(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                as_key("sk-bob").files.list()
+                break
+            except openai.APIConnectionError:
+                assert procs.poll() in (None, 0), (workspace / "keys.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, (workspace / "keys.log").read_text()[-3000:]
+                time.sleep(0.5)
+        mine = as_key("sk-alice-1").files.create(file=("r.jsonl", b"{}\n"), purpose="batch")
+        assert [f.id for f in as_key("sk-alice-2").files.list()] == [mine.id]
+        assert [f.id for f in as_key("sk-bob").files.list()] == []
+        with pytest.raises(openai.NotFoundError):
+            as_key("sk-bob").files.content(mine.id)
+        assert as_key("sk-ops").files.retrieve(mine.id).id == mine.id
+    finally:
+        stop(procs)
 
 
 def test_the_python_api_block(workspace: Path, monkeypatch):

@@ -11,10 +11,12 @@ import redis
 
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.redis import hash_codec
 from batchgen.jobs.redis.keys import Keys
 from batchgen.serve.batch_lifecycle import MOVES, BatchState, move
 from batchgen.serve.batch_record import BatchRecord, status
 from batchgen.serve.files import FileObject, FileStore
+from batchgen.serve.tenants import OPEN
 
 JOB = JobRecord(
     id="20240101-000000-abcdef", state=JobState.RUNNING, model="m", queue="m", tag="t1",
@@ -162,9 +164,12 @@ def test_a_move_the_table_lacks_is_refused_and_changes_nothing(redis_url: str) -
 
 def test_a_file_record_round_trips(redis_url: str, tmp_path) -> None:
     store = FileStore(rconn(redis_url), Keys("bg"), str(tmp_path))
-    obj = store.register("file-x", "in.jsonl", "batch", 12)
-    assert store.get("file-x") == obj == FileObject("file-x", 12, obj.created_at, "in.jsonl",
-                                                   "batch")  # fmt: skip
+    obj = store.register("file-x", "in.jsonl", "batch", 12, "team-a", 99)
+    assert store.get("file-x", OPEN) == obj == FileObject(
+        "file-x", 12, obj.created_at, "in.jsonl", "batch", "team-a", str(tmp_path), 99)  # fmt: skip
+    # a file stored before tenants, stores and expiry: no tenant, store or expiry
+    old = {"bytes": "3", "created_at": "5", "filename": "a", "purpose": "batch"}
+    assert hash_codec.from_hash(FileObject, old, id="f") == FileObject("f", 3, 5, "a", "batch")
 
 
 def test_a_batch_stored_before_states_is_served_and_moves_on(redis_url: str, tmp_path) -> None:
@@ -180,8 +185,7 @@ def test_a_batch_stored_before_states_is_served_and_moves_on(redis_url: str, tmp
     old = {**BATCH_HASH_BEFORE, "id": "batch_old", "phase": "validating", "expiring": "0"}
     conn.delete(keys.batch("batch_old"))
     conn.hset(keys.batch("batch_old"), mapping=old)
-    assert batches.get("batch_old")["status"] == "validating"
+    assert batches.get("batch_old", OPEN)["status"] == "validating"
     assert conn.hget(keys.batch("batch_old"), "state") == b"validating"
-    assert batches.cancel("batch_old")["status"] == "cancelling"
+    assert batches.cancel("batch_old", OPEN)["status"] == "cancelling"
     assert conn.hget(keys.batch("batch_old"), "state") == b"cancelling"
-    batches.pool.shutdown()

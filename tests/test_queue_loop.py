@@ -491,3 +491,38 @@ def test_a_part_holds_one_row_per_index(redis_url, tmp_path):
     (part,) = (out / "parts" / "j").iterdir()
     assert pq.read_table(part).column("text").to_pylist() == ["first"]
     assert load_job(conn, KEYS, "j").done == 1
+
+
+def test_an_unreadable_entry_becomes_its_error_row_and_the_worker_goes_on(redis_url, tmp_path):
+    """Planted or corrupt entries (a request that is not JSON, a format this release does
+    not know, JSON nested past Python's recursion limit, no job at all), read new and
+    taken over from a dead worker: each becomes its job's error row with the reason, or is
+    dropped, and the worker finishes the job instead of dying on it after every restart."""
+    conn = rconn(redis_url)
+    out = make_job(conn, tmp_path, [f"p{i}" for i in range(5)], max_tokens=2)
+    entries = conn.xrange(QK.stream)
+    good = dict(entries[0][1])
+    planted = {1: {b"r": b"not json"}, 2: {b"v": b"2"}, 3: {b"r": b"[" * 100_000}}
+    for index, change in planted.items():
+        conn.xdel(QK.stream, entries[index][0])
+        conn.xadd(QK.stream, {**good, b"i": str(index).encode(), **change})
+    conn.xadd(QK.stream, {"nothing": "here"})  # no job, no index: dropped
+    conn.xadd(QK.stream, {"j": "no-such-job", "i": 0, "r": "{"})  # a job this Redis lacks
+    # the stream holds 0, 4, then the planted ones: a worker takes 0, 4 and 1, and dies
+    conn.xreadgroup(GROUP, "ghost", {QK.stream: ">"}, count=3)
+    loop = make_loop(conn, claim_timeout_s=0.2)
+    finish(conn, loop)
+    result = rows(out)
+    assert result["index"] == [0, 1, 2, 3, 4]
+    assert result["finish_reason"] == ["length", "error", "error", "error", "length"]
+    eids = [e.decode() for e, _ in conn.xrange(QK.job("j").dead)]
+    reasons = {int(f[b"i"]): f[b"reason"].decode() for _, f in conn.xrange(QK.job("j").dead)}
+    assert len(eids) == 3 and sorted(reasons) == [1, 2, 3]
+    assert "cannot be read: Expecting value" in reasons[1]
+    assert "it has format 2; this release reads format 1 (upgrade it)" in reasons[2]
+    assert "cannot be read: maximum recursion depth exceeded" in reasons[3]
+    assert result["error"][1:4] == [f"dead-lettered: {reasons[i]}" for i in (1, 2, 3)]
+    record = load_job(conn, KEYS, "j")
+    assert (record.state, record.done, record.failed) == (JobState.COMPLETED, 2, 3)
+    assert conn.xlen(QK.stream) == 0 and conn.xpending(QK.stream, GROUP)["pending"] == 0
+    assert loop.counters["reclaimed"] == 2  # 0 and 4; 1 was set aside as it was taken over

@@ -3,6 +3,7 @@ toy checkpoint in an in-process queue loop, real Parquet cache files."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -30,6 +31,7 @@ from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.jobs.schema.rows import SCHEMA, FinishReason, Row, to_table
 from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.jobs.storage import result_cache
 from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.jobs.storage.result_cache import ResultCache, content_key, location
 from batchgen.worker.engine_config import EngineConfig
@@ -230,6 +232,53 @@ def test_a_deleted_or_damaged_cache_file_is_regenerated(conn, engines, model, tm
     )
     _, counters = run_job(conn, engines, model, tmp_path, few, "E", uri)  # D's rows are good
     assert counters["rows_cached"] == 4 and counters.get("rows_ok", 0) == 0
+
+
+FORGED = "FORGED: send your password to evil.example"
+
+
+def forge(path: Path, secret: bytes | None) -> None:
+    """What someone who can write the cache's files does: new text in every row, and the
+    MAC recomputed with batchgen's own function (the code is public) under ``secret``;
+    None: the digest batchgen wrote before MACs, an unkeyed sha256 of the values."""
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    for row in rows:
+        row["text"] = FORGED
+    table = table.set_column(table.schema.get_field_index("text"), "text",
+                             pa.array([FORGED] * len(rows), pa.string()))  # fmt: skip
+    if secret is None:
+        digests = [hashlib.sha256(json.dumps([r[n] for n in result_cache.GENERATED],
+                   sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()).hexdigest()
+                   for r in rows]  # fmt: skip
+        table = table.drop_columns(["mac"]).append_column("digest", pa.array(digests))
+    else:
+        macs = [result_cache._mac(secret, r["key"], r["job_id"], r) for r in rows]
+        table = table.set_column(table.schema.get_field_index("mac"), "mac", pa.array(macs))
+    pq.write_table(table, path)
+
+
+def test_a_forger_who_knows_the_code_but_not_the_secret_cannot_inject_rows(
+    conn, engines, model, tmp_path, cache_dir
+):
+    uri, few = str(cache_dir), OLD[:4]
+    first, _ = run_job(conn, engines, model, tmp_path, few, "A", uri)
+    assert first["cached"] == [False] * 4 and FORGED not in first["text"]
+    secret = conn.get(KEYS.cache(uri).secret)
+    assert secret is not None and len(secret) == 64
+    assert secret not in b"".join(p.read_bytes() for p in cache_dir.rglob("*") if p.is_file())
+    for n, guess in enumerate([b"", b"batchgen", KEYS.cache(uri).secret.encode(), None]):
+        (stored,) = cache_files(cache_dir)  # the newest file is the only one: forge it
+        forge(stored, guess)  # a guessed key, or the unkeyed digest of files written before
+        again, counters = run_job(conn, engines, model, tmp_path, few, f"F{n}", uri)
+        assert counters.get("rows_cached", 0) == 0 and counters["rows_ok"] == 4
+        assert again["text"] == first["text"] and again["cached"] == [False] * 4
+        stored.unlink()  # keep one file: the regenerated rows'
+    # the check is the MAC: the same forgery under the real secret would be served
+    (stored,) = cache_files(cache_dir)
+    forge(stored, secret)
+    served, counters = run_job(conn, engines, model, tmp_path, few, "G", uri)
+    assert counters["rows_cached"] == 4 and served["text"] == [FORGED] * 4
 
 
 def test_past_the_size_limit_the_least_recently_used_file_goes(

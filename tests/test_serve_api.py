@@ -222,7 +222,7 @@ def test_files_round_trip_and_errors_are_shaped_as_openai(stack, client, tmp_pat
         client.batches.retrieve("batch_nope")
     with pytest.raises(openai.AuthenticationError):
         OpenAI(base_url=stack.base + "/v1", api_key="wrong", max_retries=0).files.list()
-    assert OpenAI(base_url=stack.base + "/v1", api_key="second-key").files.list().data
+    assert OpenAI(base_url=stack.base + "/v1", api_key="second-key").files.list().data == []
     with pytest.raises(urllib.error.HTTPError) as no_key:
         urllib.request.urlopen(stack.base + "/v1/batches")
     assert no_key.value.code == 401

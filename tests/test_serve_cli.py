@@ -64,3 +64,12 @@ def test_keys_come_from_flags_or_the_environment(redis_url: str, tmp_path: Path,
         assert get(stack.base + "/v1/nothing-here", "k1")[1]["error"]["type"] == "not_found_error"
     finally:
         stack.stop()
+
+
+def test_a_bad_files_dir_is_one_line(redis_url: str, tmp_path: Path):
+    (tmp_path / "plain").write_text("a regular file")
+    result = CliRunner().invoke(main, ["serve", "--api-key", "k", "--port", "0", "--redis",
+                                       redis_url, "--files-dir", str(tmp_path / "plain" / "x")])  # fmt: skip
+    assert result.exit_code == 2
+    assert result.output == (f"batchgen: error: --files-dir {tmp_path / 'plain' / 'x'}: cannot "
+                             "use it as a folder (Not a directory)\n")  # fmt: skip

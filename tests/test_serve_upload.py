@@ -3,10 +3,13 @@ memory flat, and one over the limit gets 413 and leaves nothing behind."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
 import os
+import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -18,7 +21,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from tests.serve_stack import KEY, Stack
+from tests.serve_stack import KEY, Stack, wait_for
 
 MB = 1 << 20
 BOUNDARY = "batchgen-test-boundary"
@@ -140,3 +143,106 @@ def test_an_upload_over_the_limit_is_413_and_leaves_nothing(stack, tmp_path):
     print(f"server RSS: {baseline / MB:.0f} MB before, peak {rss.peak / MB:.0f} MB during both")
     assert (rss.peak - baseline) / MB < 40
     assert client.files.list().data == []
+
+
+def raw_upload(stack: Stack, head: bytes, length: int) -> socket.socket:
+    """A socket that has sent the request line, headers and ``head`` of a multipart body
+    whose Content-Length says ``length``."""
+    sock = socket.create_connection(("127.0.0.1", stack.port), timeout=60)
+    sock.sendall(f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1:{stack.port}\r\n"
+                 f"Authorization: Bearer {KEY}\r\n"
+                 f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+                 f"Content-Length: {length}\r\n\r\n".encode() + head)  # fmt: skip
+    return sock
+
+
+def reply_of(sock: socket.socket) -> tuple[int, dict]:
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 0
+
+
+def temp_files(stack: Stack) -> list[str]:
+    return [n for n in stored(stack) if n.startswith(".tmp-")]
+
+
+def test_a_body_without_its_closing_boundary_is_400_and_stores_nothing(stack):
+    body = b"".join(multipart(iter([b'{"custom_id": "a"}\n' * 1000]), "cut.jsonl"))
+    cut = body[: body.rindex(b"\r\n--")]  # every byte but the closing boundary
+    sock = raw_upload(stack, cut, len(cut))  # and a Content-Length that matches what came
+    status, reply = reply_of(sock)
+    assert (status, reply["error"]["code"]) == (400, "incomplete_upload")
+    assert "ended before its closing boundary" in reply["error"]["message"]
+    # chunked, the last chunk sent without the closing boundary: the same
+    status, reply = post_file(stack, iter([cut]), None)
+    assert (status, reply["error"]["code"]) == (400, "incomplete_upload")
+    assert stored(stack) == []  # no file, no temp file
+    client = OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0)
+    assert client.files.list().data == []
+
+
+def test_a_serve_killed_mid_upload_leaves_no_temp_file_behind(stack, redis_url, tmp_path):
+    sock = raw_upload(stack, next(multipart(iter([]), "big.jsonl")) + b"x" * MB, 100 * MB)
+    wait_for(lambda: temp_files(stack) and os.path.getsize(
+        stack.tmp / "files" / temp_files(stack)[0]) > 0, 30, "the upload's temp file")  # fmt: skip
+    (dead,) = temp_files(stack)
+    assert stack.server is not None
+    os.killpg(stack.server.pid, signal.SIGKILL)
+    stack.server.wait()
+    sock.close()
+    # a live server's upload in the same folder is left alone while it runs
+    other = Stack(redis_url, tmp_path)
+    other.tmp = stack.tmp  # the same files dir
+    try:
+        other.serve("--api-key", KEY, "--lease", "2")
+        live = raw_upload(other, next(multipart(iter([]), "live.jsonl")) + b"y" * MB, 50 * MB)
+        wait_for(lambda: dead not in temp_files(other), 30, "the dead upload's temp file to go")
+        (running,) = temp_files(other)
+        time.sleep(3)  # sweeps run every second: the running upload's temp file stays
+        assert temp_files(other) == [running]
+        live.close()
+        wait_for(lambda: temp_files(other) == [], 30, "the dropped upload's temp file to go")
+    finally:
+        other.stop()
+
+
+def test_form_fields_are_bounded_in_number_and_memory(stack):
+    """200 MB of 4 KB form fields (the old server held every one: 84 MB -> 288 MB RSS)."""
+    field = (f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="f{{}}"\r\n\r\n'
+             + "v" * 4000 + "\r\n")  # fmt: skip
+    count = 200 * MB // len(field)
+    assert stack.server is not None
+    with PeakRSS(stack.server.pid) as rss:
+        baseline = rss.peak
+        sock = raw_upload(stack, b"", count * (len(field) + 4))
+        sent = 0
+        with contextlib.suppress(OSError):  # the server answers and closes mid-way
+            for i in range(count):
+                sock.sendall(field.format(i).encode())
+                sent += 1
+        status, reply = reply_of(sock)
+    grew = (rss.peak - baseline) / MB
+    print(f"sent {sent} of {count} fields; server RSS {baseline / MB:.0f} MB before, peak "
+          f"{rss.peak / MB:.0f} MB")  # fmt: skip
+    assert (status, reply["error"]["code"]) == (400, "invalid_request")
+    assert reply["error"]["message"] == "an upload takes the file and at most 16 other form fields"
+    assert grew < 20
+    # a part's headers are bounded too
+    huge = f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="x"\r\nX-Pad: '.encode()
+    sock = raw_upload(stack, huge + b"p" * 20_000 + b"\r\n\r\nv\r\n", 10 * MB)
+    status, reply = reply_of(sock)
+    assert (status, reply["error"]["message"]) == (
+        400, "the multipart body is malformed: Maximum header size exceeded")  # fmt: skip
+    assert stored(stack) == []

@@ -16,7 +16,7 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.intake.tables import TableSpec
+from batchgen.jobs.intake.table_spec import TableSpec, parse_sampling_columns
 from batchgen.jobs.intake.template import parse
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.submission import submit
@@ -56,7 +56,11 @@ def docs() -> pa.Table:
 def test_parquet_template_sampling_columns_and_id_column(redis_url, tmp_path):
     table = docs().slice(0, 2)
     pq.write_table(table, tmp_path / "docs.parquet")
-    spec = TableSpec(template="Summarise: {title}\n{body} {{x}}", id_column="doc")
+    spec = TableSpec(
+        template="Summarise: {title}\n{body} {{x}}",
+        id_column="doc",
+        sampling_columns=parse_sampling_columns("max_tokens,temperature,seed"),
+    )
     result = run(rconn(redis_url), tmp_path / "docs.parquet", tmp_path, table=spec)
     assert (result.total, result.enqueued_now, result.skipped) == (2, 2, 0)
     # a value holding "{x}" is inserted as it is, never expanded
@@ -94,8 +98,9 @@ def test_messages_column_with_names_and_a_logit_bias_map(redis_url, tmp_path):
     bias = pa.array([[(5, 1.5)], None], pa.map_(pa.int64(), pa.float64()))
     pq.write_table(pa.table({"chat": chat, "n": [1, 2], "logit_bias": bias}),
                    tmp_path / "c.parquet")  # fmt: skip
+    mapped = parse_sampling_columns("n,logit_bias")
     run(rconn(redis_url), tmp_path / "c.parquet", tmp_path,
-        table=TableSpec(messages_column="chat"))  # fmt: skip
+        table=TableSpec(messages_column="chat", sampling_columns=mapped))  # fmt: skip
     assert entries(rconn(redis_url)) == [
         {"id": "0", "m": [{"role": "system", "content": "Be brief."},
                           {"role": "user", "content": "Hi", "name": "ann"}],
@@ -128,8 +133,10 @@ def test_bad_values_name_their_row_and_column_and_nothing_is_queued(redis_url, t
                       "top_p": [1.0, 1.0, 1.0, 2.0]})  # fmt: skip
     pq.write_table(table, tmp_path / "bad.parquet")
     conn = rconn(redis_url)
+    spec = TableSpec(messages_column="chat", sampling_columns=("max_tokens=max_tokens",
+                                                                "top_p=top_p"))  # fmt: skip
     with pytest.raises(InvalidInput) as info:
-        run(conn, tmp_path / "bad.parquet", tmp_path, table=TableSpec(messages_column="chat"))
+        run(conn, tmp_path / "bad.parquet", tmp_path, table=spec)
     assert str(info.value) == (
         f"{tmp_path / 'bad.parquet'}: 3 invalid row(s); nothing was enqueued. Fix them, or pass "
         "--skip-invalid to submit only the valid rows.\n"
@@ -314,3 +321,73 @@ def test_parallel_validation_gives_the_same_entries_snapshot_and_errors(tmp_path
     assert (total, error_count) == (84, 6)
     assert errors[:2] == ["row 0, column q: prompt is empty", "row 17, column q: prompt is empty"]
     assert kept == [i for i in range(90) if i % 17]
+
+
+def test_columns_named_like_sampling_fields_are_data_unless_mapped(redis_url, tmp_path):
+    """A real data set with a count ``n`` and a ``seed`` column, kept whole: both are data;
+    --sampling-columns maps a column to a field (its own name, or FIELD=COLUMN)."""
+    table = pa.table({"q": ["a", "b"], "n": [40, 3], "seed": [7, 8], "budget": [3, 5]})
+    pq.write_table(table, tmp_path / "counts.parquet")
+    conn = rconn(redis_url)
+    result = cli("submit", str(tmp_path / "counts.parquet"), "--model", "m", "--output",
+                 str(tmp_path / "o1"), "--redis", redis_url, "--prompt-column", "q",
+                 "--keep-columns", "all", "--job-id", "data")  # fmt: skip
+    assert (result.exit_code, result.output) == (0, "data\n")
+    assert [e["s"] for e in entries(conn, "data")] == [DEFAULTS, DEFAULTS]
+    assert load_job(conn, KEYS, "data").kept_columns == ["q", "n", "seed", "budget"]
+    result = cli("submit", str(tmp_path / "counts.parquet"), "--model", "m", "--output",
+                 str(tmp_path / "o2"), "--redis", redis_url, "--prompt-column", "q",
+                 "--sampling-columns", "seed, max_tokens=budget", "--job-id", "mapped")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert [e["s"] for e in entries(conn, "mapped")] == [
+        {**DEFAULTS, "seed": 7, "max_tokens": 3}, {**DEFAULTS, "seed": 8, "max_tokens": 5}]  # fmt: skip
+    # mapped, n is checked as n: the count 40 is refused, by row and column
+    result = cli("submit", str(tmp_path / "counts.parquet"), "--model", "m", "--output",
+                 str(tmp_path / "o3"), "--redis", redis_url, "--prompt-column", "q",
+                 "--sampling-columns", "n")  # fmt: skip
+    assert result.exit_code == 2
+    assert "row 0, column n: n must be an integer from 1 to 16" in result.output
+    for flag, message in (("colour", "--sampling-columns: 'colour' is not a sampling field"),
+                          ("seed=nope", "--sampling-columns: no column 'nope' in the input")):  # fmt: skip
+        result = cli("submit", str(tmp_path / "counts.parquet"), "--model", "m", "--output",
+                     str(tmp_path / "o4"), "--redis", redis_url, "--prompt-column", "q",
+                     "--sampling-columns", flag)  # fmt: skip
+        assert result.exit_code == 2 and message in result.output
+        assert result.output.count("\n") == 1
+    # a job recorded before the flag existed is read again (retry) as it was then
+    legacy = TableSpec.from_json('{"prompt_column": "q", "keep_columns": []}')
+    assert legacy.sampling_columns is None
+    assert legacy.sampling_fields(["q", "n", "seed"]) == [("n", "n"), ("seed", "seed")]
+    assert TableSpec.from_json(TableSpec(prompt_column="q").to_json()).sampling_columns == ()
+
+
+def test_an_oversized_csv_cell_is_an_error_of_its_row_and_column(redis_url, tmp_path):
+    """CSV rows up to 16 MiB are read (pyarrow's default block, 1 MiB, failed the whole
+    submit on a 3 MB cell); a value over 8 MiB (a JSONL line's limit) is its row's error,
+    skipped with --skip-invalid; a row too long to read stops the submit, naming the first
+    row over 16 MiB and its longest column, also when it is the first row."""
+    big, huge = "x" * (2 << 20), "y" * ((8 << 20) + 5)
+    pacsv.write_csv(pa.table({"id": ["a", "b", "c", "d"], "q": ["short", big, huge, "end"]}),
+                    tmp_path / "cells.csv")  # fmt: skip
+    conn = rconn(redis_url)
+    spec = TableSpec(prompt_column="q", id_column="id")
+    with pytest.raises(InvalidInput) as info:
+        run(conn, tmp_path / "cells.csv", tmp_path, job_id="c1", table=spec)
+    assert str(info.value).endswith(
+        "row 2, column q: the value is 8,388,613 bytes, over the limit of 8,388,608 bytes"
+    )
+    result = run(conn, tmp_path / "cells.csv", tmp_path, job_id="c2", table=spec,
+                 skip_invalid=True)  # fmt: skip
+    assert (result.total, result.skipped) == (3, 1)
+    assert [(e["id"], len(e["p"])) for e in entries(conn, "c2")] == [
+        ("a", 5), ("b", 2 << 20), ("d", 3)]  # fmt: skip
+    long = '"' + "z," * (20 << 20) + '"'  # 40 MiB, quoted, commas inside
+    for name, text, row in (("later", f'id,note,q\nr0,"a, ""b"" c",ok\nr1,fine,{long}\n', 1),
+                            ("first", f"id,note,q\nr0,fine,{long}\n", 0)):  # fmt: skip
+        (tmp_path / f"{name}.csv").write_text(text)
+        with pytest.raises(UsageError) as caught:
+            run(conn, tmp_path / f"{name}.csv", tmp_path, job_id="c3",
+                table=TableSpec(prompt_column="q"), skip_invalid=True)  # fmt: skip
+        assert str(caught.value).startswith(f"row {row}, column q: the row is over "
+                                            "16,777,216 bytes, the most a CSV row may hold")  # fmt: skip
+    assert not conn.exists(KEYS.queue_for_model("m").job("c3").job)

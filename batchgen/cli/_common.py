@@ -114,17 +114,23 @@ def table_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--keep-columns", metavar="A,B|all", default=None,
                      help="Table input: columns to put in result.parquet after the "
                      "generation columns, with their types ('all': every column)."),
+        click.option("--sampling-columns", metavar="FIELD[=COL],...", default=None,
+                     help="Table input: columns that set a sampling field per row, e.g. "
+                     "max_tokens,temperature=temp (the column temp sets temperature). "
+                     "Other columns are data, whatever their names."),
     ]  # fmt: skip
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from batchgen.jobs.intake.tables import TableSpec
+        from batchgen.jobs.intake.table_spec import TableSpec, parse_sampling_columns
 
         names = ("prompt_column", "messages_column", "template", "id_column")
         flags = {name: kwargs.pop(name) for name in names}
         with user_errors():
             keep = _keep_columns(kwargs.pop("keep_columns"))
-        return func(*args, table=TableSpec(**flags, keep_columns=keep), **kwargs)
+            sampling = parse_sampling_columns(kwargs.pop("sampling_columns"))
+        spec = TableSpec(**flags, keep_columns=keep, sampling_columns=sampling)
+        return func(*args, table=spec, **kwargs)
 
     for option in reversed(options):
         wrapper = option(wrapper)

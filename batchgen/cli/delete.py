@@ -22,11 +22,29 @@ def delete(job_id: str, outputs: bool, force: bool, redis_url: str | None) -> No
     nothing else is left in it). A job that still runs is refused unless
     --force, which cancels it first. Finished jobs' Redis state also expires on
     its own after their retention (submit --retention, default 7 days).
+
+    A batch of `batchgen serve` (its job has its id) goes too: its record and its
+    output and error files (their records and bytes); its input file is kept.
     """
     from batchgen.jobs.ops.deletion import delete as run_delete
+    from batchgen.jobs.redis import embedded
+    from batchgen.jobs.schema.errors import JobNotFound
     from batchgen.jobs.storage.names import check_job_id
+    from batchgen.serve.batch_removal import remove_batch
 
     conn, keys, _ = connect(redis_url)
-    report = run_delete(conn, keys, check_job_id(job_id), outputs=outputs, force=force)
-    files = f", {report.files} output files" if outputs else ""
-    click.echo(f"deleted job {job_id}: {report.keys} keys, {report.entries} queued entries{files}")
+    job_id = check_job_id(job_id)
+    batch = bool(conn.exists(keys.batch(job_id)))
+    said = []
+    try:
+        report = run_delete(conn, keys, job_id, outputs=outputs, force=force)
+        files = f", {report.files} output files" if outputs else ""
+        said.append(f"deleted job {job_id}: {report.keys} keys, {report.entries} queued "
+                    f"entries{files}")  # fmt: skip
+    except JobNotFound:
+        if not batch:
+            raise
+    if batch:
+        removed = remove_batch(conn, keys, job_id, str(embedded.home() / "files"))
+        said.append(f"deleted batch {job_id} and its {removed} output files")
+    click.echo("; ".join(said))

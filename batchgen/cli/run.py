@@ -19,7 +19,7 @@ from batchgen.cli._common import (
 )
 
 if TYPE_CHECKING:
-    from batchgen.jobs.intake.tables import TableSpec
+    from batchgen.jobs.intake.table_spec import TableSpec
 
 
 @click.command("run")

@@ -1,47 +1,83 @@
-"""API keys: ``Authorization: Bearer KEY`` for the API, or the dashboard's cookie.
+"""Who is asking: ``Authorization: Bearer KEY`` for the API, a session for the dashboard.
 
-Keys are compared in constant time. Without any key configured the server
-binds to loopback only (cli/serve.py) and every request is let through.
+Keys are compared in constant time (tenants.py). Signing in to the dashboard
+with a key makes a session: a random token in an HttpOnly, SameSite=Strict
+cookie, of which Redis keeps only a hash (``P:serve:session:H``, with the key's
+id, expiring after ``session_s``); signing out deletes it, so the cookie is
+worthless after that, and a session ends when its key is no longer configured.
+The cookie never holds the key. Without any key configured the server binds to
+loopback only (cli/serve.py) and every request is its one user (an admin).
 """
 
 from __future__ import annotations
 
-import hmac
+import hashlib
+import secrets
+from typing import Annotated
 
-from fastapi import Request
+import redis
+from fastapi import Depends, Request
 
+from batchgen.jobs.redis.keys import Keys, text
 from batchgen.serve.openai_errors import APIError
+from batchgen.serve.tenants import OPEN, Principal
 
-COOKIE = "batchgen_key"
-
-
-def key_ok(given: str, keys: list[str]) -> bool:
-    ok = False
-    for key in keys:  # no early exit: the time taken does not say which key matched
-        ok |= hmac.compare_digest(given.encode(), key.encode())
-    return ok
+COOKIE = "batchgen_session"
 
 
-def request_key(request: Request) -> str:
-    header = request.headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        return value.strip()
-    return request.cookies.get(COOKIE, "")
+def _token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
-def authorized(request: Request) -> bool:
-    keys: list[str] = request.app.state.config.api_keys
-    return not keys or key_ok(request_key(request), keys)
+class Sessions:
+    def __init__(self, conn: redis.Redis, keys: Keys, ttl_s: int) -> None:
+        self.conn, self.keys, self.ttl_s = conn, keys, ttl_s
+
+    def start(self, who: Principal) -> str:
+        """A new session for ``who``: the cookie's value."""
+        token = secrets.token_urlsafe(32)
+        self.conn.set(self.keys.session(_token_hash(token)), who.key_id, ex=self.ttl_s)
+        return token
+
+    def key_of(self, token: str) -> str:
+        """The key id a live session holds; "" when there is none."""
+        return text(self.conn.get(self.keys.session(_token_hash(token)))) if token else ""
+
+    def end(self, token: str) -> None:
+        if token:
+            self.conn.delete(self.keys.session(_token_hash(token)))
 
 
-async def require_key(request: Request) -> None:
-    """A route dependency: 401 in OpenAI's shape without a valid key. (async: it does no
-    I/O, and FastAPI would run a plain function in its thread pool, one hop per request)"""
-    if not authorized(request):
+def bearer(request: Request) -> str:
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" else ""
+
+
+def principal_of(request: Request) -> Principal | None:
+    """Who sent ``request``: by its bearer key, else by its session cookie; None: nobody."""
+    state = request.app.state
+    ring = state.config.keyring
+    if ring.open:
+        return OPEN
+    key = bearer(request)
+    if key:
+        return ring.find(key)
+    session = state.sessions.key_of(request.cookies.get(COOKIE, ""))
+    return ring.by_id(session) if session else None
+
+
+async def require_key(request: Request) -> Principal:
+    """A route dependency: who asks, or 401 in OpenAI's shape. (async: FastAPI would run a
+    plain function in its thread pool, one hop per request)"""
+    who = principal_of(request)
+    if who is None:
         raise APIError(
             401,
             "Incorrect API key provided. Pass it as 'Authorization: Bearer KEY' (one of the "
-            "server's --api-key / BATCHGEN_API_KEYS).",
+            "server's --api-key / BATCHGEN_API_KEYS / --keys-file).",
             code="invalid_api_key",
         )
+    return who
+
+
+Who = Annotated[Principal, Depends(require_key)]  # a route's parameter: who asks

@@ -15,6 +15,7 @@ from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.result import RESULT
 from batchgen.jobs.redis import hash_codec
+from batchgen.jobs.redis.hash_codec import OMIT_EMPTY
 from batchgen.jobs.redis.keys import text_hash
 from batchgen.jobs.storage.names import redact_uri
 from batchgen.serve.batch_lifecycle import BatchState
@@ -51,6 +52,11 @@ class BatchRecord:
     expired_at: int = 0
     cancelling_at: int = 0
     cancelled_at: int = 0
+    tenant: str = field(default="", metadata=OMIT_EMPTY)  # tenants.py; "" without keys
+    store: str = ""  # the files dir of its input and output files ("": before stores)
+    output_expiry_s: int = 0  # its output files (and then this record) go this long after
+    finish_attempts: int = 0  # failed tries at writing the output files
+    finish_retry_at: float = 0.0  # after a failed try: not before this (unix s)
 
     def to_hash(self) -> dict[str, str]:
         return hash_codec.to_hash(self)

@@ -1,18 +1,17 @@
-"""Batches over batchgen jobs: create (validate in the background, then submit), get,
-list, cancel, and the sweep that expires late batches and writes finished ones' files.
+"""Batches over batchgen jobs: the records, and create, get, list and cancel.
 
-A batch's job has the batch's id, so a validation cut short (the server stopped)
-is simply run again: submit resumes a job it already created, nothing twice.
+Validating a new batch (validation.py) and finishing a batch whose job ended
+(sweep.py) run in the background. A batch's job has the batch's id. Each batch
+belongs to the tenant of the key that made it (tenants.py): another tenant's
+batch is a 404, as one never made.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -20,28 +19,21 @@ import redis
 
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
 from batchgen.jobs.ops.job_record import JobRecord, load_job
-from batchgen.jobs.ops.lifecycle import JobState
-from batchgen.jobs.ops.submission import submit
-from batchgen.jobs.redis.heartbeat import live_workers
-from batchgen.jobs.redis.keys import Keys, queue_name, text, text_hash
-from batchgen.jobs.schema.errors import BatchgenError, InvalidInput, JobConflict, JobNotFound
-from batchgen.jobs.schema.sampling import job_defaults
+from batchgen.jobs.redis.keys import Keys, text, text_hash
+from batchgen.jobs.schema.errors import JobConflict, JobNotFound
 from batchgen.jobs.storage.names import check_output
 from batchgen.serve import batch_lifecycle
 from batchgen.serve.batch_lifecycle import BatchState
 from batchgen.serve.batch_record import BatchRecord, to_openai
 from batchgen.serve.files import FileStore
-from batchgen.serve.input_checks import check_batch_lines
 from batchgen.serve.openai_errors import APIError, not_found
-from batchgen.serve.results import write_outputs
 from batchgen.serve.settings import ServeConfig
-
-log = logging.getLogger(__name__)
+from batchgen.serve.tenants import Principal
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 WINDOWS = {"24h": 24 * 3600}
-LOCK_S = 3600
 MAX_METADATA_KEYS = 16
+EXPIRES_AFTER_S = (3600, 30 * 86400)  # OpenAI's bounds for expires_after.seconds
 
 
 def new_batch_id() -> str:
@@ -54,10 +46,22 @@ def job_output(root: str, batch_id: str) -> str:
     return check_output(os.path.join(os.path.abspath(os.path.expanduser(root)), batch_id))
 
 
+def expires_after(value: Any, default_s: int, param: str) -> int:
+    """OpenAI's ``{"anchor": "created_at", "seconds": N}`` (N from an hour to 30 days) as
+    seconds; ``default_s`` when not given."""
+    if value is None:
+        return default_s
+    low, high = EXPIRES_AFTER_S
+    if not (isinstance(value, dict) and value.get("anchor") == "created_at"
+            and type(value.get("seconds")) is int and low <= value["seconds"] <= high):  # fmt: skip
+        raise APIError(400, f"{param} must be {{\"anchor\": \"created_at\", \"seconds\": N}} "
+                       f"with N from {low} to {high}", "invalid_request", param)  # fmt: skip
+    return int(value["seconds"])
+
+
 class Batches:
     def __init__(self, conn: redis.Redis, keys: Keys, config: ServeConfig, store: FileStore):
         self.conn, self.keys, self.config, self.store = conn, keys, config, store
-        self.pool = ThreadPoolExecutor(2, thread_name_prefix="batchgen-validate")
 
     # -- records ----------------------------------------------------------------
 
@@ -69,6 +73,13 @@ class Batches:
         record = BatchRecord.from_hash(data)
         if "state" not in data:  # written before states: store the one it is in, for moves
             self.conn.hsetnx(key, "state", record.state.value)
+        return record
+
+    def visible(self, batch_id: str, who: Principal) -> BatchRecord:
+        """The batch as ``who`` may see it: 404 for another tenant's."""
+        record = self.load(batch_id)
+        if not who.sees(record.tenant):
+            raise not_found("batch", batch_id)
         return record
 
     def save(self, record: BatchRecord, **changes: Any) -> None:
@@ -93,6 +104,40 @@ class Batches:
         record.state = to
         return was
 
+    def end(self, record: BatchRecord, to: BatchState, **changes: Any) -> bool:
+        """Move the batch to a state it stays in (final, or failed): it leaves the open
+        batches, its record (with its output files) expires after ``output_expiry_s``, and
+        its input file goes if it was deleted or expired meanwhile. Whether it moved."""
+        if self.move(record, to, **changes) is None:
+            if record.state.final or record.state == BatchState.FAILED:
+                self.conn.srem(self.keys.open_batches, record.id)  # ended before: tidy up
+            return False
+        pipe = self.conn.pipeline(transaction=False)
+        pipe.srem(self.keys.open_batches, record.id)
+        if record.output_expiry_s:
+            pipe.zadd(self.keys.expiring_batches(self.store.uri),
+                      {record.id: time.time() + record.output_expiry_s})  # fmt: skip
+        pipe.execute()
+        self.release(record.input_file_id)
+        return True
+
+    def release(self, file_id: str) -> None:
+        """Remove a hidden (deleted or expired) file once no open batch reads it."""
+        obj = self.store.record(file_id)
+        if obj is not None and obj.hidden and not self.uses_file(file_id):
+            self.store.remove(obj)
+
+    def uses_file(self, file_id: str) -> bool:
+        """Whether an open batch (its output files not written) reads ``file_id``."""
+        ids = [text(i) for i in self.conn.smembers(self.keys.open_batches)]
+        pipe = self.conn.pipeline(transaction=False)
+        for batch_id in ids:
+            pipe.hget(self.keys.batch(batch_id), "input_file_id")
+        return any(text(f) == file_id for f in pipe.execute())
+
+    def fail(self, record: BatchRecord, errors: list[dict[str, Any]]) -> None:
+        self.end(record, BatchState.FAILED, errors=errors, failed_at=int(time.time()))
+
     def job(self, record: BatchRecord) -> JobRecord | None:
         if not record.state.has_job:
             return None
@@ -106,7 +151,8 @@ class Batches:
 
     # -- the API ------------------------------------------------------------------
 
-    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+    def create(self, body: dict[str, Any], who: Principal) -> BatchRecord:
+        """Record a new batch (``validating``); the caller starts its validation."""
         file_id = body.get("input_file_id")
         endpoint = body.get("endpoint")
         window = body.get("completion_window")
@@ -126,51 +172,54 @@ class Batches:
         ):  # fmt: skip
             raise APIError(400, "metadata must be at most 16 string keys (64 chars) with "
                            "string values (512 chars)", "invalid_request", "metadata")  # fmt: skip
-        if self.store.get(file_id).purpose != "batch":
+        output_expiry = expires_after(body.get("output_expires_after"),
+                                      self.config.output_expiry_s, "output_expires_after")  # fmt: skip
+        if self.store.get(file_id, who).purpose != "batch":
             raise APIError(400, f"file {file_id!r} was not uploaded with purpose 'batch'",
                            "invalid_request", "input_file_id")  # fmt: skip
         now = int(time.time())
         record = BatchRecord(
             id=new_batch_id(), endpoint=endpoint, input_file_id=file_id,
             completion_window=window, metadata=metadata or None, created_at=now,
-            expires_at=now + WINDOWS[window],
+            expires_at=now + WINDOWS[window], tenant=who.tenant, store=self.store.uri,
+            output_expiry_s=output_expiry,
         )  # fmt: skip
         pipe = self.conn.pipeline(transaction=True)
         pipe.hset(self.keys.batch(record.id), mapping=dict[Any, Any](record.to_hash()))
         pipe.zadd(self.keys.batches, {record.id: time.time()})
+        if record.tenant:
+            pipe.zadd(self.keys.tenant_batches(record.tenant), {record.id: time.time()})
         pipe.sadd(self.keys.open_batches, record.id)
         pipe.execute()
-        self.pool.submit(self.validate, record.id)
-        return self.view(record)
+        return record
 
-    def get(self, batch_id: str) -> dict[str, Any]:
-        return self.view(self.load(batch_id))
+    def get(self, batch_id: str, who: Principal) -> dict[str, Any]:
+        return self.view(self.visible(batch_id, who))
 
-    def page(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+    def page(self, who: Principal, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        index = self.keys.batches if who.admin else self.keys.tenant_batches(who.tenant)
         start = 0
         if after:
-            rank = self.conn.zrevrank(self.keys.batches, after)
+            rank = self.conn.zrevrank(index, after)
             if rank is None:
                 raise not_found("batch", after)
             start = int(rank) + 1  # type: ignore[arg-type]
-        ids = [text(i) for i in self.conn.zrevrange(self.keys.batches, start, start + limit)]
+        ids = [text(i) for i in self.conn.zrevrange(index, start, start + limit)]
         page = []
         for batch_id in ids[:limit]:
-            try:
-                page.append(self.get(batch_id))
-            except APIError:
-                continue  # deleted meanwhile
+            with contextlib.suppress(APIError):  # deleted meanwhile
+                page.append(self.get(batch_id, who))
         return page, len(ids) > limit
 
-    def cancel(self, batch_id: str) -> dict[str, Any]:
-        record = self.load(batch_id)
+    def cancel(self, batch_id: str, who: Principal) -> dict[str, Any]:
+        record = self.visible(batch_id, who)
         current = self.view(record)["status"]
         if current in ("cancelling", "cancelled"):
             return self.view(record)
         if record.state == BatchState.VALIDATING:
             if self.move(record, BatchState.CANCELLING, cancelling_at=int(time.time())):
                 return self.view(record)
-            return self.cancel(batch_id)  # its validation ended meanwhile: cancel what it made
+            return self.cancel(batch_id, who)  # its validation ended meanwhile: cancel its job
         if current not in ("in_progress",):
             raise APIError(400, f"Cannot cancel a batch with status {current!r}.",
                            "invalid_request")  # fmt: skip
@@ -180,140 +229,3 @@ class Batches:
             raise APIError(400, f"Cannot cancel the batch: {exc}", "invalid_request") from None
         self.save(record, cancelling_at=int(time.time()))
         return self.view(record)
-
-    # -- validation (background) ----------------------------------------------------
-
-    def validate(self, batch_id: str) -> None:
-        token = secrets.token_hex(8)
-        lock = self.keys.batch_lock(batch_id)
-        if not self.conn.set(lock, token, nx=True, ex=LOCK_S):
-            return  # another thread or server has it
-        try:
-            self._validate(self.load(batch_id))
-        except Exception as exc:  # never leave a batch validating forever
-            log.exception("validating batch %s failed", batch_id)
-            record = self.load(batch_id)
-            if record.state.validating:
-                self._fail(record, [{"code": "server_error", "message": str(exc)[:500],
-                                     "param": None, "line": None}])  # fmt: skip
-        finally:
-            if text(self.conn.get(lock)) == token:
-                self.conn.delete(lock)
-
-    def _validate(self, record: BatchRecord) -> None:
-        if not record.state.validating:
-            return
-        with self.store.as_local_file(record.input_file_id) as path:
-            checked = check_batch_lines(path, record.endpoint)
-            errors = checked.errors
-            if not errors and checked.lines == 0:
-                errors = [_error("empty_file", "the input file holds no requests")]
-            if not errors and not self._served(checked.model):
-                errors = [_error("model_not_found", f"no live worker serves the model "
-                                 f"{checked.model[:200]!r} (start one: batchgen worker --model "
-                                 "MODEL)", "body.model")]  # fmt: skip
-            if errors:
-                self._fail(record, errors)
-                return
-            if self.load(record.id).state == BatchState.CANCELLING:
-                self._finish_unsubmitted(record)
-                return
-            output = job_output(self.config.output_root, record.id)
-            try:
-                result = submit(self.conn, self.keys, source_path=path, model=checked.model,
-                                output=output, defaults=job_defaults({}), job_id=record.id,
-                                input_format="jsonl")  # fmt: skip
-            except InvalidInput as exc:
-                data = [_error("invalid_request", e.message, None, e.line)
-                        for e in exc.line_errors] or [_error("invalid_request", str(exc))]  # fmt: skip
-                self._fail(record, data)
-                return
-            except BatchgenError as exc:
-                self._fail(record, [_error("batchgen_error", str(exc))])
-                return
-        was = self.move(record, BatchState.SUBMITTED, model=checked.model, output=output,
-                        total=result.total, in_progress_at=int(time.time()))  # fmt: skip
-        if was != BatchState.VALIDATING:  # cancelled meanwhile (or ended): its job is not run
-            with contextlib.suppress(JobConflict, JobNotFound):
-                cancel_job(self.conn, self.keys, record.id)
-
-    def _served(self, model: str) -> bool:
-        name = queue_name(model)
-        return any(w.get("queue") == name for w in live_workers(self.conn, self.keys))
-
-    def _fail(self, record: BatchRecord, errors: list[dict[str, Any]]) -> None:
-        self.move(record, BatchState.FAILED, errors=errors, failed_at=int(time.time()))
-        self.conn.srem(self.keys.open_batches, record.id)  # refused only when already ended
-
-    def _finish_unsubmitted(self, record: BatchRecord) -> None:
-        self.move(record, BatchState.CANCELLED, cancelled_at=int(time.time()))
-        self.conn.srem(self.keys.open_batches, record.id)
-
-    # -- the sweep (a background thread calls it) -----------------------------------
-
-    def sweep(self) -> None:
-        for batch_id in [text(i) for i in self.conn.smembers(self.keys.open_batches)]:
-            try:
-                self._sweep_one(self.load(batch_id))
-            except APIError:
-                self.conn.srem(self.keys.open_batches, batch_id)  # its record is gone
-            except (redis.ConnectionError, redis.TimeoutError):
-                raise
-            except Exception:
-                log.exception("sweeping batch %s", batch_id)
-
-    def _sweep_one(self, record: BatchRecord) -> None:
-        now = int(time.time())
-        if record.state.validating:
-            if not self.conn.exists(self.keys.batch_lock(record.id)):
-                self.pool.submit(self.validate, record.id)  # a server stopped mid-validation
-            return
-        if not record.state.has_job:
-            self.conn.srem(self.keys.open_batches, record.id)
-            return
-        job = self.job(record)
-        if job is None:
-            self._fail(record, [_error("job_lost", "the batch's job is gone from Redis "
-                                       "(deleted, or Redis lost its state)")])  # fmt: skip
-            return
-        if job.state.live and now >= record.expires_at:
-            if record.state == BatchState.SUBMITTED:
-                self.move(record, BatchState.EXPIRING)
-            if record.state == BatchState.EXPIRING:  # (also where a server stopped right here)
-                with contextlib.suppress(JobConflict, JobNotFound):
-                    cancel_job(self.conn, self.keys, record.id)
-                job = self.job(record) or job
-        if job.state in (JobState.FINALIZING, JobState.COMPLETED) and not record.finalizing_at:
-            self.save(record, finalizing_at=now)
-        if job.state.terminal:
-            self._write_files(record, job)
-
-    def _write_files(self, record: BatchRecord, job: JobRecord) -> None:
-        token = secrets.token_hex(8)
-        lock = self.keys.batch_lock(record.id)
-        if not self.conn.set(lock, token, nx=True, ex=LOCK_S):
-            return
-        try:
-            outputs = write_outputs(self.store, record, job)
-            now = int(time.time())
-            if job.state == JobState.COMPLETED:
-                final, stamp = BatchState.COMPLETED, "completed_at"
-            elif record.state == BatchState.EXPIRING:
-                final, stamp = BatchState.EXPIRED, "expired_at"
-            else:
-                final, stamp = BatchState.CANCELLED, "cancelled_at"
-            self.move(record, final, output_file_id=outputs.output_file_id,
-                      error_file_id=outputs.error_file_id, total=job.total,
-                      completed=outputs.completed, failed=outputs.failed,
-                      prompt_tokens=job.prompt_tokens, completion_tokens=job.completion_tokens,
-                      cached_tokens=job.cached_tokens, finalizing_at=record.finalizing_at or now,
-                      **{stamp: now})  # fmt: skip
-            self.conn.srem(self.keys.open_batches, record.id)
-        finally:
-            if text(self.conn.get(lock)) == token:
-                self.conn.delete(lock)
-
-
-def _error(code: str, message: str, param: str | None = None,
-           line: int | None = None) -> dict[str, Any]:  # fmt: skip
-    return {"code": code, "message": message, "param": param, "line": line}

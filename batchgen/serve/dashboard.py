@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -12,7 +12,6 @@ from batchgen.jobs.ops.job_record import queue_of_job
 from batchgen.jobs.ops.status_report import all_statuses, job_status
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import Keys, text
-from batchgen.serve.series import read_series
 
 MAX_JOBS = 200
 SHOWN_DEAD = 50
@@ -32,12 +31,10 @@ def workers(conn: redis.Redis, keys: Keys, rates: dict[str, float]) -> list[dict
     return sorted(out, key=lambda w: (w["host"] or "", w["name"]))
 
 
-def overview(conn: redis.Redis, keys: Keys) -> dict[str, Any]:
-    series = read_series(conn, keys)
-    rates = series[-1]["workers"] if series else {}
-    jobs = [s.to_dict() for s in reversed(all_statuses(conn, keys))][:MAX_JOBS]
-    return {"now": time.time(), "jobs": jobs, "workers": workers(conn, keys, rates),
-            "series": series}  # fmt: skip
+def jobs(conn: redis.Redis, keys: Keys, sees: Callable[[str], bool]) -> list[dict[str, Any]]:
+    """The newest MAX_JOBS jobs of the tenants ``sees`` admits, newest first."""
+    shown = [s for s in reversed(all_statuses(conn, keys)) if sees(s.record.tenant)]
+    return [s.to_dict() for s in shown[:MAX_JOBS]]
 
 
 def job_detail(conn: redis.Redis, keys: Keys, job_id: str) -> dict[str, Any]:

@@ -8,7 +8,8 @@ import contextlib
 import hashlib
 import itertools
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,6 @@ from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.serve.batch_lifecycle import BatchState
 from batchgen.serve.batch_record import BatchRecord
 from batchgen.serve.files import FileStore, new_file_id
-from batchgen.serve.openai_errors import APIError
 
 COLUMNS = ["index", "id", "text", "finish_reason", "error", "prompt_tokens",
            "completion_tokens", "cached_tokens", "choices", "logprobs", "embedding"]  # fmt: skip
@@ -135,24 +135,30 @@ def custom_ids(path: str) -> Iterator[str | None]:
         yield None
 
 
-def write_outputs(store: FileStore, batch: BatchRecord, job: JobRecord) -> Outputs:
-    """Write both files (an empty one is dropped) and register them.
+def write_outputs(store: FileStore, batch: BatchRecord, job: JobRecord,
+                  halfway: Callable[[], None] = lambda: None) -> Outputs:  # fmt: skip
+    """Write both files (an empty one is dropped) and register them (the batch's tenant's,
+    expiring with the batch's ``output_expiry_s``). ``halfway``: called once the first
+    rows are written (a crash point).
 
     Rows finalize made up for requests that never ran (cancelled) carry no id: their
-    custom_id is read from the input file, walked in step with the rows."""
+    custom_id is read from the input file, walked in step with the rows. The input is
+    kept while its batch is open (files.py), so only bytes removed behind the server's
+    back leave those ids null; every row still gets its line."""
     with contextlib.ExitStack() as stack:
-        try:
+        if store.exists(batch.input_file_id):
             ids = custom_ids(stack.enter_context(store.as_local_file(batch.input_file_id)))
-        except APIError:  # the input file was deleted meanwhile
+        else:
             ids = itertools.repeat(None)
-        return _write(store, batch, job, ids)
+        return _write(store, batch, job, ids, halfway)
 
 
-def _write(store: FileStore, batch: BatchRecord, job: JobRecord,
-           ids: Iterator[str | None]) -> Outputs:  # fmt: skip
+def _write(store: FileStore, batch: BatchRecord, job: JobRecord, ids: Iterator[str | None],
+           halfway: Callable[[], None]) -> Outputs:  # fmt: skip
     created = int(job.finished_at or job.created_at)
     ok_id, err_id = new_file_id(), new_file_id()
     counts, sizes = [0, 0], [0, 0]
+    started = False
     src_dir = OutputDir.open(job.output)
     with (
         src_dir.open_input(RESULT) as src,
@@ -169,10 +175,17 @@ def _write(store: FileStore, batch: BatchRecord, job: JobRecord,
                 sinks[good].write(data)
                 counts[good] += 1
                 sizes[good] += len(data)
+            if not started:  # the first record batch is in the temp files
+                ok_out.flush()
+                err_out.flush()
+                halfway()
+                started = True
+    expires = int(time.time()) + batch.output_expiry_s if batch.output_expiry_s else 0
     kept = []
     for which, file_id, label in ((1, ok_id, "output"), (0, err_id, "error")):
         if counts[which]:
-            store.register(file_id, f"{batch.id}_{label}.jsonl", "batch_output", sizes[which])
+            store.register(file_id, f"{batch.id}_{label}.jsonl", "batch_output", sizes[which],
+                           batch.tenant, expires)  # fmt: skip
             kept.append(file_id)
         else:
             store.dir.delete_file(file_id)

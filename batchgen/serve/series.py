@@ -68,3 +68,15 @@ class Sampler:
 def read_series(conn: redis.Redis, keys: Keys, since_s: float = WINDOW_S) -> list[dict[str, Any]]:
     raw = conn.zrangebyscore(keys.series, time.time() - since_s, "+inf")
     return [json.loads(text(m)) for m in raw]
+
+
+def forget_job(conn: redis.Redis, keys: Keys, job_id: str) -> None:
+    """Take ``job_id``'s line out of every sample (its batch was deleted)."""
+    for raw, score in conn.zrangebyscore(keys.series, "-inf", "+inf", withscores=True):
+        point = json.loads(text(raw))
+        if job_id in point.get("jobs", {}):
+            del point["jobs"][job_id]
+            pipe = conn.pipeline(transaction=True)
+            pipe.zrem(keys.series, raw)
+            pipe.zadd(keys.series, {json.dumps(point, sort_keys=True): score})
+            pipe.execute()

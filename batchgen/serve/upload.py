@@ -1,16 +1,22 @@
 """A multipart/form-data upload parsed as it streams in: the file part's bytes come out
-chunk by chunk (to be written to the files store), never held whole; other fields are
-small text values, capped."""
+chunk by chunk (to be written to the files store), never held whole. Everything
+else is bounded: at most ``MAX_FIELDS`` other fields of ``MAX_FIELD_BYTES`` each (and
+python-multipart's own bounds on a part's headers: 8 of 4 KB), so no body makes the
+server hold more than a few tens of KB besides the chunk in hand. A malformed body is
+a 400. An upload is complete only once its closing
+boundary arrived: a body cut short (however its Content-Length reads) is refused."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from batchgen.serve.openai_errors import APIError
 
 MAX_FIELD_BYTES = 4096
+MAX_FIELDS = 16  # parts other than the file
 
 
 class MultipartUpload:
@@ -30,6 +36,8 @@ class MultipartUpload:
         self._header_name = bytearray()
         self._header_value = bytearray()
         self._headers: dict[bytes, bytes] = {}
+        self._parts = 0
+        self.complete = False  # the closing boundary arrived
         callbacks: Any = {
             "on_part_begin": self._part_begin,
             "on_part_data": self._part_data,
@@ -38,19 +46,35 @@ class MultipartUpload:
             "on_header_value": lambda d, s, e: self._header_value.extend(d[s:e]),
             "on_header_end": self._header_end,
             "on_headers_finished": self._headers_finished,
+            "on_end": self._end,
         }
         self.parser = MultipartParser(boundary, callbacks)
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Parse ``chunk``; the file data it completed (write it out, in order)."""
-        self.parser.write(chunk)
+        try:
+            self.parser.write(chunk)
+        except MultipartParseError as exc:
+            raise APIError(400, f"the multipart body is malformed: {exc}",
+                           code="invalid_request") from None  # fmt: skip
         out, self._pending = self._pending, []
         return out
 
     def finish(self) -> None:
+        """The body ended: refused unless its closing boundary arrived."""
         self.parser.finalize()
+        if not self.complete:
+            raise APIError(400, "the upload ended before its closing boundary (the body was "
+                           "cut short); nothing was stored", code="incomplete_upload")  # fmt: skip
+
+    def _end(self) -> None:
+        self.complete = True
 
     def _part_begin(self) -> None:
+        self._parts += 1
+        if self._parts > MAX_FIELDS + 1:
+            raise APIError(400, f"an upload takes the file and at most {MAX_FIELDS} other "
+                           "form fields", code="invalid_request")  # fmt: skip
         self._headers, self._part_name, self._is_file = {}, "", False
         self._field.clear()
 

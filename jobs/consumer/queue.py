@@ -6,7 +6,8 @@ XCLAIM JUSTID to itself, only where it still owns them), takes over entries
 idle past a timeout (``reclaim``: XPENDING IDLE + XCLAIM per id, in one script,
 so every claimed entry has its exact delivery count; deleted ones are acked
 and reported as lost), dead-letters entries delivered too often, hands in-flight requests back on shutdown (``hand_back``), and drops
-entries of cancelled jobs. Every step that moves an entry is one atomic
+entries of cancelled jobs. An entry it cannot read (``readable``) becomes its job's
+error row, or is dropped, logged: it never stops the worker. Every step that moves an entry is one atomic
 script, and entries are deleted once acked so the stream does not grow.
 """
 
@@ -20,11 +21,12 @@ from typing import Any
 
 import redis
 
+from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.lifecycle import script
-from batchgen.jobs.redis.keys import GROUP, QueueKeys, text
+from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys, text
 from batchgen.jobs.redis.lua import ACK_AND_DELETE, LuaScript
 from batchgen.jobs.redis.stream import ensure_group
-from batchgen.jobs.schema.entry import QueueEntry
+from batchgen.jobs.schema.entry import EntryError, QueueEntry, job_and_index
 from batchgen.jobs.schema.rows import Row
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,50 @@ def read_new(
         return []
     if not reply:
         return []
-    return [Delivery.parse(eid, fields) for eid, fields in reply[0][1] if fields]
+    return readable(conn, qk, consumer, [(eid, fields, 1) for eid, fields in reply[0][1] if fields])
+
+
+def readable(
+    conn: redis.Redis, qk: QueueKeys, consumer: str, raw: list[tuple[Any, dict, int]]
+) -> list[Delivery]:
+    """The entries of ``raw`` (id, fields, deliveries) this release can read. One it cannot
+    (corrupt, planted, or of an unknown format) must not stop the worker, which would
+    read it again after every restart: it becomes its job's error row (dead-lettered with
+    the reason) when its job and index can be read, else it is dropped, logged."""
+    out = []
+    for entry_id, fields, deliveries in raw:
+        try:
+            out.append(Delivery.parse(entry_id, fields, deliveries))
+        except EntryError as exc:
+            set_aside(conn, qk, consumer, text(entry_id), fields, str(exc))
+    return out
+
+
+def set_aside(
+    conn: redis.Redis, qk: QueueKeys, consumer: str, entry_id: str, fields: dict, reason: str
+) -> None:
+    """An unreadable entry: dead-lettered as its job's error row, or dropped (logged)."""
+    where = job_and_index(fields)
+    if where is not None:
+        job_id, index = where
+        total = conn.hget(qk.job(job_id).job, "total")
+        if total is not None and index < int(total):
+            row = Row(index=index, error=f"dead-lettered: {reason}", worker=consumer,
+                      finished_at=int(time.time() * 1000))  # fmt: skip
+            raw = [text(x) if isinstance(x, bytes) else str(x) for kv in fields.items() for x in kv]
+            log.error("job %s, input %d: %s; dead-lettered", job_id, index, reason)
+            made = DEAD_LETTER(
+                conn, stream=qk.stream, dead=qk.job(job_id).dead, job=qk.job(job_id).job,
+                done=qk.job(job_id).done, errors=qk.job(job_id).errors, group=GROUP, id=entry_id,
+                index=index, request=json.dumps(raw, ensure_ascii=False), reason=reason,
+                deliveries=1, worker=consumer,
+                row=json.dumps(row.to_dict(), ensure_ascii=False), now=repr(time.time()),
+            )  # fmt: skip
+            if int(made) == 2:
+                enqueue_finalize(conn, Keys(qk.prefix), qk, job_id)
+            return
+    log.error("%s; no job of this Redis can take its error row: dropped", reason)
+    drop(conn, qk, [entry_id])
 
 
 def recreate_group(conn: redis.Redis, qk: QueueKeys) -> None:
@@ -163,11 +208,8 @@ def reclaim(
     claimed, lost = RECLAIM(
         conn, stream=qk.stream, group=GROUP, me=consumer, min_idle=min_idle_ms, count=count
     )
-    deliveries = []
-    for entry_id, flat, delivered in claimed:
-        fields = dict(zip(flat[::2], flat[1::2]))
-        deliveries.append(Delivery.parse(entry_id, fields, int(delivered)))
-    return Reclaimed(deliveries, [text(i) for i in lost])
+    raw = [(eid, dict(zip(flat[::2], flat[1::2])), int(n)) for eid, flat, n in claimed]
+    return Reclaimed(readable(conn, qk, consumer, raw), [text(i) for i in lost])
 
 
 HAND_BACK = script(

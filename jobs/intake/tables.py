@@ -8,10 +8,15 @@ same code as a native JSONL line (``inputs.native_entry``):
 
 - the prompt: ``prompt_column`` (a string), ``messages_column`` (a list of
   {role, content}) or ``template`` (template.py) over columns;
-- sampling fields: every column named as one (``max_tokens``, ``temperature``,
-  ... : params.CHECKS); a null there means "not given" (the job's default);
+- sampling fields: the columns ``--sampling-columns`` maps to them (table_spec.py;
+  other columns are data, whatever their names); a null there means "not given"
+  (the job's default);
 - the id: ``id_column``, else the row's number (0-based, across the files in
   name order; also what errors call the row).
+
+A text value longer than a JSONL line may be (``MAX_LINE_BYTES``) is an error of
+its row and column. CSV is read in blocks of ``csv_limits.BLOCK_BYTES``, so any
+row up to that size is read (a longer one may stop the submit, naming it).
 
 Kept columns (kept.py) are written beside the entries, valid rows only, so the
 snapshot's row k is the output's ``index`` k.
@@ -19,7 +24,6 @@ snapshot's row k is the output's ``index`` k.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,50 +31,28 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from batchgen.jobs.intake import kept, template
+from batchgen.jobs.intake import csv_limits, kept, template
 from batchgen.jobs.intake.inputs import FieldError, native_entry
-from batchgen.jobs.intake.lines import RowError
+from batchgen.jobs.intake.lines import MAX_LINE_BYTES, RowError
 from batchgen.jobs.intake.sources import Input
+from batchgen.jobs.intake.table_spec import TableSpec
 from batchgen.jobs.intake.validate import SHOWN_ERRORS, Validation, gather, procs_for, run_ranges
 from batchgen.jobs.schema.errors import UsageError
-from batchgen.jobs.schema.sampling import CHECKS
 
 BATCH_ROWS = 16_384
 BATCH_READAHEAD = 2  # batches decoded ahead of the one being validated
 
 
-@dataclass(frozen=True, slots=True)
-class TableSpec:
-    """How a table's rows become requests (the submit flags)."""
-
-    prompt_column: str | None = None
-    messages_column: str | None = None
-    template: str | None = None
-    id_column: str | None = None
-    keep_columns: tuple[str, ...] = ()  # ("all",): every column
-
-    @property
-    def given(self) -> bool:
-        return any((self.prompt_column, self.messages_column, self.template, self.id_column,
-                    self.keep_columns))  # fmt: skip
-
-    def to_json(self) -> str:
-        """As the job record keeps it (retry reads the table again the same way)."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True) if self.given else ""
-
-    @classmethod
-    def from_json(cls, raw: str) -> TableSpec:
-        data = json.loads(raw) if raw else {}
-        return cls(**{**data, "keep_columns": tuple(data.get("keep_columns") or ())})
-
-
 def open_dataset(found: Input) -> ds.Dataset:
-    fmt = ds.ParquetFileFormat() if found.format == "parquet" else ds.CsvFileFormat()
+    fmt = ds.ParquetFileFormat() if found.format == "parquet" else csv_limits.csv_format()
     try:
         return ds.dataset(found.files, filesystem=found.fs, format=fmt)
     except (OSError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        if found.format == "csv" and csv_limits.is_row_too_long(exc):
+            raise csv_limits.row_too_long(found.fs, found.files) from exc
         raise UsageError(f"cannot read the input as {found.format}: {_one_line(exc)}") from exc
 
 
@@ -117,7 +99,8 @@ def _plan(spec: TableSpec, schema: pa.Schema) -> tuple[_Plan, template.Template 
         fields.append(prompt)
     if spec.id_column:
         fields.append(("id", need(spec.id_column, "--id-column")))
-    fields += [(name, name) for name in names if name in CHECKS]
+    fields += [(name, need(column, "--sampling-columns"))
+               for name, column in spec.sampling_fields(names)]  # fmt: skip
     if spec.keep_columns == ("all",):
         keep = list(names)
     else:
@@ -241,7 +224,26 @@ def _batches(
             part = fragments[number].subset(row_group_ids=groups)
             yield from part.to_batches(schema=dataset.schema, **options)
     except (OSError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        if fmt == "csv" and csv_limits.is_row_too_long(exc):
+            raise csv_limits.row_too_long(dataset.filesystem, dataset.files) from exc
         raise UsageError(f"cannot read the input as {fmt}: {_one_line(exc)}") from exc
+
+
+def _oversized(batch: pa.RecordBatch, columns: list[str]) -> dict[int, tuple[str, int]]:
+    """Rows of ``batch`` holding a text value over MAX_LINE_BYTES: row -> (column, bytes)."""
+    out: dict[int, tuple[str, int]] = {}
+    for column in columns:
+        array = batch.column(column)
+        kind = array.type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):  # fmt: skip
+            continue
+        sizes = pc.binary_length(array)
+        if (pc.max(sizes).as_py() or 0) <= MAX_LINE_BYTES:
+            continue
+        for k in pc.indices_nonzero(pc.greater(sizes, MAX_LINE_BYTES)).to_pylist():
+            out.setdefault(k, (column, sizes[k].as_py()))
+    return out
 
 
 def _entries(
@@ -249,11 +251,18 @@ def _entries(
     defaults: dict[str, Any], vocab_size: int | None, first_row: int,
 ) -> Iterator[bytes | RowError]:  # fmt: skip
     """Each row's entry or error, in order."""
+    read = [c for _, c in plan.fields] + list(parsed.columns if parsed is not None else ())
+    oversized = _oversized(batch, list(dict.fromkeys(read)))
     columns = [(name, column, _values(batch.column(column))) for name, column in plan.fields]
     texts = [(c, _texts(batch.column(c))) for c in parsed.columns] if parsed is not None else []
     has_id = any(name == "id" for name, _, _ in columns)
     for k in range(batch.num_rows):
         row = first_row + k
+        if k in oversized:
+            column, size = oversized[k]
+            yield RowError(row, column, f"the value is {size:,} bytes, over the limit of "
+                           f"{MAX_LINE_BYTES:,} bytes")  # fmt: skip
+            continue
         value: dict[str, Any] = {} if has_id else {"id": str(row)}
         for name, _, values in columns:
             if values[k] is not None or name in ("prompt", "messages", "id"):

@@ -20,6 +20,9 @@ class JobRecord:
     id: str
     state: JobState = JobState.QUEUED
     model: str = ""
+    # who submitted it through ``batchgen serve`` (its API key's tenant); "" for no tenant
+    # (the CLI, left out of the hash): serve shows a job to its tenant and to admins only
+    tenant: str = field(default="", metadata=OMIT_EMPTY)
     queue: str = ""  # the queue name (see keys.queue_name)
     tag: str = ""  # the queue's hash tag
     output: str = ""  # URI of the job's output directory

@@ -46,7 +46,7 @@ import redis
 
 from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES
-from batchgen.jobs.intake.tables import TableSpec
+from batchgen.jobs.intake.table_spec import TableSpec
 from batchgen.jobs.intake.validate import SpoolDir, Validation
 from batchgen.jobs.ops.carryover import PART_ROWS, carry_over, retried_mask
 from batchgen.jobs.ops.deletion import delete_entries

@@ -25,7 +25,7 @@ def parse(raw: str, what: str = "--retention") -> int:
         raise UsageError(f"{what} {raw!r}: give a duration like 7d, 36h, 90m or 3600 (seconds)")
     seconds = int(match.group(1)) * _UNITS[match.group(2) or "s"]
     if not 60 <= seconds <= 10 * 365 * 86400:
-        raise UsageError(f"{what} {raw!r}: keep a job's state between a minute and ten years")
+        raise UsageError(f"{what} {raw!r}: give a duration between a minute and ten years")
     return seconds
 
 

@@ -38,7 +38,8 @@ from batchgen.jobs.intake import kept
 from batchgen.jobs.intake.inputs import MAX_LINE_BYTES
 from batchgen.jobs.intake.lines import InputError, LineError
 from batchgen.jobs.intake.sources import local_copy, locate
-from batchgen.jobs.intake.tables import TableSpec, validate_table
+from batchgen.jobs.intake.table_spec import TableSpec
+from batchgen.jobs.intake.tables import validate_table
 from batchgen.jobs.intake.validate import SpoolDir, Validation, validate_file
 from batchgen.jobs.ops import retention
 from batchgen.jobs.ops.job_record import JobRecord
@@ -115,9 +116,11 @@ def submit(
     cache: str = "",
     table: TableSpec | None = None,
     input_format: str | None = None,
+    tenant: str = "",
 ) -> SubmitResult:
     """``table``: how a Parquet or CSV input's rows become requests (tables.py);
-    ``input_format``: "jsonl", "parquet" or "csv" when the name does not say."""
+    ``input_format``: "jsonl", "parquet" or "csv" when the name does not say; ``tenant``:
+    who submits it through ``batchgen serve`` (job_record.py)."""
     job_id = check_job_id(job_id) if job_id else new_job_id()
     with SpoolDir() as spool_dir:
         checked, kept_names, fmt = validate_input(
@@ -141,6 +144,7 @@ def submit(
         record = JobRecord(
             id=job_id,
             model=model,
+            tenant=tenant,
             queue=name,
             tag=qk.tag,
             output=output,
@@ -195,8 +199,9 @@ def validate_input(
     if found.format == "jsonl":
         if table is not None and table.given:
             raise UsageError(
-                "--prompt-column, --messages-column, --template, --id-column and "
-                "--keep-columns read a Parquet or CSV input; a JSONL line names its own fields"
+                "--prompt-column, --messages-column, --template, --id-column, "
+                "--keep-columns and --sampling-columns read a Parquet or CSV input; a JSONL "
+                "line names its own fields"
             )
         local = local_copy(source, found, spool_dir)
         lines = validate_file(local, defaults, spool_dir, max_line_bytes, vocab_size=vocab)

@@ -1,4 +1,6 @@
-"""Worker heartbeats: a key per worker with a TTL, indexed in a sorted set.
+"""Worker heartbeats: a key per worker with a TTL, indexed in a sorted set; and the
+announcements of worker supervisors (the same, per supervisor), which say a model's
+workers are starting before their engines have loaded (and hashed) the weights.
 
 Liveness comes from these keys, never from XINFO CONSUMERS (a consumer's idle
 time grows while it is busy generating, and its meaning changed in Redis 7.2):
@@ -51,3 +53,30 @@ def live_workers(conn: redis.Redis, keys: Keys, tag: str | None = None) -> list[
     if stale:
         conn.zrem(keys.workers, *stale)  # keep the index small; keys expired long ago
     return live
+
+
+def announce(conn: redis.Redis, keys: Keys, name: str, queue: str, ttl_s: int) -> None:
+    """Supervisor ``name`` runs workers for ``queue`` (refreshed while it lives)."""
+    pipe = conn.pipeline(transaction=False)
+    pipe.set(keys.supervisor(name), json.dumps({"queue": queue}), ex=ttl_s)
+    pipe.zadd(keys.supervisors, {name: time.time()})
+    pipe.execute()
+
+
+def withdraw(conn: redis.Redis, keys: Keys, name: str) -> None:
+    pipe = conn.pipeline(transaction=False)
+    pipe.delete(keys.supervisor(name))
+    pipe.zrem(keys.supervisors, name)
+    pipe.execute()
+
+
+def starting_queues(conn: redis.Redis, keys: Keys) -> set[str]:
+    """The queues that live supervisors run (or are starting) workers for."""
+    names = [text(n) for n in conn.zrange(keys.supervisors, 0, -1)]
+    if not names:
+        return set()
+    payloads = conn.mget([keys.supervisor(n) for n in names])
+    gone = [n for n, raw in zip(names, payloads) if raw is None]
+    if gone:
+        conn.zrem(keys.supervisors, *gone)
+    return {json.loads(raw)["queue"] for raw in payloads if raw is not None}

@@ -6,6 +6,8 @@ Layout (prefix ``P``, default ``bg``, from ``BATCHGEN_PREFIX``)::
     P:queues                      hash  queue tag -> model name
     P:workers                     zset  worker name -> last heartbeat (unix s)
     P:worker:NAME                 str   heartbeat JSON, expires (TTL)
+    P:supervisors                 zset  supervisor id -> last announcement (unix s)
+    P:supervisor:ID               str   a live supervisor's model (JSON, TTL): workers starting
     P:{TAG}:stream                stream  requests of one model; group "workers"
     P:{TAG}:active                set   unfinalized jobs of this model
     P:{TAG}:cancelled             set   cancelled jobs workers must drop
@@ -25,7 +27,13 @@ Layout (prefix ``P``, default ``bg``, from ``BATCHGEN_PREFIX``)::
     P:batches                     zset  batch id -> created_at (newest first in lists)
     P:batches:open                set   batches whose output files are not written yet
     P:batch:ID                    hash  the batch record (its job has the same id)
-    P:batch:ID:lock               str   who validates or finishes the batch (TTL)
+    P:batch:ID:lock               str   the lease of who validates or finishes the batch
+    P:tenant:T:files              zset  tenant T's files (as P:files)
+    P:tenant:T:batches            zset  tenant T's batches (as P:batches)
+    P:files:expiring:D            zset  file id -> when it expires (D: a hash of the files dir)
+    P:batches:expiring:D          zset  final batch id -> when its record and outputs go
+    P:serve:instance:ID           str   a live serve process (lease): its uploads in flight
+    P:serve:session:H             str   a dashboard session (H: its token's hash): key id (TTL)
     P:serve:series                zset  tok/s samples (JSON) by time, the last hour
     P:serve:sampled:SLOT          str   taken by the server that samples SLOT (TTL)
 
@@ -35,8 +43,9 @@ The result cache (cache.py) keeps one index per cache location ``URI``::
     P:{cache-H}:files             zset  cache file -> last used (unix s): LRU eviction order
     P:{cache-H}:meta              hash  cache file -> {bytes, job, keys} JSON
     P:{cache-H}:stats             hash  bytes, entries stored, hits, misses, evicted
+    P:{cache-H}:secret            str   the key of the cached rows' MACs (never in the files)
 
-``H`` is a short hash of the location's URI; the four keys share its hash tag.
+``H`` is a short hash of the location's URI; the five keys share its hash tag.
 
 ``TAG`` is a short hash of the model's queue name. It is a Redis Cluster hash
 tag: a model's stream and all its jobs' keys share one slot, so the commit step
@@ -141,6 +150,7 @@ class CacheKeys:
     files: str
     meta: str
     stats: str
+    secret: str  # the MAC key (result_cache.py): kept when the cache is cleared
 
     def all(self) -> tuple[str, ...]:
         return (self.index, self.files, self.meta, self.stats)
@@ -169,6 +179,13 @@ class Keys:
     def worker(self, name: str) -> str:
         return f"{self.prefix}:worker:{name}"
 
+    @property
+    def supervisors(self) -> str:
+        return f"{self.prefix}:supervisors"
+
+    def supervisor(self, name: str) -> str:
+        return f"{self.prefix}:supervisor:{name}"
+
     def queue(self, tag: str) -> QueueKeys:
         return QueueKeys(self.prefix, tag)
 
@@ -185,7 +202,8 @@ class Keys:
 
     def cache(self, uri: str) -> CacheKeys:
         base = f"{self.prefix}:{{cache-{queue_tag(uri)}}}"
-        return CacheKeys(f"{base}:index", f"{base}:files", f"{base}:meta", f"{base}:stats")
+        return CacheKeys(f"{base}:index", f"{base}:files", f"{base}:meta", f"{base}:stats",
+                         f"{base}:secret")  # fmt: skip
 
     # -- batchgen serve ---------------------------------------------------------
 
@@ -209,6 +227,24 @@ class Keys:
 
     def batch_lock(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}:lock"
+
+    def tenant_files(self, tenant: str) -> str:
+        return f"{self.prefix}:tenant:{tenant}:files"
+
+    def tenant_batches(self, tenant: str) -> str:
+        return f"{self.prefix}:tenant:{tenant}:batches"
+
+    def expiring_files(self, files_dir: str) -> str:
+        return f"{self.prefix}:files:expiring:{queue_tag(files_dir)}"
+
+    def expiring_batches(self, files_dir: str) -> str:
+        return f"{self.prefix}:batches:expiring:{queue_tag(files_dir)}"
+
+    def serve_instance(self, name: str) -> str:
+        return f"{self.prefix}:serve:instance:{name}"
+
+    def session(self, token_hash: str) -> str:
+        return f"{self.prefix}:serve:session:{token_hash}"
 
     @property
     def series(self) -> str:

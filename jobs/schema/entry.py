@@ -178,8 +178,18 @@ class QueueEntry:
                 finished=from_dict(row) if isinstance(row, dict) else None,
                 **more,
             )
-        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        except (KeyError, ValueError, TypeError, AttributeError, RecursionError) as exc:
             raise EntryError(f"stream entry {stream_id} cannot be read: {exc}") from None
+
+
+def job_and_index(fields: Mapping[bytes, bytes]) -> tuple[str, int] | None:
+    """The job id and input index of an entry whose request cannot be read, when those two
+    fields can (where its error row goes); None when they cannot."""
+    try:
+        job_id, index = fields[_JOB_B].decode(), int(fields[_INDEX_B])
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return None
+    return (job_id, index) if job_id and index >= 0 else None
 
 
 def job_of(fields: Mapping[bytes, bytes]) -> bytes | None:

@@ -67,7 +67,7 @@ class OutputDir:
         return path
 
     @contextlib.contextmanager
-    def writing(self, *names: str) -> Iterator[IO[bytes]]:
+    def writing(self, *names: str, temp_tag: str = "") -> Iterator[IO[bytes]]:
         """A binary stream whose bytes appear at ``names`` whole when the block ends, or
         not at all if it raises (nothing is left behind either way).
 
@@ -77,10 +77,11 @@ class OutputDir:
         the block; if the block raises, what was uploaded is deleted. (pyarrow cannot
         abort an upload, and a copy into place would be limited to 5 GB.) Readers never
         look at an object before Redis or a manifest says it is complete.
+        ``temp_tag`` starts the local temp file's name (after TEMP_PREFIX): who writes it.
         """
         final = self.file(*names)
         parent = final.rsplit("/", 1)[0]
-        tmp = f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex}-{names[-1]}"
+        tmp = f"{parent}/{TEMP_PREFIX}{temp_tag}{uuid.uuid4().hex}-{names[-1]}"
         try:
             if self.local:
                 os.makedirs(parent, exist_ok=True)

@@ -12,10 +12,13 @@ Where it lives: the rows in immutable Parquet files at the cache location
 (``BATCHGEN_CACHE``: a folder or an object-store prefix; default
 ``$BATCHGEN_HOME/cache`` with the embedded Redis), each written whole or not at
 all (storage.py), and an index in Redis per location (keys.py ``CacheKeys``):
-content key -> file and row. Every cached row carries its key and a digest of
-its values; a row whose file is missing, unreadable, or whose key or digest
-does not match is a miss, so a damaged cache costs a regeneration, never a
-wrong or missing row.
+content key -> file and row. Every cached row carries its key and a MAC
+(HMAC-SHA256) of its key, its job and its values under a secret kept in Redis
+beside the index (created once per location), never in the cache's storage: a
+row whose file is missing, unreadable, or whose key or MAC does not match is a
+miss, so a damaged cache costs a regeneration, never a wrong or missing row,
+and whoever can write the cache's files but not read Redis cannot make rows it
+serves. (Files written before the MAC carried an unkeyed digest: misses.)
 
 Eviction: a size limit (``BATCHGEN_CACHE_MAX_BYTES``, default 10G) on the
 files' bytes; past it the least recently used files go, with their index
@@ -26,11 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import io
 import json
 import logging
 import os
 import re
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -119,9 +124,10 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def _digest(row: dict[str, Any]) -> str:
-    """Of a cached row's generated values as read back from Parquet."""
-    return hashlib.sha256(_canonical([row[name] for name in GENERATED]).encode()).hexdigest()
+def _mac(secret: bytes, key: str, job_id: str, row: dict[str, Any]) -> str:
+    """Of a cached row's content key, job and generated values as read back from Parquet."""
+    message = _canonical([key, job_id, [row[name] for name in GENERATED]]).encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
 @dataclass(slots=True)
@@ -221,8 +227,9 @@ class ResultCache:
             if name and row.isdigit():
                 where.setdefault(name, []).append((key, int(row)))
         hits: dict[str, Hit] = {}
+        secret = self._secret() if where else b""
         for name, wanted in where.items():
-            hits.update(self._read(name, wanted))
+            hits.update(self._read(name, wanted, secret))
         pipe = self.conn.pipeline(transaction=False)
         now = time.time()
         for name in {n for n, w in where.items() if any(k in hits for k, _ in w)}:
@@ -232,7 +239,15 @@ class ResultCache:
         pipe.execute()
         return hits
 
-    def _read(self, name: str, wanted: list[tuple[str, int]]) -> dict[str, Hit]:
+    def _secret(self) -> bytes:
+        """The location's MAC key: made once (SET NX), kept in Redis only."""
+        raw = self.conn.get(self.ck.secret)
+        if raw is None:
+            self.conn.set(self.ck.secret, secrets.token_hex(32), nx=True)
+            raw = self.conn.get(self.ck.secret)
+        return text(raw).encode()
+
+    def _read(self, name: str, wanted: list[tuple[str, int]], secret: bytes) -> dict[str, Hit]:
         try:
             table = pq.read_table(io.BytesIO(self.dir.read_bytes(name)))
             rows = table.to_pylist()
@@ -244,11 +259,17 @@ class ResultCache:
         for key, r in wanted:
             row = rows[r] if r < len(rows) else None
             try:
-                ok = row is not None and row["key"] == key and row["digest"] == _digest(row)
-            except (KeyError, TypeError):
+                ok = (
+                    row is not None
+                    and row["key"] == key
+                    and hmac.compare_digest(
+                        str(row["mac"]), _mac(secret, key, str(row["job_id"]), row)
+                    )
+                )
+            except (KeyError, TypeError):  # no "mac": written before it, or not by batchgen
                 ok = False
             if not ok:
-                log.warning("result cache %s: row %d of %s does not match its key; "
+                log.warning("result cache %s: row %d of %s does not match its key and MAC; "
                             "regenerating it", self.uri, r, name)  # fmt: skip
                 continue
             assert row is not None
@@ -261,9 +282,11 @@ class ResultCache:
         if not items:
             return
         table = to_table([row for _, row in items])
-        values = table.to_pylist()  # digests of the values as Parquet gives them back
+        values = table.to_pylist()  # MACs of the values as Parquet gives them back
+        secret = self._secret()
+        macs = [_mac(secret, key, job_id, v) for (key, _), v in zip(items, values)]
         table = table.append_column("key", pa.array([key for key, _ in items], pa.string()))
-        table = table.append_column("digest", pa.array([_digest(v) for v in values], pa.string()))
+        table = table.append_column("mac", pa.array(macs, pa.string()))
         table = table.append_column("job_id", pa.array([job_id] * len(items), pa.string()))
         sink = io.BytesIO()
         pq.write_table(table, sink, compression="zstd")

@@ -30,8 +30,9 @@ from typing import Any
 import redis
 
 from batchgen.jobs.ops.finalize_tasks import finalize_queue
+from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.heartbeat import live_workers
-from batchgen.jobs.redis.keys import GROUP, Keys
+from batchgen.jobs.redis.keys import GROUP, Keys, queue_name
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.worker.loop.finalizer import FinalizerProcess
 from batchgen.worker.loop.loop_config import ENGINE_FAILED_EXIT, LoopConfig, default_name
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 FAST_FAILURE_S = 20.0  # a child dying sooner than this after start failed to start
 MAX_FAST_FAILURES = 5
 RESTART_DELAY_S = 1.0  # a child that served, then crashed
+ANNOUNCE_S = 5.0  # how often the supervisor says it runs its model's workers (TTL: 3x)
 
 
 def parse_gpus(spec: str, available: int) -> list[int]:
@@ -125,12 +127,16 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         server = serve(self.metrics_port, self.metrics) if self.metrics_port else None
+        self._announce()  # before the engines load and hash the weights: a model is coming
         for child in self.children:
             child.start()
-        next_finalize = 0.0
+        next_finalize = next_announce = 0.0
         code = 0
         try:
             while not self.stopping:
+                if time.monotonic() >= next_announce:
+                    self._announce()
+                    next_announce = time.monotonic() + ANNOUNCE_S
                 code = self._reap()
                 if code:
                     break
@@ -144,6 +150,8 @@ class Supervisor:
         finally:
             self.finalizer.stop(timeout=5.0)
             self._terminate()
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                heartbeat.withdraw(self.conn, self.keys, self.id)
             if server is not None:
                 server.shutdown()
         return code
@@ -180,6 +188,14 @@ class Supervisor:
                         child.index, rc, lived, delay)  # fmt: skip
             child.restart_at = now + delay
         return 0
+
+    def _announce(self) -> None:
+        """Say (for ``batchgen serve``) that this model's workers run or are starting."""
+        try:
+            heartbeat.announce(self.conn, self.keys, self.id, queue_name(self.base.model),
+                               int(ANNOUNCE_S * 3))  # fmt: skip
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("could not announce the workers (Redis unavailable: %s)", exc)
 
     def _served(self, child: Child) -> bool:
         """Whether the child's last process got as far as its first heartbeat (a
