@@ -88,7 +88,7 @@ def test_join_is_windowed_across_row_groups_and_finalizing_twice_is_the_same(tmp
     with SnapshotWriter(spool / KEPT, ["k", "w"], ["k", "w"], source.schema) as writer:
         for start in range(0, n, 7):  # row groups of 7
             batch = source.slice(start, 7).to_batches()[0]
-            writer.write(batch, [True] * batch.num_rows)
+            writer.write(batch)
     publish(spool, out)
     rows = [Row(index=i, text=f"g{i}", finish_reason=FinishReason.STOP) for i in range(n)]
     parts = []

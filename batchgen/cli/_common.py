@@ -216,6 +216,16 @@ def handles_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def report_submit(result: Any) -> None:
+    """What submit (or run) says on stderr about its input: the lines it skipped."""
+    if result.skipped:
+        click.echo(f"skipped {result.skipped} invalid {result.unit}(s):", err=True)
+        for error in result.errors:
+            click.echo(f"  {error}", err=True)
+        if result.skipped > len(result.errors):
+            click.echo(f"  ... and {result.skipped - len(result.errors)} more", err=True)
+
+
 def connect(redis_url: str | None):
     """(client, keys, target) for a command."""
     from batchgen.jobs.redis.connection import connect, resolve, wait_from_env

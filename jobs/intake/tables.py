@@ -13,13 +13,15 @@ same code as a native JSONL line (``inputs.native_entry``):
 - the id: ``id_column``, else the row's number (0-based, across the files in
   name order; also what errors call the row).
 
-Kept columns (kept.py) are written beside the entries, valid rows only, so the
+Every row has an entry (an invalid one's is its error, so its row keeps its place)
+and kept columns (kept.py) are written beside the entries for every row, so the
 snapshot's row k is the output's ``index`` k.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from batchgen.jobs.intake.inputs import FieldError, native_entry
 from batchgen.jobs.intake.lines import RowError
 from batchgen.jobs.intake.sources import Input
 from batchgen.jobs.intake.validate import SHOWN_ERRORS, Validation, gather, procs_for, run_ranges
+from batchgen.jobs.schema.entry import Request
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.jobs.schema.sampling import CHECKS
 
@@ -98,8 +101,12 @@ def _plan(spec: TableSpec, schema: pa.Schema) -> tuple[_Plan, template.Template 
 
     def need(column: str, flag: str) -> str:
         if column not in names:
+            close = difflib.get_close_matches(column, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
             shown = ", ".join(names[:50]) + (", ..." if len(names) > 50 else "")
-            raise UsageError(f"{flag}: no column {column!r} in the input (its columns: {shown})")
+            raise UsageError(
+                f"{flag}: no column {column!r} in the input{hint} (its columns: {shown})"
+            )
         return column
 
     fields: list[tuple[str, str]] = []
@@ -200,30 +207,29 @@ def _validate_range(
     vocab_size: int | None, spool: str, kept_part: str, first_row: int,
     pieces: list[tuple[int, list[int]]] | None,
 ) -> tuple[int, int, list[RowError]]:  # fmt: skip
-    """(valid, invalid, first errors) of one range; entries written to ``spool``, the
-    valid rows' kept columns to ``kept_part``."""
+    """(rows, invalid, first errors) of one range; entries written to ``spool`` (an
+    invalid row's as its error, ``Request.rejected``), the kept columns to ``kept_part``."""
     dataset = open_dataset(found)
     parsed = template.parse(template_text) if template_text else None
-    total = error_count = 0
+    error_count = 0
     errors: list[RowError] = []
     row = first_row
+    numbered = not any(name == "id" for name, _ in plan.fields)  # the row number is the id
     snapshot = kept.SnapshotWriter(Path(kept_part), plan.kept, plan.kept_names, dataset.schema)
     with open(spool, "wb") as out, snapshot:
         for batch in _batches(dataset, plan.columns, found.format, pieces):
-            valid: list[bool] = []
             for entry in _entries(batch, plan, parsed, defaults, vocab_size, row):
                 if isinstance(entry, RowError):
                     error_count += 1
                     if len(errors) < SHOWN_ERRORS:
                         errors.append(entry)
-                    valid.append(False)
+                    rejected = Request.rejected(str(entry), str(entry.row) if numbered else None)
+                    out.write(rejected.encode() + b"\n")
                     continue
                 out.write(entry + b"\n")
-                valid.append(True)
-            total += batch.num_rows - (len(valid) - sum(valid))
-            snapshot.write(batch, valid)
+            snapshot.write(batch)
             row += batch.num_rows
-    return total, error_count, errors
+    return row - first_row, error_count, errors
 
 
 def _batches(

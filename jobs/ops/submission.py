@@ -86,7 +86,7 @@ return {enqueued, ''}
 @dataclass(slots=True)
 class SubmitResult:
     job_id: str
-    total: int
+    total: int  # lines or rows: the output's rows (invalid ones skipped are error rows)
     skipped: int
     errors: list[InputError]  # the first invalid lines or rows (skip_invalid)
     enqueued_now: int  # entries this call appended
@@ -115,9 +115,11 @@ def submit(
     cache: str = "",
     table: TableSpec | None = None,
     input_format: str | None = None,
+    queue: str | None = None,
 ) -> SubmitResult:
     """``table``: how a Parquet or CSV input's rows become requests (tables.py);
-    ``input_format``: "jsonl", "parquet" or "csv" when the name does not say."""
+    ``input_format``: "jsonl", "parquet" or "csv" when the name does not say; ``queue``:
+    the queue's name when it is not the model's (keys.run_queue_name)."""
     job_id = check_job_id(job_id) if job_id else new_job_id()
     with SpoolDir() as spool_dir:
         checked, kept_names, fmt = validate_input(
@@ -134,9 +136,9 @@ def submit(
                 + (f"\n  ... and {more} more" if more else ""),
                 [e for e in checked.errors if isinstance(e, LineError)],
             )
-        if checked.total == 0:
+        if checked.valid == 0:
             raise InvalidInput(f"{source_path}: no valid {unit}s; nothing was enqueued")
-        name = queue_name(model)
+        name = queue or queue_name(model)
         qk = keys.queue(queue_tag(name))
         record = JobRecord(
             id=job_id,

@@ -258,6 +258,17 @@ def ensure_running(base: Path | None = None, timeout: float = 30.0) -> str:
     return f"unix://{sock}"
 
 
+def running_url(base: Path | None = None) -> str | None:
+    """The embedded server's URL if it runs (never starting it); None if it does not."""
+    sock = socket_path(base)
+    return f"unix://{sock}" if sock is not None and _alive(sock) else None
+
+
+def server_pid(base: Path | None = None) -> int | None:
+    """The pid of the redis-server running on the data dir, if any."""
+    return _running_pid(redis_dir(base))
+
+
 def stop(base: Path | None = None, timeout: float = 10.0) -> bool:
     """Shut the embedded server down (saving nothing extra: the AOF has it all)."""
     sock = socket_path(base)
