@@ -35,7 +35,15 @@ from batchgen.jobs.intake import kept, template
 from batchgen.jobs.intake.inputs import FieldError, native_entry
 from batchgen.jobs.intake.lines import RowError
 from batchgen.jobs.intake.sources import Input
-from batchgen.jobs.intake.validate import SHOWN_ERRORS, Validation, gather, procs_for, run_ranges
+from batchgen.jobs.intake.duplicate_ids import IdLog, find_duplicates
+from batchgen.jobs.intake.validate import (
+    SHOWN_ERRORS,
+    Validation,
+    gather,
+    ids_log,
+    procs_for,
+    run_ranges,
+)
 from batchgen.jobs.schema.entry import Request
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.jobs.schema.sampling import CHECKS
@@ -157,6 +165,7 @@ def validate_table(
     # which columns are kept is part of what the job is (their values: the snapshot's)
     digest.update(json.dumps(plan.kept_names).encode())
     result.sha256 = digest.hexdigest()
+    result.duplicates = find_duplicates([ids_log(s) for s in spools], spool_dir)
     if plan.kept:
         kept.join_parts(parts, spool_dir / kept.KEPT)
     return result, plan.kept_names
@@ -215,10 +224,11 @@ def _validate_range(
     errors: list[RowError] = []
     row = first_row
     numbered = not any(name == "id" for name, _ in plan.fields)  # the row number is the id
+    ids = IdLog(ids_log(Path(spool)))  # row numbers never repeat: only an id column's ids
     snapshot = kept.SnapshotWriter(Path(kept_part), plan.kept, plan.kept_names, dataset.schema)
     with open(spool, "wb") as out, snapshot:
         for batch in _batches(dataset, plan.columns, found.format, pieces):
-            for entry in _entries(batch, plan, parsed, defaults, vocab_size, row):
+            for k, entry in enumerate(_entries(batch, plan, parsed, defaults, vocab_size, row)):
                 if isinstance(entry, RowError):
                     error_count += 1
                     if len(errors) < SHOWN_ERRORS:
@@ -226,9 +236,12 @@ def _validate_range(
                     rejected = Request.rejected(str(entry), str(entry.row) if numbered else None)
                     out.write(rejected.encode() + b"\n")
                     continue
+                if not numbered:
+                    ids.add(entry, row + k)
                 out.write(entry + b"\n")
             snapshot.write(batch)
             row += batch.num_rows
+    ids.close()
     return row - first_row, error_count, errors
 
 

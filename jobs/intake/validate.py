@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from batchgen.jobs.intake.duplicate_ids import DuplicateIds, IdLog, find_duplicates
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES, InputError, LineError, read_lines
 from batchgen.jobs.schema.entry import Request
@@ -58,6 +59,7 @@ class Validation(Generic[E]):
     errors: list[E] = field(default_factory=list)  # the first SHOWN_ERRORS
     sha256: str = ""  # of the spooled entries, in order: the job's fingerprint
     spools: list[Path] = field(default_factory=list)  # entry files, in input order
+    duplicates: DuplicateIds = field(default_factory=DuplicateIds)  # ids given twice
 
     @property
     def valid(self) -> int:
@@ -79,6 +81,7 @@ def _validate_range(
     invalid line's as its error (``Request.rejected``), so every line keeps its index."""
     total = error_count = 0
     errors: list[LineError] = []
+    ids = IdLog(ids_log(Path(spool)))
     with open(path, "rb") as src, open(spool, "wb") as out:
         src.seek(start)
         write = out.write
@@ -96,7 +99,10 @@ def _validate_range(
                 if len(errors) < SHOWN_ERRORS:
                     errors.append(entry)
                 entry = Request.rejected(str(entry)).encode()
+            else:
+                ids.add(entry, number)
             write(entry + b"\n")
+    ids.close()
     return total, error_count, errors
 
 
@@ -155,7 +161,13 @@ def validate_file(
     results = run_ranges(_validate_range, jobs, big_line_gate=True)
     result = Validation[LineError](spools=spools)
     result.sha256 = gather(result, results).hexdigest()
+    result.duplicates = find_duplicates([ids_log(s) for s in spools], spool_dir)
     return result
+
+
+def ids_log(spool: Path) -> Path:
+    """Where the validator writing ``spool`` logs its entries' ids (duplicate_ids.py)."""
+    return spool.with_name(spool.name + ".ids")
 
 
 def run_ranges(

@@ -28,13 +28,14 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
 
 from batchgen.jobs.intake import kept
+from batchgen.jobs.intake.duplicate_ids import DuplicateIds
 from batchgen.jobs.intake.inputs import MAX_LINE_BYTES
 from batchgen.jobs.intake.lines import InputError, LineError
 from batchgen.jobs.intake.sources import local_copy, locate
@@ -92,6 +93,7 @@ class SubmitResult:
     enqueued_now: int  # entries this call appended
     resumed: bool  # the job existed (an interrupted or repeated submit)
     unit: str = "line"  # what the input holds: lines (JSONL) or rows (a table)
+    duplicates: DuplicateIds = field(default_factory=DuplicateIds)  # ids given twice
 
 
 def new_job_id() -> str:
@@ -183,8 +185,9 @@ def submit(
         replicated(conn)  # through Sentinel: every chunk on a replica before we say so
         appended = position - start
     return SubmitResult(
-        job_id, checked.total, checked.error_count, checked.errors, appended, resumed, unit
-    )
+        job_id, checked.total, checked.error_count, checked.errors, appended, resumed, unit,
+        checked.duplicates,
+    )  # fmt: skip
 
 
 def validate_input(
