@@ -244,8 +244,30 @@ def test_the_gpu_install_block_installs_that_torch(tmp_path: Path):
     dry = subprocess.run(["bash", "-e", "-c", text], cwd=tmp_path, capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
     assert "-m venv .venv" in dry
-    assert "pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" in dry
-    assert "pip install -q -e '.[dev]'" in dry
+    assert ("pip install --progress-bar on torch==2.13.0 --index-url "
+            "https://download.pytorch.org/whl/cu128") in dry  # fmt: skip
+    assert "pip install --progress-bar on -e '.[dev]'" in dry
+
+
+def test_a_fresh_setup_says_where_the_user_waits_and_pip_is_never_silent(tmp_path: Path):
+    """What install.md says of a fresh clone: make names the wait and its four steps before
+    each, and no pip runs quiet (the timing itself is measured there, by hand)."""
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(REPO / name, tmp_path / name)
+    dry = subprocess.run(["make", "-n", "demo"], cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout.splitlines()  # fmt: skip
+    said = [line.split('"')[1] for line in dry if line.startswith('echo "make: ')]
+    assert said == [
+        "make: installing torch and batchgen's packages into .venv: the one slow step,",
+        "make: several minutes on a fresh clone, skipped once done (pip shows its progress)",
+        "make: [1/4] a virtualenv in .venv", "make: [2/4] pip itself",
+        "make: [3/4] torch (torch==2.13.0), the largest download",
+        "make: [4/4] batchgen and its packages",
+    ]  # fmt: skip
+    pips = [line for line in dry if " -m pip " in line]
+    assert len(pips) == 3 and not any(" -q" in line for line in pips)
+    assert dry.index(next(line for line in dry if "[3/4]" in line)) < dry.index(pips[1])
+    assert dry[-1] == ".venv/bin/python scripts/demo.py"
 
 
 def test_the_compose_block_matches_the_compose_file(tmp_path: Path):

@@ -41,7 +41,11 @@ class OneLineUsageError(click.UsageError):
         super().__init__(original.format_message(), original.ctx)
 
     def show(self, file: Any = None) -> None:
-        path = self.ctx.command_path if self.ctx else "batchgen"
+        names, ctx = [], self.ctx
+        while ctx is not None:  # "batchgen cache", however it was started (python -m)
+            names.append(ctx.info_name if ctx.parent else "batchgen")
+            ctx = ctx.parent
+        path = " ".join(reversed(names)) or "batchgen"
         click.echo(f"batchgen: error: {self.message} (`{path} --help` says more)", err=True)
 
 

@@ -81,7 +81,9 @@ def find_duplicates(logs: list[Path], work_dir: Path, memory_bytes: int = _MEMOR
     size = sum(path.stat().st_size for path in logs)
     buckets = max(1, -(-size // memory_bytes))
     if buckets == 1:
-        return _in_memory(np.concatenate([np.fromfile(p, PAIR) for p in logs] or [np.empty(0, PAIR)]))
+        return _in_memory(
+            np.concatenate([np.fromfile(p, PAIR) for p in logs] or [np.empty(0, PAIR)])
+        )
     paths = [work_dir / f"ids-bucket-{k:04d}" for k in range(buckets)]
     outs = [open(p, "wb") for p in paths]  # noqa: SIM115 (closed below)
     try:

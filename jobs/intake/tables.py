@@ -32,10 +32,10 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 
 from batchgen.jobs.intake import kept, template
+from batchgen.jobs.intake.duplicate_ids import IdLog, find_duplicates
 from batchgen.jobs.intake.inputs import FieldError, native_entry
 from batchgen.jobs.intake.lines import RowError
 from batchgen.jobs.intake.sources import Input
-from batchgen.jobs.intake.duplicate_ids import IdLog, find_duplicates
 from batchgen.jobs.intake.validate import (
     SHOWN_ERRORS,
     Validation,
