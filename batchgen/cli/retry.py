@@ -45,6 +45,9 @@ def retry(job_id: str, errors_only: bool, input_path: str | None, redis_url: str
     if result.resumed:
         click.echo(f"{job_id}: went on with retry {result.round}: queued {result.queued_now} "
                    "more row(s); the job is running")  # fmt: skip
+    elif result.rows == 0 and result.invalid:
+        click.echo(f"{job_id}: nothing to retry (its {result.invalid} failed row(s) are invalid "
+                   "input lines, which would fail the same way)")  # fmt: skip
     elif result.rows == 0:
         which = "error" if errors_only else "error or cancelled"
         click.echo(f"{job_id}: nothing to retry (no row has finish_reason {which})")

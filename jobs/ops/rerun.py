@@ -155,6 +155,7 @@ class RetryResult:
     queued_now: int  # requests this call appended
     round: int  # the job's retry round
     resumed: bool  # went on with a retry that was stopped halfway
+    invalid: int = 0  # failed rows of invalid lines (--skip-invalid), left as they are
 
 
 def retry(
@@ -212,11 +213,14 @@ def _retry(
     crash = CrashPlan.from_env()
     with SpoolDir() as spool:
         requests = _requests(record, input_path, spool)
+        invalid = 0
         if record.skipped:  # an invalid line's error row stays: it would fail the same way
-            retried &= ~_rejected(requests, record.total)
+            rejected = retried & _rejected(requests, record.total)
+            invalid = int(rejected.sum())
+            retried &= ~rejected
         rows = int(retried.sum())
         if rows == 0:
-            return RetryResult(job_id, 0, 0, record.retry_rounds, resumed=False)
+            return RetryResult(job_id, 0, 0, record.retry_rounds, resumed=False, invalid=invalid)
         kept = carry_over(out, job_id, round_, retried, part_rows)
         crash.reached("after_retry_parts")
         if conn.sismember(qk.cancelled, job_id):  # entries its cancel left must not run too
@@ -235,7 +239,7 @@ def _retry(
         crash.reached("after_retry_reopen")
         record = load_job(conn, keys, job_id)
         queued = _enqueue_rest(conn, qk, record, requests)
-    return RetryResult(job_id, rows, queued, round_, resumed=False)
+    return RetryResult(job_id, rows, queued, round_, resumed=False, invalid=invalid)
 
 
 def _requests(record: JobRecord, input_path: str | None, spool: Path) -> Validation:
