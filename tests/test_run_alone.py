@@ -50,5 +50,20 @@ def test_a_worker_of_the_same_model_never_takes_a_runs_requests(
         consumers = conn.xinfo_consumers(own.stream, GROUP)
         assert [c["name"].decode().rsplit("-", 2)[1] for c in consumers] == [str(run.pid)]
         assert shell.status("alone")["state"] == "completed"
+
+        # its failed row, retried: only batchgen run serves the job's queue, and says so
+        assert shell.ok("retry", "alone") == (
+            "alone: retry 1: queued 1 row(s) again; the job is running\n"
+            "alone was made by `batchgen run`, whose queue no worker reads: run the same "
+            "`batchgen run` command with --job-id alone to run them\n"
+        )
+        again = shell.run("run", "p.jsonl", "--model", "tiny", "-o", "out.parquet", "--force",
+                          "--job-id", "alone", "--device", "cpu",
+                          "--job-output", str(tmp_path / "job"))  # fmt: skip
+        assert again.returncode == 0, again.stderr
+        retried = rows(tmp_path / "out.parquet")
+        assert retried["finish_reason"][-1] == "length"  # a full context this time
+        assert retried["token_ids"][:12] == got["token_ids"][:12]  # the rest kept as they were
+        assert conn.xinfo_stream(model_queue.stream)["last-generated-id"] == b"0-0"
     finally:
         shell.stop_all()

@@ -11,7 +11,7 @@ import redis
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.redis import hash_codec
 from batchgen.jobs.redis.hash_codec import OMIT_EMPTY, SORTED
-from batchgen.jobs.redis.keys import Keys, QueueKeys, text
+from batchgen.jobs.redis.keys import Keys, QueueKeys, run_queue_name, text
 from batchgen.jobs.schema.errors import JobNotFound
 
 
@@ -66,6 +66,11 @@ class JobRecord:
     @property
     def submitted(self) -> bool:
         return self.enqueued >= self.total
+
+    @property
+    def run_alone(self) -> bool:
+        """Made by ``batchgen run``: its queue is its own, which no worker reads."""
+        return self.queue == run_queue_name(self.model, self.id)
 
     @property
     def finished_rows(self) -> int:
