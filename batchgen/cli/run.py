@@ -66,8 +66,8 @@ def run(
     from batchgen.jobs.ops.lifecycle import JobState
     from batchgen.jobs.ops.submission import new_job_id, submit
     from batchgen.jobs.redis.keys import prefix_from_env, queue_tag, run_queue_name
-    from batchgen.jobs.schema.checkpoint import check_checkpoint
     from batchgen.jobs.schema.errors import BatchgenError
+    from batchgen.jobs.schema.model_files import check_checkpoint
     from batchgen.jobs.storage.names import check_job_id, job_output_dir
     from batchgen.worker.engine_config import EngineConfig
     from batchgen.worker.loop.engine_api import load_engine
@@ -81,16 +81,16 @@ def run(
     job_id = check_job_id(job_id) if job_id else new_job_id()
     destination(job_id, dest, force)  # refused now, not after the whole job ran
     check_checkpoint(model)
+    conn, keys, target = connect(redis_url)
+    output = job_output_dir(job_output, job_id, target.embedded)
 
     def engine():
         return load_engine(model, engine_config)
 
     api = engine()  # before anything is queued: a model that cannot load queues nothing
-    conn, keys, target = connect(redis_url)
     queue = run_queue_name(model, job_id)
     result = submit(
-        conn, keys, source_path=prompts, model=model,
-        output=job_output_dir(job_output, job_id, target.embedded), defaults=defaults,
+        conn, keys, source_path=prompts, model=model, output=output, defaults=defaults,
         job_id=job_id, skip_invalid=skip_invalid, table=table, queue=queue,
     )  # fmt: skip
     report_submit(result)

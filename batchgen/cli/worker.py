@@ -58,7 +58,7 @@ def worker(
     run) is one line on stderr and exit 2, before any job is touched.
     """
     from batchgen.jobs.redis.keys import prefix_from_env
-    from batchgen.jobs.schema.checkpoint import check_checkpoint
+    from batchgen.jobs.schema.model_files import check_checkpoint
     from batchgen.worker.engine_config import EngineConfig
     from batchgen.worker.loop.loop_config import LoopConfig
     from batchgen.worker.loop.supervisor import Supervisor, plan_children

@@ -31,7 +31,7 @@ import redis
 from batchgen.jobs.redis.embedded import home
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import Keys
-from batchgen.jobs.schema.checkpoint import check_checkpoint
+from batchgen.jobs.schema.model_files import check_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from batchgen.jobs.schema.checkpoint import check_checkpoint
 from batchgen.jobs.schema.errors import ModelNotLoadable
+from batchgen.jobs.schema.model_files import check_checkpoint
 from batchgen.kernels import select_ops
 from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
 from batchgen.worker.engine.kv_cache import allocate_kv_cache, num_blocks_for_budget

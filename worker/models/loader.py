@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from batchgen.jobs.schema.checkpoint import weight_files
 from batchgen.jobs.schema.errors import ModelNotLoadable
+from batchgen.jobs.schema.model_files import weight_files
 from batchgen.worker.models.model_config import UnsupportedModelError
 from batchgen.worker.models.tensor_store import TensorStore
 
