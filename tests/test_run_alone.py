@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -13,7 +14,7 @@ from tests.cli_session import Shell, rows, wait_for, write_jsonl
 
 
 def live_workers(url: str) -> list[dict]:
-    conn = redis.Redis.from_url(url)
+    conn: Any = redis.Redis.from_url(url)
     names = [n.decode() for n in conn.zrange("bg:workers", 0, -1)]
     return [json.loads(raw) for raw in conn.mget([f"bg:worker:{n}" for n in names] or ["-"]) if raw]
 

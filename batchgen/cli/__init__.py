@@ -41,9 +41,10 @@ class OneLineUsageError(click.UsageError):
         super().__init__(original.format_message(), original.ctx)
 
     def show(self, file: Any = None) -> None:
-        names, ctx = [], self.ctx
+        names: list[str] = []
+        ctx = self.ctx
         while ctx is not None:  # "batchgen cache", however it was started (python -m)
-            names.append(ctx.info_name if ctx.parent else "batchgen")
+            names.append((ctx.info_name or "") if ctx.parent else "batchgen")
             ctx = ctx.parent
         path = " ".join(reversed(names)) or "batchgen"
         click.echo(f"batchgen: error: {self.message} (`{path} --help` says more)", err=True)
