@@ -10,11 +10,19 @@ STAMP := $(VENV)/.installed-stamp
 
 setup: $(STAMP)
 
+# The installs are what a fresh clone waits for (measured in docs/install.md): say so
+# up front, and let pip show what it downloads rather than sit silent for minutes.
 $(STAMP): pyproject.toml
+	@echo "make: installing torch and batchgen's packages into $(VENV): the one slow step,"
+	@echo "make: several minutes on a fresh clone, skipped once done (pip shows its progress)"
+	@echo "make: [1/4] a virtualenv in $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	@echo "make: [2/4] pip itself"
+	$(BIN)/python -m pip install --progress-bar on --upgrade pip
+	@echo "make: [3/4] torch ($(TORCH)), the largest download"
+	$(BIN)/python -m pip install --progress-bar on $(TORCH)
+	@echo "make: [4/4] batchgen and its packages"
+	$(BIN)/python -m pip install --progress-bar on -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -108,7 +108,7 @@ def snapshot(tmp: Path, table: pa.Table) -> dict[str, float]:
     names = table.schema.names
     with SnapshotWriter(spool / KEPT, names, names, table.schema) as writer:
         for batch in table.to_batches(max_chunksize=16_384):
-            writer.write(batch, [True] * batch.num_rows)
+            writer.write(batch)
     publish(spool, out)
     stored = time.perf_counter() - start
     start = time.perf_counter()

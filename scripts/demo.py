@@ -59,10 +59,12 @@ def main() -> None:
     data.write_text("".join(json.dumps(line) + "\n" for line in prompts()))
     out = DEMO / "out.parquet"
     print(
-        f"\n$ batchgen run {data.relative_to(REPO)} --model {model.relative_to(REPO)} -o {out.relative_to(REPO)}"
+        f"\n$ batchgen run {data.relative_to(REPO)} --model {model.relative_to(REPO)} "
+        f"-o {out.relative_to(REPO)} --force"
     )
-    subprocess.run(
-        [batchgen, "run", str(data), "--model", str(model), "-o", str(out), "--max-tokens", "32"],
+    subprocess.run(  # --force: the output of an earlier make demo is replaced
+        [batchgen, "run", str(data), "--model", str(model), "-o", str(out), "--force",
+         "--max-tokens", "32"],
         check=True, env=env,
     )  # fmt: skip
 

@@ -17,6 +17,7 @@ from batchgen.jobs.redis import embedded
 from batchgen.jobs.redis.connection import connect, redact, resolve
 from batchgen.jobs.redis.redis_server import RedisServer, free_port
 from batchgen.jobs.schema.errors import RedisUnavailable, UnsafeRedis, UnsafeRedisURL
+from tests.test_embedded_redis import checkpoint
 
 
 def rconn(url: str, **kwargs: Any) -> Any:
@@ -81,8 +82,10 @@ def test_embedded_default_is_shared_by_processes_and_persists(tmp_path):
     prompts.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     cli = [sys.executable, "-m", "batchgen"]
     try:
-        out = subprocess.run([*cli, "submit", str(prompts), "--model", "m", "--job-id", "shared",
-                              "--json"], env=env, capture_output=True, text=True, check=True)  # fmt: skip
+        model = checkpoint(tmp_path)  # submit's model check: the files a checkpoint has
+        out = subprocess.run([*cli, "submit", str(prompts), "--model", str(model), "--job-id",
+                              "shared", "--json"], env=env, capture_output=True, text=True,
+                             check=True)  # fmt: skip
         assert json.loads(out.stdout)["total"] == 2
         # a second process (another terminal) finds the same server and the job
         out = subprocess.run([*cli, "status", "shared", "--json"], env=env, capture_output=True,

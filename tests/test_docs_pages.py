@@ -162,11 +162,14 @@ def test_the_retry_block(workspace: Path):
              for i in range(4)]  # fmt: skip
     jsonl(workspace / "prompts.jsonl", lines)
     env = shell_env(workspace / "home", JOB="docs-retry")
-    # a first run whose KV pool is too small for the long prompts: they become error rows
-    first = subprocess.run(["batchgen", "run", "prompts.jsonl", "--model", "./tiny", "-o",
-                            "first.parquet", "--job-id", "docs-retry", "--num-kv-blocks", "4"],
-                           cwd=workspace, env=env, capture_output=True, text=True)  # fmt: skip
-    assert first.returncode == 0, first.stderr
+    # a first pass on a KV pool too small for the long prompts: they become error rows
+    for command in (["submit", "prompts.jsonl", "--model", "./tiny", "--job-id", "docs-retry"],
+                    ["worker", "--model", "./tiny", "--burst", "--device", "cpu",
+                     "--num-kv-blocks", "4"],
+                    ["download", "docs-retry", "-o", "first.parquet"]):  # fmt: skip
+        first = subprocess.run(["batchgen", *command], cwd=workspace, env=env,
+                               capture_output=True, text=True)  # fmt: skip
+        assert first.returncode == 0, first.stderr
     before = pq.read_table(workspace / "first.parquet").to_pydict()
     assert [r == "error" for r in before["finish_reason"]] == [True, False, True, False]
 
@@ -204,19 +207,31 @@ def test_the_serve_blocks(workspace: Path, capsys, monkeypatch):
             assert time.monotonic() < deadline, (workspace / "serve.log").read_text()[-3000:]
             time.sleep(0.5)
         model = str(workspace / "tiny")  # as the worker names it: the path made absolute
-        jsonl(workspace / "requests.jsonl", [
-            {"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"model": model, "messages": [{"role": "user", "content": f"Hi {i}"}],
-                      "max_tokens": 5}} for i in range(4)])  # fmt: skip
         code = replaced(doc_block("serve-client").text, {
             "http://localhost:8000/v1": f"http://localhost:{port}/v1",
             "time.sleep(5)": "time.sleep(0.3)",
         })  # fmt: skip
         monkeypatch.chdir(workspace)
+        # a model no worker serves, as the page warns: the client prints why, no crash
+        jsonl(workspace / "requests.jsonl", [
+            {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Hi"}]}}])  # fmt: skip
+        exec(compile(code, "docs/serve.md", "exec"), {})
+        assert capsys.readouterr().out == (
+            "failed BatchRequestCounts(completed=0, failed=0, total=0)\n"
+            "model_not_found: no live worker serves the model 'gpt-4o-mini' (start one: "
+            "batchgen worker --model MODEL)\n"
+        )
+        jsonl(workspace / "requests.jsonl", [
+            {"custom_id": f"doc-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": model, "messages": [{"role": "user", "content": f"Hi {i}"}],
+                      "max_tokens": 5}} for i in range(4)])  # fmt: skip
         exec(compile(code, "docs/serve.md", "exec"), {})
     finally:
         stop(procs)
-    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "completed BatchRequestCounts(completed=4, failed=0, total=4)"
+    printed = [json.loads(line) for line in out[1:] if line]
     assert sorted(line["custom_id"] for line in printed) == [f"doc-{i}" for i in range(4)]
     assert {line["response"]["status_code"] for line in printed} == {200}
 
@@ -252,6 +267,31 @@ def test_the_keys_file_block(workspace: Path):
         stop(procs)
 
 
+def test_the_structured_output_examples_do_what_the_page_says(workspace: Path):
+    """Run with the toy checkpoint: every line but json_object's ends with stop and holds
+    what its constraint allows; json_object's runs to its max_tokens, as the page warns."""
+    import jsonschema
+
+    (workspace / "structured.jsonl").write_text(doc_block("structured-lines").text)
+    env = shell_env(workspace / "home")
+    subprocess.run(["batchgen", "run", "structured.jsonl", "--model", "./tiny", "-o",
+                    "structured.parquet"], cwd=workspace, env=env, check=True,
+                   capture_output=True)  # fmt: skip
+    got = pq.read_table(workspace / "structured.parquet").to_pydict()
+    lines = [json.loads(line) for line in doc_block("structured-lines").text.splitlines()]
+    reasons = got["finish_reason"]
+    assert reasons == ["stop", "length", "stop", "stop", "stop", "stop"]
+    label = lines[0]["structured_output"]["json"]
+    assert label["additionalProperties"] is False
+    jsonschema.validate(json.loads(got["text"][0]), label)
+    openai_schema = lines[5]["body"]["response_format"]["json_schema"]["schema"]
+    jsonschema.validate(json.loads(got["text"][5]), openai_schema)
+    assert got["completion_tokens"][1] == lines[1]["max_tokens"]
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", got["text"][2])
+    assert got["text"][3] in ("yes", "no")
+    assert re.fullmatch(r"(hello|hi) [a-z]{1,12}", got["text"][4])
+
+
 def test_the_python_api_block(workspace: Path, monkeypatch):
     monkeypatch.chdir(workspace)
     names: dict = {}
@@ -276,8 +316,30 @@ def test_the_gpu_install_block_installs_that_torch(tmp_path: Path):
     dry = subprocess.run(["bash", "-e", "-c", text], cwd=tmp_path, capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
     assert "-m venv .venv" in dry
-    assert "pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" in dry
-    assert "pip install -q -e '.[dev]'" in dry
+    assert ("pip install --progress-bar on torch==2.13.0 --index-url "
+            "https://download.pytorch.org/whl/cu128") in dry  # fmt: skip
+    assert "pip install --progress-bar on -e '.[dev]'" in dry
+
+
+def test_a_fresh_setup_says_where_the_user_waits_and_pip_is_never_silent(tmp_path: Path):
+    """What install.md says of a fresh clone: make names the wait and its four steps before
+    each, and no pip runs quiet (the timing itself is measured there, by hand)."""
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(REPO / name, tmp_path / name)
+    dry = subprocess.run(["make", "-n", "demo"], cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout.splitlines()  # fmt: skip
+    said = [line.split('"')[1] for line in dry if line.startswith('echo "make: ')]
+    assert said == [
+        "make: installing torch and batchgen's packages into .venv: the one slow step,",
+        "make: several minutes on a fresh clone, skipped once done (pip shows its progress)",
+        "make: [1/4] a virtualenv in .venv", "make: [2/4] pip itself",
+        "make: [3/4] torch (torch==2.13.0), the largest download",
+        "make: [4/4] batchgen and its packages",
+    ]  # fmt: skip
+    pips = [line for line in dry if " -m pip " in line]
+    assert len(pips) == 3 and not any(" -q" in line for line in pips)
+    assert dry.index(next(line for line in dry if "[3/4]" in line)) < dry.index(pips[1])
+    assert dry[-1] == ".venv/bin/python scripts/demo.py"
 
 
 def test_the_compose_block_matches_the_compose_file(tmp_path: Path):

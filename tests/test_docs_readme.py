@@ -108,7 +108,7 @@ def test_a_newcomers_session_from_make_demo_to_their_own_model(tmp_path, toy_mod
     assert "sea" in out.stdout and "finish_reason" in out.stdout
 
     run_sh(doc_block("workers"), clone, shell)
-    again = rows(clone / "answers.parquet")
+    again = rows(clone / "fleet.parquet")
     assert again["id"] == first["id"]
     assert_lengths(again, [32, 64, 16])  # --max-tokens 64 for the line without its own
     # greedy rows are the same tokens; the seeded one makes the same draws, and more
@@ -118,7 +118,7 @@ def test_a_newcomers_session_from_make_demo_to_their_own_model(tmp_path, toy_mod
 
     model = own_checkpoint(clone / "my-model", toy)
     run_sh(doc_block("own-model"), clone, shell)
-    own = rows(clone / "answers.parquet")
+    own = rows(clone / "mine.parquet")
     assert own["id"] == ["sea", "redis", "r3"]
     from transformers import AutoTokenizer
 

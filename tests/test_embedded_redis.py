@@ -43,7 +43,19 @@ def batchgen(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def submit(home: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "the secret prompt"}\n')
-    return batchgen(home, "submit", str(prompts), "--model", "m", "--job-id", "j", "--json")
+    return batchgen(home, "submit", str(prompts), "--model", str(checkpoint(tmp_path)),
+                    "--job-id", "j", "--json")  # fmt: skip
+
+
+def checkpoint(tmp_path: Path) -> Path:
+    """A directory that passes submit's model check (the files a checkpoint has); these
+    tests never load it."""
+    path = tmp_path / "model"
+    path.mkdir(exist_ok=True)
+    for name, data in (("config.json", b"{}"), ("tokenizer.json", b"{}"),
+                       ("model.safetensors", b"")):  # fmt: skip
+        (path / name).write_bytes(data)
+    return path
 
 
 def private_socket_dir(sock: Path) -> bool:

@@ -188,7 +188,7 @@ def test_sharded_checkpoint_loads_the_same_model(tmp_path, toy_model):
 
 def test_loading_errors_name_the_problem(tmp_path, toy_model):
     src = toy_model("llama")
-    with pytest.raises(UnsupportedModelError, match="is not a directory"):
+    with pytest.raises(UnsupportedModelError, match="does not exist"):
         Engine.from_pretrained(tmp_path / "missing")
     bad = tmp_path / "unknown"
     shutil.copytree(src, bad)

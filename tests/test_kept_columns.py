@@ -27,7 +27,7 @@ UTC = dt.timezone.utc
 
 def table() -> pa.Table:
     """Every kind of column the issue names, a null in each, and one named like a
-    result column; row 2's prompt is empty (invalid, skipped)."""
+    result column; row 2's prompt is empty (invalid, skipped: an error row in its place)."""
     return pa.table({
         "q": ["one", "two", "", "four"],
         "i": pa.array([1, None, 3, -(2**40)], pa.int64()),
@@ -62,13 +62,15 @@ def test_kept_columns_through_a_worker_and_delete(model, workers, env, tmp_path)
     result = pq.read_table(dest)
 
     assert result.schema.names == [*SCHEMA.names, *KEPT_NAMES]
-    valid = table().take([0, 1, 3])
-    for name, source in zip(KEPT_NAMES, valid.schema.names):
-        assert result.schema.field(name).type == valid.schema.field(source).type, name
-        assert result.column(name).to_pylist() == valid.column(source).to_pylist(), name
-    assert result.column("index").to_pylist() == [0, 1, 2]
-    assert result.column("id").to_pylist() == ["0", "1", "3"]  # input row numbers
-    assert set(result.column("finish_reason").to_pylist()) <= {"stop", "length"}
+    source = table()  # every row's kept values, the invalid row's too
+    for name, column in zip(KEPT_NAMES, source.schema.names):
+        assert result.schema.field(name).type == source.schema.field(column).type, name
+        assert result.column(name).to_pylist() == source.column(column).to_pylist(), name
+    assert result.column("index").to_pylist() == [0, 1, 2, 3]
+    assert result.column("id").to_pylist() == ["0", "1", "2", "3"]  # input row numbers
+    reasons = result.column("finish_reason").to_pylist()
+    assert reasons[2] == "error" and set(reasons[:2] + reasons[3:]) <= {"stop", "length"}
+    assert result.column("error").to_pylist()[2] == "row 2, column q: prompt is empty"
 
     out = tmp_path / "out-kept"
     assert (out / KEPT).exists()  # finalize leaves it: finalizing again joins it again
@@ -88,7 +90,7 @@ def test_join_is_windowed_across_row_groups_and_finalizing_twice_is_the_same(tmp
     with SnapshotWriter(spool / KEPT, ["k", "w"], ["k", "w"], source.schema) as writer:
         for start in range(0, n, 7):  # row groups of 7
             batch = source.slice(start, 7).to_batches()[0]
-            writer.write(batch, [True] * batch.num_rows)
+            writer.write(batch)
     publish(spool, out)
     rows = [Row(index=i, text=f"g{i}", finish_reason=FinishReason.STOP) for i in range(n)]
     parts = []

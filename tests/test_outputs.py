@@ -101,8 +101,8 @@ def test_an_output_that_cannot_be_written_is_refused_before_anything_is_queued(
     assert rconn(redis_url).dbsize() == 0
 
 
-def test_run_with_a_shared_redis_needs_the_jobs_output_directory(redis_url, tmp_path):
-    result = cli("run", str(prompts(tmp_path, 1)), "--model", "m", "-o",
+def test_run_with_a_shared_redis_needs_the_jobs_output_directory(redis_url, tmp_path, toy_model):
+    result = cli("run", str(prompts(tmp_path, 1)), "--model", str(toy_model("llama")), "-o",
                  str(tmp_path / "r.parquet"), "--redis", redis_url)  # fmt: skip
     assert result.exit_code == 2
     assert "run --job-output" in result.output and rconn(redis_url).dbsize() == 0

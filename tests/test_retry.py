@@ -256,7 +256,7 @@ def test_refusals(first: World) -> None:
     changed.write_text("".join(json.dumps(line) + "\n" for line in MAIN[:5]))
     out = w.cli("retry", "main", "--input", str(changed))
     assert out.returncode == 1
-    assert f"{changed} does not hold job 'main''s requests any more (5 valid lines" in out.stderr
+    assert f"{changed} does not hold job 'main''s requests any more (5 lines" in out.stderr
     assert "Traceback" not in out.stderr
     record = w.record("main")
     assert (record.state, record.retry_rounds) == (JobState.COMPLETED, 0)

@@ -139,22 +139,27 @@ def test_a_racing_submit_cannot_append_a_chunk_twice(redis_url, tmp_path):
     assert stream_indices(conn) == [0, 1, 2]
 
 
-def test_skip_invalid_counts_only_valid_lines(redis_url, tmp_path):
+def test_skip_invalid_keeps_every_line_at_its_index(redis_url, tmp_path):
     conn = rconn(redis_url)
     path = tmp_path / "p.jsonl"
     path.write_text(
         '{"prompt": "a"}\n{"prompt": "b", "max_tokens": 0}\nnot json\n{"prompt": "c"}\n'
     )
     result = run(conn, path, skip_invalid=True)
-    assert (result.total, result.skipped) == (2, 2)
+    assert (result.total, result.skipped) == (4, 2)
     assert [str(e) for e in result.errors] == [
         "line 2, column 31: max_tokens must be an integer from 1 to 1048576, got 0",
         "line 3, column 1: malformed JSON: Expecting value",
     ]
     record = load_job(conn, KEYS, "job1")
-    assert (record.total, record.skipped) == (2, 2)
+    assert (record.total, record.skipped) == (4, 2)
     qk = KEYS.queue_for_model("m")
-    assert [json.loads(f[b"r"])["p"] for _, f in conn.xrange(qk.stream)] == ["a", "c"]
+    assert [(int(f[b"i"]), json.loads(f[b"r"])) for _, f in conn.xrange(qk.stream)] == [
+        (0, {"p": "a", "s": {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0}}),
+        (1, {"err": "line 2, column 31: max_tokens must be an integer from 1 to 1048576, got 0"}),
+        (2, {"err": "line 3, column 1: malformed JSON: Expecting value"}),
+        (3, {"p": "c", "s": {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0}}),
+    ]
 
 
 def test_queue_full_is_a_clear_error_and_leaves_only_whole_chunks(

@@ -153,14 +153,17 @@ def test_bad_values_name_their_row_and_column_and_nothing_is_queued(redis_url, t
     assert conn.dbsize() == 0
 
 
-def test_skip_invalid_numbers_the_valid_rows(redis_url, tmp_path):
+def test_skip_invalid_keeps_every_row_at_its_number(redis_url, tmp_path):
     pq.write_table(docs(), tmp_path / "docs.parquet")
     result = run(rconn(redis_url), tmp_path / "docs.parquet", tmp_path, skip_invalid=True,
                  table=TableSpec(template="{title}: {body}"))  # fmt: skip
     assert (result.total, result.skipped, [str(e) for e in result.errors]) == (
-        2, 1, ["row 2, column body: null value where --template needs one"])  # fmt: skip
+        3, 1, ["row 2, column body: null value where --template needs one"])  # fmt: skip
     qk = KEYS.queue_for_model("m")
-    assert [int(f[b"i"]) for _, f in rconn(redis_url).xrange(qk.stream)] == [0, 1]
+    stream = rconn(redis_url).xrange(qk.stream)
+    assert [int(f[b"i"]) for _, f in stream] == [0, 1, 2]  # the invalid row keeps its place
+    assert json.loads(stream[2][1][b"r"]) == {
+        "err": "row 2, column body: null value where --template needs one", "id": "2"}  # fmt: skip
 
 
 def test_s3_parquet_folder_and_file(redis_url, tmp_path, s3_endpoint, monkeypatch):
@@ -318,9 +321,9 @@ def test_parallel_validation_gives_the_same_entries_snapshot_and_errors(tmp_path
                     checked.sha256, entries, kept, names))  # fmt: skip
     assert out[0] == out[1] == out[2]
     total, error_count, errors, _, _, kept, _ = out[0]
-    assert (total, error_count) == (84, 6)
+    assert (total, error_count) == (90, 6)  # every row has an entry, the invalid ones too
     assert errors[:2] == ["row 0, column q: prompt is empty", "row 17, column q: prompt is empty"]
-    assert kept == [i for i in range(90) if i % 17]
+    assert kept == list(range(90))  # every row's, so row k of the snapshot is index k
 
 
 def test_columns_named_like_sampling_fields_are_data_unless_mapped(redis_url, tmp_path):

@@ -46,7 +46,8 @@ def test_parallel_validation_equals_sequential(messy):
         str(one.errors[4])
         == "line 121, column 1: line is 5,014 bytes, over the limit of 4,096 bytes"
     )
-    assert one.total == 300 - 9 - 6  # minus errors and blank lines
+    assert one.total == 300 - 6  # every line but the blank ones (invalid ones too)
+    assert one.valid == 300 - 6 - 9
 
 
 def test_ranges_cut_at_line_boundaries_and_number_lines(tmp_path):
@@ -89,5 +90,8 @@ def test_big_lines_validated_in_parallel_equal_sequential(tmp_path):
         assert len(many.spools) == 4
         assert (many.total, many.error_count, many.sha256) == (one.total, 3, one.sha256)
         assert [str(e) for e in many.errors] == [str(e) for e in one.errors]
-        assert [json.loads(e)["id"] for e in many.entries()] == [str(i) for i in range(12) if i % 4]
+        assert [json.loads(e).get("id") for e in many.entries()] == [
+            str(i) if i % 4 else None
+            for i in range(12)  # an invalid line's entry: its error
+        ]
     assert [e.line for e in one.errors] == [1, 5, 9]

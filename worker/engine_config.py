@@ -57,6 +57,18 @@ class EngineConfig:
     seed: int | None = None
     model_impl: str = "auto"
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> EngineConfig:
+        # before the generated __init__, whose TypeError names no alternative
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            hint = difflib.get_close_matches(unknown[0], names, n=1)
+            also = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise TypeError(
+                f"unknown engine setting {unknown[0]!r}{also}; the settings are {', '.join(names)}"
+            )
+        return object.__new__(cls)
+
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):
             _positive(name, getattr(self, name))
@@ -91,15 +103,8 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:
-        """``Engine.from_pretrained``'s keyword arguments, each a field of this class."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in kwargs if k not in names]
-        if unknown:
-            hint = difflib.get_close_matches(unknown[0], names, n=1)
-            also = f" (did you mean {hint[0]!r}?)" if hint else ""
-            raise TypeError(
-                f"unknown engine setting {unknown[0]!r}{also}; the settings are {', '.join(names)}"
-            )
+        """``Engine.from_pretrained``'s keyword arguments, each a field of this class
+        (an unknown one is a TypeError with a did-you-mean, as for the constructor)."""
         return cls(**kwargs)
 
 

@@ -6,7 +6,9 @@ Each command lives in its own module and is imported only when it runs, so
 
 from __future__ import annotations
 
+import difflib
 import importlib
+from typing import Any
 
 import click
 
@@ -27,7 +29,25 @@ COMMANDS: dict[str, str] = {
     "run": "batchgen.cli.run:run",
     "serve": "batchgen.cli.serve:serve",
     "cache": "batchgen.cli.cache:cache",
+    "redis": "batchgen.cli.redis_command:redis_group",
 }
+
+
+class OneLineUsageError(click.UsageError):
+    """click's usage error as every user mistake is shown: one line on stderr, exit 2
+    (click's own form is four lines of usage, a hint and the error)."""
+
+    def __init__(self, original: click.UsageError) -> None:
+        super().__init__(original.format_message(), original.ctx)
+
+    def show(self, file: Any = None) -> None:
+        names: list[str] = []
+        ctx = self.ctx
+        while ctx is not None:  # "batchgen cache", however it was started (python -m)
+            names.append((ctx.info_name or "") if ctx.parent else "batchgen")
+            ctx = ctx.parent
+        path = " ".join(reversed(names)) or "batchgen"
+        click.echo(f"batchgen: error: {self.message} (`{path} --help` says more)", err=True)
 
 
 class LazyGroup(click.Group):
@@ -39,6 +59,32 @@ class LazyGroup(click.Group):
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted([*super().list_commands(ctx), *self.lazy_commands])
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        try:
+            return super().make_context(*args, **kwargs)
+        except OneLineUsageError:
+            raise
+        except click.UsageError as exc:
+            raise OneLineUsageError(exc) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OneLineUsageError:
+            raise
+        except click.UsageError as exc:  # a subcommand's flags, arguments or checks
+            raise OneLineUsageError(exc) from None
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise click.UsageError(f"No such command {name!r}.{hint}", ctx)
+        return super().resolve_command(ctx, args)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         target = self.lazy_commands.get(cmd_name)

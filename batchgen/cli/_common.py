@@ -233,6 +233,27 @@ def handles_errors(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def report_submit(result: Any) -> None:
+    """What submit (or run) says on stderr about its input: the lines it skipped (their
+    rows are errors), and ids that repeat (allowed: rows are told apart by index)."""
+    unit = result.unit
+    if result.skipped:
+        click.echo(f"skipped {result.skipped} invalid {unit}(s), each an error row:", err=True)
+        for error in result.errors:
+            click.echo(f"  {error}", err=True)
+        if result.skipped > len(result.errors):
+            click.echo(f"  ... and {result.skipped - len(result.errors)} more", err=True)
+    repeats = result.duplicates
+    if repeats.count:
+        first, again = repeats.first
+        click.echo(
+            f"batchgen: warning: {repeats.count} {unit}(s) repeat the id of an earlier {unit} "
+            f"({unit} {again} has the id of {unit} {first}); each still has its own row, told "
+            "apart by index",
+            err=True,
+        )
+
+
 def connect(redis_url: str | None):
     """(client, keys, target) for a command."""
     from batchgen.jobs.redis.connection import connect, resolve, wait_from_env

@@ -14,7 +14,7 @@ from batchgen.cli._common import connect, handles_errors, redis_option
 @redis_option
 @handles_errors
 def jobs(as_json: bool, redis_url: str | None) -> None:
-    """List jobs: id, state, progress, model.
+    """List jobs: id, state, rows done, failed and cancelled, total, model.
 
     The same data as `batchgen status` without a job id, one line per job.
     """
@@ -29,9 +29,10 @@ def jobs(as_json: bool, redis_url: str | None) -> None:
     if not statuses:
         click.echo("no jobs")
         return
-    click.echo(f"{'JOB':<28} {'STATE':<11} {'DONE':>9} {'FAILED':>7} {'TOTAL':>9}  MODEL")
+    click.echo(
+        f"{'JOB':<28} {'STATE':<11} {'DONE':>9} {'FAILED':>7} {'CANCELLED':>9} {'TOTAL':>9}  MODEL"
+    )
     for s in statuses:
         r = s.record
-        click.echo(
-            f"{r.id:<28} {r.state.value:<11} {r.done:>9} {r.failed:>7} {r.total:>9}  {r.model}"
-        )
+        click.echo(f"{r.id:<28} {r.state.value:<11} {r.done:>9} {r.errors:>7} {r.cancelled_rows:>9} "
+                   f"{r.total:>9}  {r.model}")  # fmt: skip

@@ -36,6 +36,7 @@ def retry(job_id: str, errors_only: bool, input_path: str | None, redis_url: str
     row stays exactly as it was, one row per input line. A retry that was
     stopped halfway goes on where it stopped when run again.
     """
+    from batchgen.jobs.ops.job_record import load_job
     from batchgen.jobs.ops.rerun import retry as run_retry
     from batchgen.jobs.storage.names import check_job_id
 
@@ -45,9 +46,15 @@ def retry(job_id: str, errors_only: bool, input_path: str | None, redis_url: str
     if result.resumed:
         click.echo(f"{job_id}: went on with retry {result.round}: queued {result.queued_now} "
                    "more row(s); the job is running")  # fmt: skip
+    elif result.rows == 0 and result.invalid:
+        click.echo(f"{job_id}: nothing to retry (its {result.invalid} failed row(s) are invalid "
+                   "input lines, which would fail the same way)")  # fmt: skip
     elif result.rows == 0:
         which = "error" if errors_only else "error or cancelled"
         click.echo(f"{job_id}: nothing to retry (no row has finish_reason {which})")
     else:
         click.echo(f"{job_id}: retry {result.round}: queued {result.rows} row(s) again; the job "
                    "is running")  # fmt: skip
+    if result.queued_now and load_job(conn, keys, job_id).run_alone:
+        click.echo(f"{job_id} was made by `batchgen run`, whose queue no worker reads: run the "
+                   f"same `batchgen run` command with --job-id {job_id} to run them")  # fmt: skip

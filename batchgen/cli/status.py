@@ -21,12 +21,11 @@ def _render(s) -> str:
     lines = [
         f"job        {d['job_id']}  ({d['model']})",
         f"state      {d['state']}" + note,
-        f"progress   {progress_bar(d['done'] + d['failed'], d['total'])}",
-        f"requests   done {d['done']}, failed {d['failed']}, in flight {d['in_flight']}, "
-        f"queued {d['queued']} (skipped invalid lines: {d['skipped_invalid']})",
+        f"progress   {progress_bar(d['done'] + d['failed'] + d['cancelled'], d['total'])}",
+        *_counts(d),
         f"tokens     in {d['prompt_tokens']}, out {d['completion_tokens']}, "
         f"cached {d['cached_tokens']}; {d['tokens_per_s']} tok/s",
-        f"eta        {duration(d['eta_s'])}",
+        f"eta        {_eta(d)}",
         f"workers    {d['live_workers']} live"
         + (f": {', '.join(d['workers'])}" if d["workers"] else ""),
         f"output     {d['output']}",
@@ -43,6 +42,24 @@ def _render(s) -> str:
     return "\n".join(lines)
 
 
+def _counts(d: dict) -> list[str]:
+    """The rows made so far and the requests still to make, each line short enough for
+    an 80-column terminal at a billion rows."""
+    lines = [
+        f"rows       done {d['done']}, failed {d['failed']}, cancelled {d['cancelled']}",
+        f"requests   in flight {d['in_flight']}, queued {d['queued']}",
+    ]
+    if d["skipped_invalid"]:
+        lines.append(f"invalid    {d['skipped_invalid']} input lines, error rows (--skip-invalid)")
+    return lines
+
+
+def _eta(d: dict) -> str:
+    if d["unserved"]:
+        return "- (no live worker serves the model)"
+    return duration(d["eta_s"])
+
+
 def _table(statuses) -> str:
     if not statuses:
         return "no jobs"
@@ -50,9 +67,8 @@ def _table(statuses) -> str:
     for s in statuses:
         r = s.record
         bar = progress_bar(r.finished_rows, r.total, 20)
-        out.append(
-            f"{r.id:<28} {r.state.value:<11} {bar:<44} {s.tokens_per_s:>8.0f} {duration(s.eta_s):>7}"
-        )
+        eta = "no worker" if s.unserved else duration(s.eta_s)
+        out.append(f"{r.id:<28} {r.state.value:<11} {bar:<44} {s.tokens_per_s:>8.0f} {eta:>7}")
     return "\n".join(out)
 
 

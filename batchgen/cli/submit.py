@@ -11,6 +11,7 @@ from batchgen.cli._common import (
     connect,
     handles_errors,
     redis_option,
+    report_submit,
     sampling_options,
     table_options,
 )
@@ -79,8 +80,13 @@ def submit(
     --prompt-column, --messages-column or --template, and its columns named as
     sampling fields (max_tokens, temperature, seed, ...) set them per row. Flags set
     job defaults; a line's or row's own fields override them.
+
+    MODEL must be a checkpoint directory here (with a shared Redis it may live only
+    on the worker hosts); one that cannot be loaded is refused before anything is
+    queued.
     """
     from batchgen.jobs.ops import retention as keep
+    from batchgen.jobs.ops.modelinfo import check_submittable
     from batchgen.jobs.ops.submission import new_job_id
     from batchgen.jobs.ops.submission import submit as run_submit
     from batchgen.jobs.redis.connection import wait_from_env
@@ -90,6 +96,9 @@ def submit(
     job_id = check_job_id(job_id) if job_id else new_job_id()
     retention_s = keep.parse(retention) if retention else keep.default()
     conn, keys, target = connect(redis_url)
+    warning = check_submittable(conn, keys, model, target.embedded)
+    if warning:
+        click.echo(f"batchgen: warning: {warning}", err=True)
     out_uri = job_output_dir(output, job_id, target.embedded)
     cache_uri = result_cache.location(target.embedded) if use_cache else ""
     result = run_submit(
@@ -98,12 +107,7 @@ def submit(
         cache=cache_uri,
         table=table,
     )  # fmt: skip
-    if result.skipped:
-        click.echo(f"skipped {result.skipped} invalid {result.unit}(s):", err=True)
-        for error in result.errors:
-            click.echo(f"  {error}", err=True)
-        if result.skipped > len(result.errors):
-            click.echo(f"  ... and {result.skipped - len(result.errors)} more", err=True)
+    report_submit(result)
     if as_json:
         click.echo(json.dumps({
             "job_id": result.job_id, "total": result.total, "skipped": result.skipped,

@@ -54,9 +54,12 @@ def worker(
     CUDA_VISIBLE_DEVICES) or --workers N processes on --device cpu; a crashed
     process is restarted. Also runs the finalize tasks that write finished
     jobs' outputs. SIGTERM/SIGINT: in-flight requests are handed back to the
-    queue with their tokens so far, then it exits.
+    queue with their tokens so far, then it exits. A MODEL that cannot be loaded
+    (no such directory, no checkpoint in it, an architecture batchgen does not
+    run) is one line on stderr and exit 2, before any job is touched.
     """
     from batchgen.jobs.redis.keys import prefix_from_env
+    from batchgen.jobs.schema.model_files import check_checkpoint
     from batchgen.worker.engine_config import EngineConfig
     from batchgen.worker.loop.loop_config import LoopConfig
     from batchgen.worker.loop.supervisor import Supervisor, plan_children
@@ -68,6 +71,7 @@ def worker(
         device=plan[0]["device"], max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len, model_impl=model_impl,
     )  # fmt: skip
+    check_checkpoint(model)  # a typo or a hub id: one line now, not five failed children
     conn, _, target = connect(redis_url)
     base = LoopConfig(
         model=model, redis_url=target.url, prefix=prefix_from_env(), burst=burst,

@@ -99,7 +99,8 @@ def status(record: BatchRecord, job: JobRecord | None) -> str:
 def to_openai(record: BatchRecord, job: JobRecord | None) -> dict[str, Any]:
     source: BatchRecord | JobRecord = record if record.state.final or job is None else job
     if isinstance(source, JobRecord):
-        counts = {"total": source.total, "completed": source.done, "failed": source.failed}
+        # OpenAI's counts: completed and failed requests; cancelled ones are neither
+        counts = {"total": source.total, "completed": source.done, "failed": source.errors}
     else:
         counts = {"total": record.total, "completed": record.completed, "failed": record.failed}
     usage = {

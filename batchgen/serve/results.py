@@ -34,7 +34,7 @@ class Outputs:
     output_file_id: str
     error_file_id: str
     completed: int
-    failed: int
+    failed: int  # requests that ran and failed (OpenAI's count: cancelled ones are not)
 
 
 def request_hash(batch_id: str, index: int) -> str:
@@ -157,7 +157,7 @@ def _write(store: FileStore, batch: BatchRecord, job: JobRecord, ids: Iterator[s
            halfway: Callable[[], None]) -> Outputs:  # fmt: skip
     created = int(job.finished_at or job.created_at)
     ok_id, err_id = new_file_id(), new_file_id()
-    counts, sizes = [0, 0], [0, 0]
+    counts, sizes, cancelled = [0, 0], [0, 0], 0
     started = False
     src_dir = OutputDir.open(job.output)
     with (
@@ -174,6 +174,7 @@ def _write(store: FileStore, batch: BatchRecord, job: JobRecord, ids: Iterator[s
                 data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
                 sinks[good].write(data)
                 counts[good] += 1
+                cancelled += row["finish_reason"] == FinishReason.CANCELLED.value
                 sizes[good] += len(data)
             if not started:  # the first record batch is in the temp files
                 ok_out.flush()
@@ -190,4 +191,4 @@ def _write(store: FileStore, batch: BatchRecord, job: JobRecord, ids: Iterator[s
         else:
             store.dir.delete_file(file_id)
             kept.append("")
-    return Outputs(kept[0], kept[1], counts[1], counts[0])
+    return Outputs(kept[0], kept[1], counts[1], counts[0] - cancelled)

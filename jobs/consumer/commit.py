@@ -42,7 +42,7 @@ COMMIT = script(
         (
             "payload",
             "JSON: {parts: [part], drop: [entry id]}; part: {job_id, record, done, "
-            "parts, name, meta, rows: {index, entry, failed, pt, ct, cc} as columns}",
+            "parts, name, meta, started, rows: {index, entry, failed, pt, ct, cc} as columns}",
         ),
     ],
     prelude=ACK_AND_DELETE,
@@ -73,7 +73,7 @@ for _, part in ipairs(p.parts) do
     meta.lost = lost
     redis.call('HSET', part.parts, part.name, cjson.encode(meta))
     out.lost = out.lost + #lost
-    if bump(part.record, d, f, pt, ct, cc, now) then
+    if bump(part.record, d, f, pt, ct, cc, now, part.started) then
       out.finished[#out.finished + 1] = part.job_id
     end
   else
@@ -96,6 +96,7 @@ class PartCommit:
     rows: list[Row]
     entry_ids: list[str]
     nbytes: int = 0  # the rows' size in memory (Arrow): finalize plans its windows by it
+    started: float = 0.0  # unix s the worker read the first of them (0: unknown, now)
 
 
 @dataclass(slots=True)
@@ -129,7 +130,7 @@ def commit(
         rows = part.rows
         payload["parts"].append({
             "job_id": part.job_id, "record": jk.job, "done": jk.done, "parts": jk.parts,
-            "name": part.name, "meta": json.dumps(meta),
+            "name": part.name, "meta": json.dumps(meta), "started": part.started,
             "rows": {
                 "index": indices, "entry": list(part.entry_ids),
                 "failed": [1 if r.failed else 0 for r in rows],

@@ -38,6 +38,9 @@ class Delivery(QueueEntry):
 
     entry_id: str
     deliveries: int = 1  # times this entry was delivered (XPENDING), this one included
+    # unix s this worker read it: its commit dates the job's start by its earliest read, so
+    # the job's tok/s counts the time its first rows were generated in
+    read_at: float = field(default_factory=time.time, compare=False)
 
     @property
     def attempts(self) -> int:

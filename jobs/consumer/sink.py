@@ -205,8 +205,11 @@ class PartSink:
             self._failed(job_id, buf, str(exc))
             return False
         self.crash.reached("after_publish")
+        started = min(d.read_at for d in buf.deliveries)
         self.written.append(
-            PartCommit(job_id, f"parts/{job_id}/{name}", buf.rows, buf.entry_ids, table.nbytes)
+            PartCommit(
+                job_id, f"parts/{job_id}/{name}", buf.rows, buf.entry_ids, table.nbytes, started
+            )
         )
         return True
 

@@ -1,6 +1,6 @@
 """Kept columns (``--keep-columns``): input columns that come back in result.parquet.
 
-Submit writes them, valid rows only and in input order, to a Parquet snapshot
+Submit writes them, every row in input order, to a Parquet snapshot
 (row k is the output's ``index`` k) in the job's output directory; finalize
 reads it back window by window and puts its columns after the generation
 columns (result.py). A snapshot, not the input: the input may change or vanish
@@ -45,7 +45,8 @@ def result_names(columns: list[str]) -> list[str]:
 
 
 class SnapshotWriter:
-    """The kept columns of the valid rows, batch by batch, into a spool file."""
+    """The kept columns of every row (invalid ones too: each has its output row), batch
+    by batch, into a spool file."""
 
     def __init__(self, path: Path, columns: list[str], names: list[str], schema: pa.Schema):
         self.columns = columns
@@ -63,13 +64,11 @@ class SnapshotWriter:
         if self.writer is not None:
             self.writer.close()
 
-    def write(self, batch: pa.RecordBatch, valid: list[bool]) -> None:
+    def write(self, batch: pa.RecordBatch) -> None:
         if self.writer is None:
             return
         part = pa.Table.from_batches([batch.select(self.columns)]).rename_columns(self.names)
         part = part.replace_schema_metadata(None)  # pandas' and the like: not the result's
-        if not all(valid):
-            part = part.filter(pa.array(valid, pa.bool_()))
         self.writer.write_table(part)
 
 

@@ -18,12 +18,15 @@ A text value longer than a JSONL line may be (``MAX_LINE_BYTES``) is an error of
 its row and column. CSV is read in blocks of ``csv_limits.BLOCK_BYTES``, so any
 row up to that size is read (a longer one may stop the submit, naming it).
 
-Kept columns (kept.py) are written beside the entries, valid rows only, so the
+Every row has an entry (an invalid one's is its error, so its row keeps its place)
+and kept columns (kept.py) are written beside the entries for every row, so the
 snapshot's row k is the output's ``index`` k.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,11 +38,20 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from batchgen.jobs.intake import csv_limits, kept, template
+from batchgen.jobs.intake.duplicate_ids import IdLog, find_duplicates
 from batchgen.jobs.intake.inputs import FieldError, native_entry
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES, RowError
 from batchgen.jobs.intake.sources import Input
 from batchgen.jobs.intake.table_spec import TableSpec
-from batchgen.jobs.intake.validate import SHOWN_ERRORS, Validation, gather, procs_for, run_ranges
+from batchgen.jobs.intake.validate import (
+    SHOWN_ERRORS,
+    Validation,
+    gather,
+    ids_log,
+    procs_for,
+    run_ranges,
+)
+from batchgen.jobs.schema.entry import Request
 from batchgen.jobs.schema.errors import UsageError
 
 BATCH_ROWS = 16_384
@@ -80,8 +92,12 @@ def _plan(spec: TableSpec, schema: pa.Schema) -> tuple[_Plan, template.Template 
 
     def need(column: str, flag: str) -> str:
         if column not in names:
+            close = difflib.get_close_matches(column, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
             shown = ", ".join(names[:50]) + (", ..." if len(names) > 50 else "")
-            raise UsageError(f"{flag}: no column {column!r} in the input (its columns: {shown})")
+            raise UsageError(
+                f"{flag}: no column {column!r} in the input{hint} (its columns: {shown})"
+            )
         return column
 
     fields: list[tuple[str, str]] = []
@@ -133,6 +149,7 @@ def validate_table(
     # which columns are kept is part of what the job is (their values: the snapshot's)
     digest.update(json.dumps(plan.kept_names).encode())
     result.sha256 = digest.hexdigest()
+    result.duplicates = find_duplicates([ids_log(s) for s in spools], spool_dir)
     if plan.kept:
         kept.join_parts(parts, spool_dir / kept.KEPT)
     return result, plan.kept_names
@@ -183,30 +200,33 @@ def _validate_range(
     vocab_size: int | None, spool: str, kept_part: str, first_row: int,
     pieces: list[tuple[int, list[int]]] | None,
 ) -> tuple[int, int, list[RowError]]:  # fmt: skip
-    """(valid, invalid, first errors) of one range; entries written to ``spool``, the
-    valid rows' kept columns to ``kept_part``."""
+    """(rows, invalid, first errors) of one range; entries written to ``spool`` (an
+    invalid row's as its error, ``Request.rejected``), the kept columns to ``kept_part``."""
     dataset = open_dataset(found)
     parsed = template.parse(template_text) if template_text else None
-    total = error_count = 0
+    error_count = 0
     errors: list[RowError] = []
     row = first_row
+    numbered = not any(name == "id" for name, _ in plan.fields)  # the row number is the id
+    ids = IdLog(ids_log(Path(spool)))  # row numbers never repeat: only an id column's ids
     snapshot = kept.SnapshotWriter(Path(kept_part), plan.kept, plan.kept_names, dataset.schema)
     with open(spool, "wb") as out, snapshot:
         for batch in _batches(dataset, plan.columns, found.format, pieces):
-            valid: list[bool] = []
-            for entry in _entries(batch, plan, parsed, defaults, vocab_size, row):
+            for k, entry in enumerate(_entries(batch, plan, parsed, defaults, vocab_size, row)):
                 if isinstance(entry, RowError):
                     error_count += 1
                     if len(errors) < SHOWN_ERRORS:
                         errors.append(entry)
-                    valid.append(False)
+                    rejected = Request.rejected(str(entry), str(entry.row) if numbered else None)
+                    out.write(rejected.encode() + b"\n")
                     continue
+                if not numbered:
+                    ids.add(entry, row + k)
                 out.write(entry + b"\n")
-                valid.append(True)
-            total += batch.num_rows - (len(valid) - sum(valid))
-            snapshot.write(batch, valid)
+            snapshot.write(batch)
             row += batch.num_rows
-    return total, error_count, errors
+    ids.close()
+    return row - first_row, error_count, errors
 
 
 def _batches(

@@ -33,8 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from batchgen.jobs.intake.duplicate_ids import DuplicateIds, IdLog, find_duplicates
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES, InputError, LineError, read_lines
+from batchgen.jobs.schema.entry import Request
 
 SHOWN_ERRORS = 20
 PARALLEL_MIN_BYTES = 32 << 20  # below this, one process is quicker than starting more
@@ -47,19 +49,24 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 E = TypeVar("E", bound=InputError)
-RangeResult = tuple[int, int, list[E]]  # (valid, invalid, first errors) of one range
+RangeResult = tuple[int, int, list[E]]  # (lines, invalid, first errors) of one range
 
 
 @dataclass(slots=True)
 class Validation(Generic[E]):
-    total: int = 0  # valid lines
-    error_count: int = 0
+    total: int = 0  # lines (or rows), invalid ones included: each has an entry in the spool
+    error_count: int = 0  # of them, invalid (their entries are Request.rejected)
     errors: list[E] = field(default_factory=list)  # the first SHOWN_ERRORS
     sha256: str = ""  # of the spooled entries, in order: the job's fingerprint
     spools: list[Path] = field(default_factory=list)  # entry files, in input order
+    duplicates: DuplicateIds = field(default_factory=DuplicateIds)  # ids given twice
+
+    @property
+    def valid(self) -> int:
+        return self.total - self.error_count
 
     def entries(self) -> Iterator[bytes]:
-        """Each valid entry (compact JSON), in input order."""
+        """Each entry (compact JSON), in input order; an invalid line's is its error."""
         for spool in self.spools:
             with open(spool, "rb") as f:
                 for line in f:
@@ -70,9 +77,11 @@ def _validate_range(
     path: str, start: int, end: int, first_number: int, defaults: dict[str, Any],
     max_line_bytes: int, spool: str, vocab_size: int | None = None,
 ) -> tuple[int, int, list[LineError]]:  # fmt: skip
-    """(valid, invalid, first errors) of one range; entries written to ``spool``."""
+    """(lines, invalid, first errors) of one range; entries written to ``spool``, an
+    invalid line's as its error (``Request.rejected``), so every line keeps its index."""
     total = error_count = 0
     errors: list[LineError] = []
+    ids = IdLog(ids_log(Path(spool)))
     with open(path, "rb") as src, open(spool, "wb") as out:
         src.seek(start)
         write = out.write
@@ -84,13 +93,16 @@ def _validate_range(
             else:
                 with _big_line_gate:
                     entry = parse_line(number, line, defaults, vocab_size)
+            total += 1
             if isinstance(entry, LineError):
                 error_count += 1
                 if len(errors) < SHOWN_ERRORS:
                     errors.append(entry)
-                continue
+                entry = Request.rejected(str(entry)).encode()
+            else:
+                ids.add(entry, number)
             write(entry + b"\n")
-            total += 1
+    ids.close()
     return total, error_count, errors
 
 
@@ -149,7 +161,13 @@ def validate_file(
     results = run_ranges(_validate_range, jobs, big_line_gate=True)
     result = Validation[LineError](spools=spools)
     result.sha256 = gather(result, results).hexdigest()
+    result.duplicates = find_duplicates([ids_log(s) for s in spools], spool_dir)
     return result
+
+
+def ids_log(spool: Path) -> Path:
+    """Where the validator writing ``spool`` logs its entries' ids (duplicate_ids.py)."""
+    return spool.with_name(spool.name + ".ids")
 
 
 def run_ranges(

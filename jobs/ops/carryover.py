@@ -39,6 +39,7 @@ class Carried:
     rows: int = 0
     done: int = 0  # kept rows that finished (stop, length)
     failed: int = 0  # kept rows that did not (error, cancelled)
+    cancelled: int = 0  # of those, the cancelled ones
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_TOKENS, 0))
 
 
@@ -108,6 +109,8 @@ def _write_part(out: OutputDir, job_id: str, round_: int, table: pa.Table, c: Ca
     c.rows += table.num_rows
     c.done += ok
     c.failed += table.num_rows - ok
+    reasons = table.column("finish_reason")
+    c.cancelled += int(pc.sum(pc.equal(reasons, FinishReason.CANCELLED.value)).as_py() or 0)
     for column in _TOKENS:
         c.tokens[column] += int(pc.sum(table.column(column)).as_py() or 0)
 

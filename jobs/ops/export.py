@@ -31,23 +31,36 @@ from batchgen.jobs.ops.result import (
     read_window,
 )
 from batchgen.jobs.redis.keys import Keys
-from batchgen.jobs.schema.errors import JobNotReady, OutputError
+from batchgen.jobs.schema.errors import JobNotReady, OutputError, UsageError
 from batchgen.jobs.schema.rows import SCHEMA
 from batchgen.jobs.storage.names import check_file_name
 from batchgen.jobs.storage.output_store import OutputDir
 
 
-def destination(job_id: str, dest: str | None) -> Path:
+def destination(job_id: str, dest: str | None, force: bool = False) -> Path:
+    """The file ``-o`` names (a folder: ``JOB.parquet`` in it). An existing file is
+    refused unless ``force``, and so is a folder that does not exist: a typo there
+    should not become a new directory tree, nor a result silently replace another."""
     path = Path(dest) if dest else Path(f"{job_id}.parquet")
-    return path / f"{job_id}.parquet" if path.is_dir() else path
+    if path.is_dir():
+        path = path / f"{job_id}.parquet"
+    if path.exists() and not force:
+        raise UsageError(f"{path} exists; pass --force to overwrite it, or choose another -o")
+    if path.is_dir():
+        raise UsageError(f"{path} is a directory")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"the folder {parent} does not exist; create it first (mkdir -p {parent})")
+    return path
 
 
 def download(
-    conn: redis.Redis, keys: Keys, job_id: str, dest: str | None = None, partial: bool = False
-) -> tuple[Path, int]:
-    """(path written, rows)."""
+    conn: redis.Redis, keys: Keys, job_id: str, dest: str | None = None, partial: bool = False,
+    force: bool = False,
+) -> tuple[Path, int]:  # fmt: skip
+    """(path written, rows); ``dest`` and ``force`` as ``destination`` takes them."""
     record = load_job(conn, keys, job_id)
-    target = destination(job_id, dest)
+    target = destination(job_id, dest, force)
     out = OutputDir.open(record.output)
     if record.state in (JobState.COMPLETED, JobState.CANCELLED):
         manifest = json.loads(out.read_bytes(MANIFEST))
@@ -92,10 +105,6 @@ class _atomic_local:
         self.tmp = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
 
     def __enter__(self) -> Path:
-        try:
-            self.target.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise OutputError(f"cannot create {self.target.parent}: {exc.strerror}") from exc
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -41,6 +41,7 @@ from batchgen.jobs.ops.result import (
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 from batchgen.jobs.redis.lease import Lease
 from batchgen.jobs.schema.errors import BatchgenError
+from batchgen.jobs.schema.rows import FinishReason
 from batchgen.jobs.storage.output_store import OutputDir
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ def _write(
     failed = counts.rows - counts.by_reason.get("stop", 0) - counts.by_reason.get("length", 0)
     final = FINISH(
         conn, job=jk.job, done=jk.done, now=repr(finished_at), failed=failed,
+        cancelled=counts.by_reason.get(FinishReason.CANCELLED.value, 0),
     )  # fmt: skip
     return JobState(text(final))
 

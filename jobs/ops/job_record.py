@@ -11,7 +11,7 @@ import redis
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.redis import hash_codec
 from batchgen.jobs.redis.hash_codec import OMIT_EMPTY, SORTED
-from batchgen.jobs.redis.keys import Keys, QueueKeys, text
+from batchgen.jobs.redis.keys import Keys, QueueKeys, run_queue_name, text
 from batchgen.jobs.schema.errors import JobNotFound
 
 
@@ -31,11 +31,12 @@ class JobRecord:
     defaults: dict[str, Any] = field(default_factory=dict, metadata=SORTED)
     source: str = ""  # input file name, for the manifest
     source_sha256: str = ""  # of the valid entries, so a re-submit can prove it is the same job
-    total: int = 0  # valid input lines = rows the output will hold
+    total: int = 0  # input lines or rows = rows the output will hold (skipped ones: errors)
     enqueued: int = 0  # entries appended so far; == total once submit finished
-    done: int = 0
-    failed: int = 0
-    skipped: int = 0  # invalid lines skipped with --skip-invalid
+    done: int = 0  # rows that finished (stop, length)
+    failed: int = 0  # rows that did not (error, cancelled): done + failed = rows so far
+    cancelled_rows: int = 0  # of the failed, those cancelled before they ran (finalize's)
+    skipped: int = 0  # invalid lines skipped with --skip-invalid (each an error row)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -70,8 +71,18 @@ class JobRecord:
         return self.enqueued >= self.total
 
     @property
+    def run_alone(self) -> bool:
+        """Made by ``batchgen run``: its queue is its own, which no worker reads."""
+        return self.queue == run_queue_name(self.model, self.id)
+
+    @property
     def finished_rows(self) -> int:
         return self.done + self.failed
+
+    @property
+    def errors(self) -> int:
+        """Rows that failed (error rows), cancelled ones not counted."""
+        return self.failed - self.cancelled_rows
 
     def to_hash(self) -> dict[str, str]:
         return hash_codec.to_hash(self)

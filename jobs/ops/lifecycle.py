@@ -118,18 +118,23 @@ local function job_status(job)
 end
 
 -- Add new rows' counters; queued -> running on the first, -> finalizing on the last.
--- True when this made the job need its finalize.
-local function bump(job, d, f, pt, ct, cc, now)
+-- True when this made the job need its finalize. `started` (optional): when the rows'
+-- worker read the first of them; the job started at the earliest such time.
+local function bump(job, d, f, pt, ct, cc, now, started)
   if d > 0 then redis.call('HINCRBY', job, 'done', d) end
   if f > 0 then redis.call('HINCRBY', job, 'failed', f) end
   if pt > 0 then redis.call('HINCRBY', job, 'prompt_tokens', pt) end
   if ct > 0 then redis.call('HINCRBY', job, 'completion_tokens', ct) end
   if cc > 0 then redis.call('HINCRBY', job, 'cached_tokens', cc) end
-  local v = redis.call('HMGET', job, 'state', 'done', 'failed', 'total')
+  local v = redis.call('HMGET', job, 'state', 'done', 'failed', 'total', 'started_at')
   local state = v[1]
+  local at = tonumber(now)
+  if started and tonumber(started) > 0 and tonumber(started) < at then at = tonumber(started) end
   if state == S.QUEUED then
-    move(job, state, S.RUNNING, 'started_at', now)
+    move(job, state, S.RUNNING, 'started_at', at)
     state = S.RUNNING
+  elseif at < (tonumber(v[5]) or at) then
+    redis.call('HSET', job, 'started_at', at)
   end
   if state == S.RUNNING and tonumber(v[2]) + tonumber(v[3]) >= tonumber(v[4]) then
     move(job, state, S.FINALIZING)
@@ -212,11 +217,16 @@ return state
 FINISH = script(
     "finish job",
     keys=[("job", "the job record"), ("done", "the job's done-marks")],
-    args=[("now", "unix seconds"), ("failed", "rows that are not stop/length")],
+    args=[
+        ("now", "unix seconds"),
+        ("failed", "rows that are not stop/length"),
+        ("cancelled", "of those, the cancelled ones"),
+    ],
     body="""
 local state = redis.call('HGET', job, 'state')
 if not FINAL[state] then return state end
-move(job, state, FINAL[state], 'finished_at', now, 'failed', failed, 'error', '')
+move(job, state, FINAL[state], 'finished_at', now, 'failed', failed, 'cancelled_rows', cancelled,
+     'error', '')
 redis.call('HDEL', job, 'finalize_retry_at')
 redis.call('DEL', done)
 return FINAL[state]

@@ -26,7 +26,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import redis
+
 from batchgen.jobs.redis.embedded import home
+from batchgen.jobs.redis.heartbeat import live_workers
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema.model_files import check_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -159,3 +164,25 @@ def vocab_size(model: str) -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def check_submittable(conn: redis.Redis, keys: Keys, model: str, embedded: bool) -> str:
+    """Refuse (ModelNotLoadable) a job for a model no worker could load; a warning to
+    show, or "".
+
+    A checkpoint directory here is checked whatever the Redis. With the embedded Redis
+    every worker runs on this machine, so a model that is not here never runs: refused.
+    With a shared one the checkpoint may live only on the GPU hosts: a path-like name
+    that is not here, for which no live worker serves the queue, is a warning.
+    """
+    if embedded or Path(model).expanduser().exists():
+        check_checkpoint(model)
+        return ""
+    if not (os.sep in model or model.startswith(("~", "."))):
+        return ""  # a plain name: whatever a worker started with it serves
+    if live_workers(conn, keys, keys.queue_for_model(model).tag):
+        return ""
+    return (
+        f"{model} is not a checkpoint directory on this machine and no live worker serves "
+        f"it; the job waits for `batchgen worker --model {model}` on a host that has it"
+    )

@@ -58,7 +58,7 @@ from batchgen.jobs.ops.submission import CHUNK_BYTES, CHUNK_ENTRIES, validate_in
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 from batchgen.jobs.redis.lease import Lease, LeaseHeld
 from batchgen.jobs.redis.sentinel import replicated
-from batchgen.jobs.schema.entry import LUA_FIELDS
+from batchgen.jobs.schema.entry import LUA_FIELDS, is_rejected
 from batchgen.jobs.schema.errors import JobConflict, JobNotFound, JobNotReady, UsageError
 from batchgen.jobs.schema.rows import FinishReason
 from batchgen.jobs.schema.sampling import ParamError, job_defaults
@@ -97,7 +97,8 @@ if redis.call('SISMEMBER', active, job_id) == 1 or redis.call('EXISTS', parts) =
 end
 local c = cjson.decode(counts)
 reopen(job, state, 'closed', '0', 'done', c.done, 'failed', c.failed,
-       'prompt_tokens', c.prompt_tokens, 'completion_tokens', c.completion_tokens,
+       'cancelled_rows', c.cancelled, 'prompt_tokens', c.prompt_tokens,
+       'completion_tokens', c.completion_tokens,
        'cached_tokens', c.cached_tokens, 'enqueued', c.kept, 'last_id', '', 'error', '',
        'storage_error', '', 'finalize_attempts', 0, 'finished_at', 0, 'retry_cursor', 0,
        'retry_rounds', tonumber(round) + 1)
@@ -154,6 +155,7 @@ class RetryResult:
     queued_now: int  # requests this call appended
     round: int  # the job's retry round
     resumed: bool  # went on with a retry that was stopped halfway
+    invalid: int = 0  # failed rows of invalid lines (--skip-invalid), left as they are
 
 
 def retry(
@@ -205,20 +207,27 @@ def _retry(
         )
     out = OutputDir.open(record.output)
     retried = retried_mask(out, record.total, ALL_FAILED if all_failed else ERRORS)
-    rows = int(retried.sum())
     round_ = record.retry_rounds + 1
-    if rows == 0:
+    if not retried.any():
         return RetryResult(job_id, 0, 0, record.retry_rounds, resumed=False)
     crash = CrashPlan.from_env()
     with SpoolDir() as spool:
         requests = _requests(record, input_path, spool)
+        invalid = 0
+        if record.skipped:  # an invalid line's error row stays: it would fail the same way
+            rejected = retried & _rejected(requests, record.total)
+            invalid = int(rejected.sum())
+            retried &= ~rejected
+        rows = int(retried.sum())
+        if rows == 0:
+            return RetryResult(job_id, 0, 0, record.retry_rounds, resumed=False, invalid=invalid)
         kept = carry_over(out, job_id, round_, retried, part_rows)
         crash.reached("after_retry_parts")
         if conn.sismember(qk.cancelled, job_id):  # entries its cancel left must not run too
             delete_entries(conn, qk, job_id)
         jk = qk.job(job_id)
-        counts = {"done": kept.done, "failed": kept.failed, **kept.tokens, "kept": kept.rows,
-                  "retried": rows}  # fmt: skip
+        counts = {"done": kept.done, "failed": kept.failed, "cancelled": kept.cancelled,
+                  **kept.tokens, "kept": kept.rows, "retried": rows}  # fmt: skip
         status = text(REOPEN_JOB(
             conn, job=jk.job, done=jk.done, parts=jk.parts, errors=jk.errors, dead=jk.dead,
             active=qk.active, expiring=qk.expiring, cancelled=qk.cancelled, job_id=job_id,
@@ -230,7 +239,7 @@ def _retry(
         crash.reached("after_retry_reopen")
         record = load_job(conn, keys, job_id)
         queued = _enqueue_rest(conn, qk, record, requests)
-    return RetryResult(job_id, rows, queued, round_, resumed=False)
+    return RetryResult(job_id, rows, queued, round_, resumed=False, invalid=invalid)
 
 
 def _requests(record: JobRecord, input_path: str | None, spool: Path) -> Validation:
@@ -252,11 +261,19 @@ def _requests(record: JobRecord, input_path: str | None, spool: Path) -> Validat
         raise UsageError(f"the job's input cannot be read: {exc}{hint}") from None
     if checked.sha256 != record.source_sha256 or checked.total != record.total:
         raise JobConflict(
-            f"{path} does not hold job {record.id!r}'s requests any more ({checked.total} valid "
-            f"lines, entries sha256 {checked.sha256[:12]}; the job has {record.total}, "
+            f"{path} does not hold job {record.id!r}'s requests any more ({checked.total} lines, "
+            f"entries sha256 {checked.sha256[:12]}; the job has {record.total}, "
             f"{record.source_sha256[:12]}): nothing was retried{hint or '; check --input'}"
         )
     return checked
+
+
+def _rejected(requests: Validation, total: int) -> np.ndarray:
+    """True for each input whose entry is an invalid line's (skipped at submit)."""
+    mask = np.zeros(total, dtype=bool)
+    for position, entry in enumerate(requests.entries()):
+        mask[position] = is_rejected(entry)
+    return mask
 
 
 def _enqueue_rest(conn: redis.Redis, qk: QueueKeys, record: JobRecord, requests: Validation) -> int:

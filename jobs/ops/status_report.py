@@ -9,7 +9,6 @@ from typing import Any
 import redis
 
 from batchgen.jobs.ops.job_record import JobRecord, load_job
-from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import Keys, text_hash
 from batchgen.jobs.storage.names import redact_uri
@@ -18,11 +17,18 @@ from batchgen.jobs.storage.names import redact_uri
 @dataclass(slots=True)
 class JobStatus:
     record: JobRecord
-    in_flight: int = 0  # requests live workers hold for this job (from heartbeats)
-    workers: list[str] = field(default_factory=list)  # live workers serving its model
+    # requests live workers hold for this job: their heartbeats' counts, which lag by a
+    # heartbeat, so never more than the job has unfinished, and none once it stops running
+    in_flight: int = 0
+    workers: list[str] = field(default_factory=list)  # live workers serving its queue
     rows_per_s: float = 0.0
     tokens_per_s: float = 0.0  # completion tokens
-    eta_s: float | None = None
+    eta_s: float | None = None  # None: finished, not started, or no live worker serves it
+
+    @property
+    def unserved(self) -> bool:
+        """Requests wait, and no live worker reads the job's queue: nothing moves."""
+        return self.record.state.live and not self.workers
 
     def to_dict(self) -> dict[str, Any]:
         r = self.record
@@ -33,9 +39,10 @@ class JobStatus:
             "total": r.total,
             "enqueued": r.enqueued,
             "done": r.done,
-            "failed": r.failed,
+            "failed": r.errors,  # error rows; cancelled ones are counted apart
+            "cancelled": r.cancelled_rows,
             "in_flight": self.in_flight,
-            "queued": max(r.enqueued - r.done - r.failed - self.in_flight, 0),
+            "queued": max(r.enqueued - r.finished_rows - self.in_flight, 0),
             "skipped_invalid": r.skipped,
             "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens,
@@ -45,6 +52,7 @@ class JobStatus:
             "eta_s": None if self.eta_s is None else round(self.eta_s, 1),
             "live_workers": len(self.workers),
             "workers": self.workers,
+            "unserved": self.unserved,
             "output": redact_uri(r.output),
             "created_at": r.created_at,
             "started_at": r.started_at or None,
@@ -85,13 +93,15 @@ def all_statuses(conn: redis.Redis, keys: Keys) -> list[JobStatus]:
 
 def _status(record: JobRecord, workers: list[dict[str, Any]], now: float) -> JobStatus:
     status = JobStatus(record, workers=[w["name"] for w in workers])
-    status.in_flight = sum(int(w.get("in_flight", {}).get(record.id, 0)) for w in workers)
+    if record.state.live:
+        held = sum(int(w.get("in_flight", {}).get(record.id, 0)) for w in workers)
+        status.in_flight = min(held, max(record.enqueued - record.finished_rows, 0))
     if record.started_at:
         end = record.finished_at if record.state.terminal and record.finished_at else now
         elapsed = max(end - record.started_at, 1e-6)
         status.rows_per_s = record.finished_rows / elapsed
         status.tokens_per_s = record.completion_tokens / elapsed
         remaining = record.total - record.finished_rows
-        if record.state in (JobState.QUEUED, JobState.RUNNING) and status.rows_per_s > 0:
+        if record.state.live and status.workers and status.rows_per_s > 0:
             status.eta_s = remaining / status.rows_per_s
     return status

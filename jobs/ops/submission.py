@@ -28,13 +28,14 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
 
 from batchgen.jobs.intake import kept
+from batchgen.jobs.intake.duplicate_ids import DuplicateIds
 from batchgen.jobs.intake.inputs import MAX_LINE_BYTES
 from batchgen.jobs.intake.lines import InputError, LineError
 from batchgen.jobs.intake.sources import local_copy, locate
@@ -87,12 +88,13 @@ return {enqueued, ''}
 @dataclass(slots=True)
 class SubmitResult:
     job_id: str
-    total: int
+    total: int  # lines or rows: the output's rows (invalid ones skipped are error rows)
     skipped: int
     errors: list[InputError]  # the first invalid lines or rows (skip_invalid)
     enqueued_now: int  # entries this call appended
     resumed: bool  # the job existed (an interrupted or repeated submit)
     unit: str = "line"  # what the input holds: lines (JSONL) or rows (a table)
+    duplicates: DuplicateIds = field(default_factory=DuplicateIds)  # ids given twice
 
 
 def new_job_id() -> str:
@@ -117,10 +119,12 @@ def submit(
     table: TableSpec | None = None,
     input_format: str | None = None,
     tenant: str = "",
+    queue: str | None = None,
 ) -> SubmitResult:
     """``table``: how a Parquet or CSV input's rows become requests (tables.py);
     ``input_format``: "jsonl", "parquet" or "csv" when the name does not say; ``tenant``:
-    who submits it through ``batchgen serve`` (job_record.py)."""
+    who submits it through ``batchgen serve`` (job_record.py); ``queue``: the queue's
+    name when it is not the model's (keys.run_queue_name)."""
     job_id = check_job_id(job_id) if job_id else new_job_id()
     with SpoolDir() as spool_dir:
         checked, kept_names, fmt = validate_input(
@@ -137,9 +141,9 @@ def submit(
                 + (f"\n  ... and {more} more" if more else ""),
                 [e for e in checked.errors if isinstance(e, LineError)],
             )
-        if checked.total == 0:
+        if checked.valid == 0:
             raise InvalidInput(f"{source_path}: no valid {unit}s; nothing was enqueued")
-        name = queue_name(model)
+        name = queue or queue_name(model)
         qk = keys.queue(queue_tag(name))
         record = JobRecord(
             id=job_id,
@@ -185,8 +189,9 @@ def submit(
         replicated(conn)  # through Sentinel: every chunk on a replica before we say so
         appended = position - start
     return SubmitResult(
-        job_id, checked.total, checked.error_count, checked.errors, appended, resumed, unit
-    )
+        job_id, checked.total, checked.error_count, checked.errors, appended, resumed, unit,
+        checked.duplicates,
+    )  # fmt: skip
 
 
 def validate_input(

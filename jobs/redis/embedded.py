@@ -258,14 +258,27 @@ def ensure_running(base: Path | None = None, timeout: float = 30.0) -> str:
     return f"unix://{sock}"
 
 
+def running_url(base: Path | None = None) -> str | None:
+    """The embedded server's URL if it runs (never starting it); None if it does not."""
+    if not redis_dir(base).is_dir():
+        return None  # never started here
+    sock = socket_path(base)
+    return f"unix://{sock}" if sock is not None and _alive(sock) else None
+
+
+def server_pid(base: Path | None = None) -> int | None:
+    """The pid of the redis-server running on the data dir, if any."""
+    return _running_pid(redis_dir(base))
+
+
 def stop(base: Path | None = None, timeout: float = 10.0) -> bool:
     """Shut the embedded server down (saving nothing extra: the AOF has it all)."""
-    sock = socket_path(base)
-    if sock is None or not _alive(sock):
+    url = running_url(base)
+    if url is None:
         return False
     pid_file = redis_dir(base) / "redis.pid"
     pid = int(pid_file.read_text()) if pid_file.exists() else None
-    client = redis.Redis(unix_socket_path=str(sock), socket_timeout=5)
+    client = redis.Redis(unix_socket_path=url.removeprefix("unix://"), socket_timeout=5)
     with contextlib.suppress(redis.ConnectionError):
         client.shutdown(nosave=True)
     deadline = time.monotonic() + timeout

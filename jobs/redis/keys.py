@@ -81,6 +81,12 @@ def queue_name(model: str) -> str:
     return model
 
 
+def run_queue_name(model: str, job_id: str) -> str:
+    """The queue of one ``batchgen run`` job: its own, so no worker of the model takes its
+    requests; named by the job, so re-running it with the same --job-id finds it again."""
+    return f"{queue_name(model)}#run:{job_id}"
+
+
 def queue_tag(name: str) -> str:
     return hashlib.sha1(name.encode()).hexdigest()[:16]
 

@@ -4,13 +4,15 @@ A stream entry is these fields, and this module is the only code that names them
 (the Lua scripts that append entries take the names from ``LUA_FIELDS``)::
 
     j  the job id
-    i  the input's index (0-based over the valid lines or rows)
+    i  the input's index (0-based over the lines or rows, invalid ones included)
     r  the request (``Request``): compact UTF-8 JSON with short keys
     x  only on an entry a worker handed back: what it carries to the next worker (JSON)
 
 Inside ``r``: ``id`` the row id, ``p`` prompt | ``m`` messages | ``e`` embedding input,
 ``dim`` dimensions, ``s`` sampling parameters (named as in ``sampling.FIELDS``: the job's
-defaults merged with the line's own), ``md`` metadata; a worker needs nothing else.
+defaults merged with the line's own), ``md`` metadata; a worker needs nothing else. An
+invalid line submitted with ``--skip-invalid`` is an entry too, so its row keeps its
+place: ``err`` (written first) says what is wrong with it, and its row is that error.
 The keys are short because a stream holds millions of entries, and the bytes stay the
 same from release to release because a job's fingerprint is their sha256 (a resumed
 submit and a retry must make the bytes the submit before them made).
@@ -72,6 +74,12 @@ class Request:
     dimensions: int | None = None  # the embedding's length, when truncated
     sampling: dict[str, Any] | None = None  # sampling.FIELDS name -> value; None: embedding
     metadata: dict[str, Any] | None = None  # the line's own, returned with its row
+    invalid: str | None = None  # an invalid line's error (--skip-invalid): its row is that
+
+    @classmethod
+    def rejected(cls, error: str, row_id: str | None = None) -> Request:
+        """The entry of an invalid line or row: it runs nothing, its row is the error."""
+        return cls(id=row_id, invalid=error)
 
     @property
     def prompt_input(self) -> str | list[dict[str, str]] | None:
@@ -86,6 +94,8 @@ class Request:
         """The ``r`` field. UnicodeEncodeError for a lone surrogate (no UTF-8 holds one)."""
         # written out, not a loop over the keys: submit encodes every line (a tenth faster)
         wire: dict[str, Any] = {}
+        if self.invalid is not None:  # first: is_rejected reads the entry's first bytes
+            wire["err"] = self.invalid
         if self.id is not None:
             wire["id"] = self.id
         if self.prompt is not None:
@@ -108,7 +118,13 @@ class Request:
         if not isinstance(wire, dict):
             raise EntryError("the request is not a JSON object")
         get = wire.get
-        return cls(get("id"), get("p"), get("m"), get("e"), get("dim"), get("s"), get("md"))
+        return cls(get("id"), get("p"), get("m"), get("e"), get("dim"), get("s"), get("md"),
+                   get("err"))  # fmt: skip
+
+
+def is_rejected(encoded: bytes) -> bool:
+    """Whether an encoded request (``Request.encode``) is an invalid line's entry."""
+    return encoded.startswith(b'{"err":')
 
 
 E = TypeVar("E", bound="QueueEntry")

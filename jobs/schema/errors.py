@@ -35,6 +35,11 @@ class InvalidInput(BatchgenError):
         self.line_errors = list(line_errors)  # the first invalid lines, for callers that list them
 
 
+class ModelNotLoadable(UsageError):
+    """``--model`` names no checkpoint directory batchgen could load (checkpoint.py);
+    the model code's own refusals (architecture, config switch) are a kind of it."""
+
+
 class UnsafeName(UsageError):
     """A job id or output path that could escape where batchgen writes."""
 

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from batchgen.jobs.schema.errors import ModelNotLoadable
+from batchgen.jobs.schema.model_files import check_checkpoint
 from batchgen.kernels import select_ops
 from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
 from batchgen.worker.engine.kv_cache import allocate_kv_cache, num_blocks_for_budget
@@ -89,9 +91,10 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     """Tokenizer, model, KV pool, CUDA graphs, pooling and runner for ``path`` as ``config`` says."""
     from transformers import AutoTokenizer
 
-    root = Path(path)
-    if not root.is_dir():
-        raise UnsupportedModelError(f"model path {path} is not a directory")
+    try:
+        root = check_checkpoint(path)  # its files, before any of them is read
+    except ModelNotLoadable as exc:
+        raise UnsupportedModelError(str(exc)) from None
     hf = read_hf_config(root)
     # what the config alone refuses is refused before the tokenizer and weights load
     impl = choose_implementation(hf, config.model_impl)

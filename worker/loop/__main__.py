@@ -13,9 +13,9 @@ import sys
 
 def main() -> int:
     from batchgen.jobs.redis.connection import connect
-    from batchgen.jobs.schema.errors import BatchgenError
+    from batchgen.jobs.schema.errors import BatchgenError, ModelNotLoadable
     from batchgen.worker.loop.engine_api import load_engine
-    from batchgen.worker.loop.loop_config import LoopConfig
+    from batchgen.worker.loop.loop_config import MODEL_REFUSED_EXIT, LoopConfig
     from batchgen.worker.loop.queue_loop import QueueLoop
 
     config = LoopConfig.from_dict(json.loads(sys.stdin.read()))
@@ -31,7 +31,11 @@ def main() -> int:
     except BatchgenError as exc:
         logging.error("%s", exc)
         return 3
-    api = load_engine(config.model, config.engine)
+    try:
+        api = load_engine(config.model, config.engine)
+    except ModelNotLoadable as exc:
+        print(f"batchgen: error: {exc}", file=sys.stderr, flush=True)
+        return MODEL_REFUSED_EXIT
     logging.info("serving %s (max_model_len %d)", config.model, api.engine.max_model_len)
     return QueueLoop(conn, api, config).run()
 

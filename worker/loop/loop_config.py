@@ -8,11 +8,15 @@ import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from batchgen.jobs.redis.keys import queue_name
 from batchgen.worker.engine_config import EngineConfig
 
 # The exit status of an engine process whose engine raised in a step (sysexits
 # EX_SOFTWARE): it served, handed its requests back, and wants a fresh engine.
 ENGINE_FAILED_EXIT = 70
+# An engine process that could not load its model (sysexits EX_CONFIG): it said why on
+# stderr in one line, and a fresh process would fail the same way, so none is started.
+MODEL_REFUSED_EXIT = 78
 
 
 def default_name() -> str:
@@ -40,6 +44,11 @@ class LoopConfig:
     supervisor: str = ""  # the supervisor's id, for metrics
     supervised: bool = False  # SIGINT goes to the supervisor, which forwards SIGTERM
     engine: EngineConfig = field(default_factory=EngineConfig)
+    queue: str = ""  # the queue's name when it is not the model's (batchgen run's own)
+
+    @property
+    def queue_name(self) -> str:
+        return self.queue or queue_name(self.model)
 
     @property
     def refresh_s(self) -> float:

@@ -30,7 +30,7 @@ import redis
 from batchgen.jobs.consumer.queue import Delivery, HandBack, hand_back, read_new
 from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
-from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.keys import Keys, queue_tag
 from batchgen.jobs.redis.stream import ensure_group
 from batchgen.worker.loop.caching import LoopCache, numerics
 from batchgen.worker.loop.engine_api import EngineAPI
@@ -51,7 +51,7 @@ class QueueLoop:
         self.engine = api.engine
         self.config = config
         self.keys = Keys(config.prefix)
-        self.qk = self.keys.queue_for_model(config.model)
+        self.qk = self.keys.queue(queue_tag(config.queue_name))
         self.outages = StorageOutages(
             conn, self.qk, config.name, config.storage_outage_s, self._count
         )

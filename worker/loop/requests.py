@@ -201,6 +201,9 @@ class Requests:
             self.sink.add(d, output, d.finished)
             self.count("rows_carried", 1)
             return None
+        if d.request.invalid is not None:  # skipped at submit: its row says why
+            self.error(d, output, d.request.invalid)
+            return None
         if d.request.embed is not None:
             self._start_embedding(d, output, d.request.embed)
             return None

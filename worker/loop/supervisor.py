@@ -5,7 +5,8 @@ It imports no torch itself (except to count GPUs for ``--gpus``). Children run
 ``RESTART_DELAY_S`` if it had started serving (its first heartbeat: it was
 killed, ran out of memory, or met a poison request, which ``max_attempts``
 dead-letters), with growing backoff if it died before that, and given up on
-after repeated failures right at start (a broken model or config). One that
+after repeated failures right at start (a broken config); one that could not
+load its model (``MODEL_REFUSED_EXIT``) makes it give up at once. One that
 exits 0 in burst mode is done. The supervisor also starts a finalizer process
 whenever its model's finalize queue holds tasks (finalizer.py: a long
 finalize never blocks the supervisor) and serves Prometheus metrics. SIGTERM
@@ -35,7 +36,12 @@ from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import GROUP, Keys, queue_name
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.worker.loop.finalizer import FinalizerProcess
-from batchgen.worker.loop.loop_config import ENGINE_FAILED_EXIT, LoopConfig, default_name
+from batchgen.worker.loop.loop_config import (
+    ENGINE_FAILED_EXIT,
+    MODEL_REFUSED_EXIT,
+    LoopConfig,
+    default_name,
+)
 from batchgen.worker.loop.metrics import render, serve
 
 log = logging.getLogger(__name__)
@@ -173,6 +179,8 @@ class Supervisor:
             if rc == 0:
                 child.done = True
                 continue
+            if rc == MODEL_REFUSED_EXIT:  # it said why; every restart would fail alike
+                return 2
             lived = now - child.started
             if rc == ENGINE_FAILED_EXIT or self._served(child):  # it served: go on
                 child.fast_failures = 0

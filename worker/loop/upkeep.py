@@ -26,7 +26,7 @@ from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.maintenance import sweep
 from batchgen.jobs.ops.modelinfo import fingerprint
 from batchgen.jobs.redis import heartbeat
-from batchgen.jobs.redis.keys import Keys, QueueKeys, queue_name, text
+from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 from batchgen.worker.loop.flight import error_row
 from batchgen.worker.loop.loop_config import LoopConfig
 
@@ -61,7 +61,7 @@ class Upkeep:
         self.qk = qk
         self.config = config
         self.loop = loop
-        self.queue_name = queue_name(config.model)
+        self.queue_name = config.queue_name
         self.jobs: dict[str, JobInfo | None] = {}  # None: the job's record is gone
         self.fingerprint = fingerprint(config.model)
         self.started_at = time.time()

@@ -12,12 +12,12 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.jobs.schema.errors import BatchgenError
+from batchgen.jobs.schema.errors import ModelNotLoadable
 
 
-class UnsupportedModelError(BatchgenError, ValueError):
+class UnsupportedModelError(ModelNotLoadable, ValueError):
     """The checkpoint is not one batchgen can run (architecture, file or feature); the CLI
-    reports it in one line."""
+    reports it as one line, as every named error."""
 
 
 class NormKind(str, enum.Enum):

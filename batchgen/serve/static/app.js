@@ -28,33 +28,57 @@ function fmtTime(t) {
   return t ? new Date(t * 1000).toLocaleTimeString() : "–";
 }
 
-function percent(job) {
-  if (!job.total) return 100;
-  return Math.floor(100 * (job.done + job.failed) / job.total);
+function finishedRows(job) {
+  return job.done + job.failed + job.cancelled;
 }
 
-function progressBar(job) {
+function percent(job) {
+  if (!job.total) return 100;
+  return Math.floor(100 * finishedRows(job) / job.total);
+}
+
+function setBar(bar, job) {
   const pct = percent(job);
-  const bar = el("div", {class: "bar " + job.state, "data-pct": String(pct)},
-                 el("span"), el("em", {}, pct + "%"));
+  bar.className = "bar " + job.state;
+  bar.dataset.pct = String(pct);
   bar.firstChild.style.width = pct + "%";
-  return bar;
+  bar.lastChild.textContent = pct + "%";
+}
+
+const JOB_CELLS = [
+  (j) => j.job_id, (j) => shortModel(j.model), (j) => j.state, null, (j) => j.done,
+  (j) => j.failed, (j) => j.cancelled, (j) => j.total, (j) => j.tokens_per_s.toFixed(1),
+  (j) => j.unserved ? "no worker" : fmtDuration(j.eta_s), (j) => fmtTime(j.created_at)];
+const JOB_CLASSES = ["", "", "state", "progress", "num", "num", "num", "num", "num", "num", ""];
+
+function jobRow(jobId) {
+  // made once per job and then updated in place: a row replaced between a press and its
+  // release would swallow the click
+  const row = el("tr", {class: "job", "data-job": jobId},
+    ...JOB_CLASSES.map((c) => el("td", {class: c})));
+  row.children[3].append(el("div", {class: "bar"}, el("span"), el("em")));
+  row.addEventListener("click", () => { selected = jobId; refresh(); });
+  return row;
 }
 
 function renderJobs(jobs) {
   const body = document.querySelector("#jobs tbody");
-  body.replaceChildren(...jobs.map((j) => {
-    const row = el("tr", {class: "job" + (j.job_id === selected ? " selected" : ""),
-                          "data-job": j.job_id},
-      el("td", {}, j.job_id), el("td", {title: j.model}, shortModel(j.model)),
-      el("td", {class: "state " + j.state}, j.state),
-      el("td", {class: "progress"}, progressBar(j)),
-      el("td", {class: "num"}, j.done), el("td", {class: "num"}, j.failed),
-      el("td", {class: "num"}, j.total), el("td", {class: "num"}, j.tokens_per_s.toFixed(1)),
-      el("td", {class: "num"}, fmtDuration(j.eta_s)), el("td", {}, fmtTime(j.created_at)));
-    row.addEventListener("click", () => { selected = j.job_id; refresh(); });
+  const old = new Map([...body.children].map((r) => [r.dataset.job, r]));
+  const rows = jobs.map((j) => {
+    const row = old.get(j.job_id) || jobRow(j.job_id);
+    row.classList.toggle("selected", j.job_id === selected);
+    JOB_CELLS.forEach((cell, i) => {
+      if (!cell) return;
+      const td = row.children[i], value = String(cell(j));
+      if (td.textContent !== value) td.textContent = value;
+    });
+    row.children[1].title = j.model;
+    row.children[2].className = "state " + j.state;
+    setBar(row.children[3].firstChild, j);
     return row;
-  }));
+  });
+  rows.forEach((row, i) => { if (body.children[i] !== row) body.insertBefore(row, body.children[i] || null); });
+  while (body.children.length > rows.length) body.lastChild.remove();
   document.getElementById("no-jobs").hidden = jobs.length > 0;
 }
 
@@ -148,10 +172,12 @@ async function renderDetail() {
   const box = document.getElementById("detail");
   if (!selected) { box.hidden = true; return; }
   const d = await getJSON("/api/jobs/" + encodeURIComponent(selected));
-  const fields = [["state", d.state], ["model", d.model], ["done / failed / total",
-    `${d.done} / ${d.failed} / ${d.total}`], ["in flight", d.in_flight], ["queued", d.queued],
+  const fields = [["state", d.state], ["model", d.model], ["done / failed / cancelled / total",
+    `${d.done} / ${d.failed} / ${d.cancelled} / ${d.total}`], ["in flight", d.in_flight],
+    ["queued", d.queued],
     ["prompt tokens", d.prompt_tokens], ["completion tokens", d.completion_tokens],
-    ["cached tokens", d.cached_tokens], ["tok/s", d.tokens_per_s], ["ETA", fmtDuration(d.eta_s)],
+    ["cached tokens", d.cached_tokens], ["tok/s", d.tokens_per_s],
+    ["ETA", d.unserved ? "– (no live worker serves the model)" : fmtDuration(d.eta_s)],
     ["output", d.output], ["started", fmtTime(d.started_at)], ["finished", fmtTime(d.finished_at)],
     ["error", d.error || d.storage_error || "–"]];
   const dl = el("dl");
@@ -178,7 +204,10 @@ async function renderDetail() {
   close.addEventListener("click", () => { selected = null; refresh(); });
   parts.push(" ", close);
   box.replaceChildren(...parts);
-  box.hidden = false;
+  if (box.hidden) {
+    box.hidden = false;
+    box.scrollIntoView({block: "nearest"});  // below a long table it would open unseen
+  }
 }
 
 let timer = null;
