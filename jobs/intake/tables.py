@@ -25,7 +25,6 @@ snapshot's row k is the output's ``index`` k.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 from collections.abc import Iterator
