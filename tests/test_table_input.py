@@ -381,9 +381,11 @@ def test_an_oversized_csv_cell_is_an_error_of_its_row_and_column(redis_url, tmp_
     )
     result = run(conn, tmp_path / "cells.csv", tmp_path, job_id="c2", table=spec,
                  skip_invalid=True)  # fmt: skip
-    assert (result.total, result.skipped) == (3, 1)
-    assert [(e["id"], len(e["p"])) for e in entries(conn, "c2")] == [
-        ("a", 5), ("b", 2 << 20), ("d", 3)]  # fmt: skip
+    assert (result.total, result.skipped) == (4, 1)  # the oversized row: an error row in its place
+    assert [(e.get("id"), len(e.get("p", "")), e.get("err")) for e in entries(conn, "c2")] == [
+        ("a", 5, None), ("b", 2 << 20, None),
+        (None, 0, "row 2, column q: the value is 8,388,613 bytes, over the limit of 8,388,608 bytes"),
+        ("d", 3, None)]  # fmt: skip
     long = '"' + "z," * (20 << 20) + '"'  # 40 MiB, quoted, commas inside
     for name, text, row in (("later", f'id,note,q\nr0,"a, ""b"" c",ok\nr1,fine,{long}\n', 1),
                             ("first", f"id,note,q\nr0,fine,{long}\n", 0)):  # fmt: skip
