@@ -52,7 +52,7 @@ def test_every_line_keeps_its_index_and_skipped_ones_are_error_rows(shell):
     pq.write_table(table, shell.cwd / "t.parquet")
     out = shell.run("submit", "t.parquet", "--model", "tiny", "--skip-invalid", "--job-id", "t",
                     "--prompt-column", "q", "--id-column", "key", "--keep-columns", "key,extra",
-                    "--output", str(shell.cwd / "out-t"))  # fmt: skip
+                    "--sampling-columns", "max_tokens", "--output", str(shell.cwd / "out-t"))  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stderr == (
         "skipped 2 invalid row(s), each an error row:\n"
