@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from batchgen.cli import main
 from batchgen.jobs.intake.tables import TableSpec
 from batchgen.jobs.intake.template import parse
+from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys
@@ -38,8 +39,7 @@ def run(conn, source, tmp_path, job_id="t1", **kw):
 
 
 def entries(conn, job_id="t1") -> list[dict[str, Any]]:
-    qk = KEYS.queue_for_model("m")
-    return [json.loads(f[b"r"]) for _, f in conn.xrange(qk.stream) if f[b"j"] == job_id.encode()]
+    return [json.loads(r) for _, _, r in backlog.queued(conn, KEYS.queue_for_model("m"), job_id)]
 
 
 def docs() -> pa.Table:
@@ -153,7 +153,7 @@ def test_skip_invalid_numbers_the_valid_rows(redis_url, tmp_path):
     assert (result.total, result.skipped, [str(e) for e in result.errors]) == (
         2, 1, ["row 2, column body: null value where --template needs one"])  # fmt: skip
     qk = KEYS.queue_for_model("m")
-    assert [int(f[b"i"]) for _, f in rconn(redis_url).xrange(qk.stream)] == [0, 1]
+    assert [i for i, _, _ in backlog.queued(rconn(redis_url), qk, "t1")] == [0, 1]
 
 
 def test_s3_parquet_folder_and_file(redis_url, tmp_path, s3_endpoint, monkeypatch):
