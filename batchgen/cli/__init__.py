@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "run": "batchgen.cli.run:run",
     "serve": "batchgen.cli.serve:serve",
     "cache": "batchgen.cli.cache:cache",
+    "tenant": "batchgen.cli.tenant:tenant",
 }
 
 

@@ -21,10 +21,18 @@ import redis
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
 from batchgen.jobs.ops.job_record import JobRecord, load_job
 from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.ops.schedule import PRIORITY_LIMIT, Schedule, check_priority
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import Keys, queue_name, text, text_hash
-from batchgen.jobs.schema.errors import BatchgenError, InvalidInput, JobConflict, JobNotFound
+from batchgen.jobs.schema.errors import (
+    BatchgenError,
+    InvalidInput,
+    JobConflict,
+    JobNotFound,
+    QuotaExceeded,
+    UsageError,
+)
 from batchgen.jobs.schema.sampling import job_defaults
 from batchgen.jobs.storage.names import check_output
 from batchgen.serve import batch_lifecycle
@@ -126,6 +134,7 @@ class Batches:
         ):  # fmt: skip
             raise APIError(400, "metadata must be at most 16 string keys (64 chars) with "
                            "string values (512 chars)", "invalid_request", "metadata")  # fmt: skip
+        priority_of(metadata)  # refused here, not after validation
         if self.store.get(file_id).purpose != "batch":
             raise APIError(400, f"file {file_id!r} was not uploaded with purpose 'batch'",
                            "invalid_request", "input_file_id")  # fmt: skip
@@ -219,10 +228,15 @@ class Batches:
                 self._finish_unsubmitted(record)
                 return
             output = job_output(self.config.output_root, record.id)
+            schedule = Schedule(priority=priority_of(record.metadata),
+                                deadline=float(record.expires_at))  # fmt: skip
             try:
                 result = submit(self.conn, self.keys, source_path=path, model=checked.model,
                                 output=output, defaults=job_defaults({}), job_id=record.id,
-                                input_format="jsonl")  # fmt: skip
+                                input_format="jsonl", schedule=schedule)  # fmt: skip
+            except QuotaExceeded as exc:  # OpenAI's batch queue limit: the batch fails with it
+                self._fail(record, [_error(exc.code, str(exc))])
+                return
             except InvalidInput as exc:
                 data = [_error("invalid_request", e.message, None, e.line)
                         for e in exc.line_errors] or [_error("invalid_request", str(exc))]  # fmt: skip
@@ -312,6 +326,18 @@ class Batches:
         finally:
             if text(self.conn.get(lock)) == token:
                 self.conn.delete(lock)
+
+
+def priority_of(metadata: dict[str, str] | None) -> int:
+    """The job's priority class from the batch's metadata ``priority`` (0 without one)."""
+    raw = (metadata or {}).get("priority")
+    if raw is None:
+        return 0
+    try:
+        return check_priority(int(raw))
+    except (ValueError, UsageError):
+        raise APIError(400, f"metadata.priority must be a whole number from -{PRIORITY_LIMIT} "
+                       f"to {PRIORITY_LIMIT}", "invalid_request", "metadata") from None  # fmt: skip
 
 
 def _error(code: str, message: str, param: str | None = None,

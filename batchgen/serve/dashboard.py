@@ -10,6 +10,7 @@ import redis
 
 from batchgen.jobs.ops.job_record import queue_of_job
 from batchgen.jobs.ops.status_report import all_statuses, job_status
+from batchgen.jobs.ops.usage import tenants_report
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import Keys, text
 from batchgen.serve.series import read_series
@@ -37,7 +38,7 @@ def overview(conn: redis.Redis, keys: Keys) -> dict[str, Any]:
     rates = series[-1]["workers"] if series else {}
     jobs = [s.to_dict() for s in reversed(all_statuses(conn, keys))][:MAX_JOBS]
     return {"now": time.time(), "jobs": jobs, "workers": workers(conn, keys, rates),
-            "series": series}  # fmt: skip
+            "tenants": tenants_report(conn, keys), "series": series}  # fmt: skip
 
 
 def job_detail(conn: redis.Redis, keys: Keys, job_id: str) -> dict[str, Any]:

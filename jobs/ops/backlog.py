@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import redis
 
-from batchgen.jobs.redis.keys import BACKLOG_GROUPS, QueueKeys
+from batchgen.jobs.redis.keys import BACKLOG_GROUPS, QueueKeys, text
 from batchgen.jobs.schema.entry import backlog_item, parse_backlog_item
 
 PREFIX_BYTES = 256  # ~64 tokens: prompts that share this much likely share far more
@@ -76,3 +76,14 @@ def queued(conn: redis.Redis, qk: QueueKeys, job_id: str) -> list[tuple[int, int
     for key in qk.job(job_id).backlogs:
         pipe.lrange(key, 0, -1)
     return sorted(parse_backlog_item(item) for lst in pipe.execute() for item in lst)
+
+
+def total(conn: redis.Redis, qk: QueueKeys) -> int:
+    """Requests waiting in the model's backlogs (the ready jobs' ``backlog`` counts)."""
+    ids = [text(i) for i in conn.smembers(qk.ready)]
+    if not ids:
+        return 0
+    pipe = conn.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hget(qk.job(job_id).job, "backlog")
+    return sum(int(n or 0) for n in pipe.execute())

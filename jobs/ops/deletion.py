@@ -54,12 +54,11 @@ def delete(
     jk = qk.job(job_id)
     raw = conn.hgetall(jk.job)
     record = JobRecord.from_hash(job_id, raw) if raw else None
-    if record is not None and not record.state.terminal:
-        if not force:
-            raise JobConflict(
-                f"job {job_id!r} is {record.state.value}; cancel it first (batchgen cancel "
-                f"{job_id}), or pass --force to cancel and delete it at once"
-            )
+    if record is not None and not record.state.terminal and not force:
+        raise JobConflict(
+            f"job {job_id!r} is {record.state.value}; cancel it first (batchgen cancel "
+            f"{job_id}), or pass --force to cancel and delete it at once"
+        )
     report = Deleted()
     if record is not None and record.state.live:
         cancel(conn, keys, job_id)

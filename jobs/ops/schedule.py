@@ -19,8 +19,12 @@ import re
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from batchgen.jobs.ops import retention
+from batchgen.jobs.ops.deadlines import deadline_view
+from batchgen.jobs.ops.job_record import JobRecord
+from batchgen.jobs.ops.usage import job_usage
 from batchgen.jobs.schema.errors import UsageError
 
 TENANT_ENV = "BATCHGEN_TENANT"
@@ -87,3 +91,13 @@ def parse_deadline(raw: str, now: float | None = None) -> float:
     if when <= now:
         raise UsageError(f"--deadline {raw!r} is not after now")
     return when
+
+
+def status_fields(record: JobRecord, now: float) -> dict[str, Any]:
+    """What ``batchgen status --json`` says of a job's scheduling and usage."""
+    return {
+        "tenant": record.tenant,
+        "priority": record.priority,
+        "deadline": deadline_view(record, now),
+        "usage": job_usage(record),
+    }

@@ -10,6 +10,7 @@ import redis
 
 from batchgen.jobs.ops.job_record import JobRecord, load_job
 from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.ops.schedule import status_fields
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import Keys, text_hash
 from batchgen.jobs.storage.names import redact_uri
@@ -23,6 +24,7 @@ class JobStatus:
     rows_per_s: float = 0.0
     tokens_per_s: float = 0.0  # completion tokens
     eta_s: float | None = None
+    now: float = 0.0  # when it was read (the deadline's state is relative to it)
 
     def to_dict(self) -> dict[str, Any]:
         r = self.record
@@ -58,6 +60,7 @@ class JobStatus:
             "retried": r.retried,  # rows re-queued by `batchgen retry`, every round
             "retry_rounds": r.retry_rounds,
             "retry_incomplete": r.retry_incomplete,
+            **status_fields(r, self.now),  # tenant, priority, deadline, usage (schedule.py)
         }
 
 
@@ -84,7 +87,7 @@ def all_statuses(conn: redis.Redis, keys: Keys) -> list[JobStatus]:
 
 
 def _status(record: JobRecord, workers: list[dict[str, Any]], now: float) -> JobStatus:
-    status = JobStatus(record, workers=[w["name"] for w in workers])
+    status = JobStatus(record, workers=[w["name"] for w in workers], now=now)
     status.in_flight = sum(int(w.get("in_flight", {}).get(record.id, 0)) for w in workers)
     if record.started_at:
         end = record.finished_at if record.state.terminal and record.finished_at else now
