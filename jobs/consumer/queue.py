@@ -72,7 +72,7 @@ def read_new(
             raise
         recreate_group(conn, qk)
         return []
-    return [Delivery.parse(eid, dict(zip(flat[::2], flat[1::2]))) for eid, flat in reply if flat]
+    return [Delivery.decode(fields, eid, entry_id=eid) for eid, fields in reply]
 
 
 def recreate_group(conn: redis.Redis, qk: QueueKeys) -> None:
