@@ -153,7 +153,7 @@ class QueueLoop:
             block = self.config.block_ms if idle else None
             self.keeper.work.clear()  # before the read: work announced after it wakes us
             try:
-                groups = self.affinity.groups()
+                groups = self.affinity.groups() if self.config.prefix_affinity else None
                 deliveries = read_new(self.conn, self.qk, self.config.name, capacity, groups)
                 self._redis_ok()
             except _REDIS_DOWN as exc:
