@@ -8,6 +8,7 @@ that finished meanwhile), and wall-clock bounds have wide margins for a loaded
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,9 @@ import pytest
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.ops.usage import COUNTERS, model_usage
 from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.serve.dashboard import overview
+from batchgen.worker.loop.loop_config import LoopConfig
+from batchgen.worker.loop.supervisor import Supervisor
 from tests.chaos.harness import KEYS, Chaos, prompt_lines, wait_until, write_jsonl
 
 SETTINGS = {"max_num_seqs": 4, "block_ms": 100}
@@ -77,7 +81,7 @@ def test_usage_per_job_and_per_tenant_adds_up_to_the_workers_own_counters(fleet,
     env = fleet.env(BATCHGEN_CACHE=str(tmp_path / "cache"))
     for job_id, tenant in (("first", "t1"), ("again", "t2")):  # "again": result-cache rows
         src = tmp_path / f"{job_id}.jsonl"
-        src.write_text("".join(__import__("json").dumps(line) + "\n" for line in lines))
+        src.write_text("".join(json.dumps(line) + "\n" for line in lines))
         out = fleet.cli("submit", str(src), "--model", str(fleet.model), "--job-id", job_id,
                         "--output", str(fleet.output(job_id)), "--tenant", tenant, "--cache",
                         env=env)  # fmt: skip
@@ -114,3 +118,21 @@ def test_usage_per_job_and_per_tenant_adds_up_to_the_workers_own_counters(fleet,
         "cached_tokens": counted["cached_tokens"], "output_tokens": counted["generation_tokens"],
         "engine_us": counted["engine_us"],
     }  # fmt: skip
+
+    # the same figures where operators read them: Prometheus and the dashboard
+    metrics = Supervisor(fleet.conn, LoopConfig(model=str(fleet.model)), [], None).metrics()
+    label = f'model="{fleet.model}",tenant="t1"'
+    for expected in (
+        f"batchgen_tenant_requests_total{{{label}}} 12",
+        f"batchgen_tenant_input_tokens_total{{{label}}} {first.prompt_tokens}",
+        f"batchgen_tenant_cached_tokens_total{{{label}}} {first.cached_tokens}",
+        f"batchgen_tenant_output_tokens_total{{{label}}} {first.completion_tokens}",
+        f"batchgen_tenant_engine_seconds_total{{{label}}} {first.engine_us / 1e6:g}",
+    ):
+        assert expected in metrics.splitlines()
+    shown = {t["tenant"]: t["usage"] for t in overview(fleet.conn, KEYS)["tenants"]}
+    assert shown["t1"] == {"requests": 12, "input_tokens": first.prompt_tokens,
+                           "cached_input_tokens": first.cached_tokens,
+                           "output_tokens": first.completion_tokens,
+                           "engine_s": round(first.engine_us / 1e6, 3)}  # fmt: skip
+    assert shown["t2"]["cached_input_tokens"] == again.prompt_tokens
