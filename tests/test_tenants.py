@@ -5,6 +5,7 @@ and usage."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ from batchgen.jobs.consumer.queue import read_new
 from batchgen.jobs.ops import backlog, tenants
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.schedule import default_tenant, parse_deadline
+from batchgen.jobs.redis import embedded
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.jobs.schema.rows import FinishReason, Row
+from tests.doc_blocks import doc_block, run_sh, shell_env
 
 KEYS = Keys("bg")
 QK = KEYS.queue_for_model("m")
@@ -77,7 +80,7 @@ def test_a_submit_past_a_quota_is_refused_before_anything_is_queued(redis_url, t
     assert submit(redis_url, tmp_path, "b1", 80, "--tenant", "bravo").exit_code == 0
     listed = json.loads(cli("tenant", "list", "--json", "--redis", redis_url).output)
     assert [(t["tenant"], t["weight"], t["jobs"], t["enqueued_tokens"], t["max_jobs"])
-            for t in listed] == [("acme", 2.0, 2, 240, 2)]  # fmt: skip
+            for t in listed] == [("acme", 2.0, 2, 240, 2), ("bravo", 1.0, 1, 960, None)]  # fmt: skip
     # a job that finishes frees its share
     conn.hset(QK.job("a1").job, "state", "completed")
     assert submit(redis_url, tmp_path, "a4", 1, "--tenant", "acme").exit_code == 0
@@ -134,3 +137,28 @@ def test_flags_are_checked_before_anything_is_read(redis_url, tmp_path, monkeypa
     assert parse_deadline("90m", now=1000.0) == 1000.0 + 5400
     with pytest.raises(UsageError, match="is not after now"):
         parse_deadline("2001-01-01T00:00")
+
+
+def test_the_fair_share_block(tmp_path, toy_model):
+    """docs/fair-share.md's block as a reader runs it: embedded Redis, no worker yet."""
+    (tmp_path / "tiny").symlink_to(toy_model("llama"))
+    for name, n in (("big", 6), ("urgent", 2)):
+        prompts(tmp_path, n, name)
+    env = shell_env(tmp_path / "home")
+    try:
+        out = run_sh(doc_block("fair-share"), tmp_path, env)
+        assert "research" in out.stdout and "ops" in out.stdout
+        status = json.loads(subprocess.run(["batchgen", "status", "--json"], cwd=tmp_path,
+                                           env=env, capture_output=True, check=True).stdout)
+        listed = json.loads(subprocess.run(["batchgen", "tenant", "list", "--json"],
+                                           cwd=tmp_path, env=env, capture_output=True,
+                                           check=True).stdout)  # fmt: skip
+    finally:
+        embedded.stop(tmp_path / "home")
+    jobs = sorted((s["tenant"], s["total"], s["priority"], s["state"], bool(s["deadline"]))
+                  for s in status)  # fmt: skip
+    assert jobs == [("ops", 2, 5, "queued", True), ("research", 6, 0, "queued", False)]
+    research = next(t for t in listed if t["tenant"] == "research")
+    assert (research["weight"], research["max_enqueued_tokens"], research["max_jobs"],
+            research["jobs"]) == (3.0, 2_000_000, 10, 1)  # fmt: skip
+    assert research["enqueued_tokens"] > 0
