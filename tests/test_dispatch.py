@@ -26,6 +26,8 @@ from batchgen.jobs.redis.stream import ensure_group
 from batchgen.jobs.schema.entry import Request
 from batchgen.jobs.schema.sampling import DEFAULTS
 from batchgen.worker.loop.affinity import owned
+from batchgen.worker.loop.loop_config import LoopConfig
+from batchgen.worker.loop.supervisor import Supervisor
 
 KEYS = Keys("bg")
 QK = KEYS.queue_for_model("m")
@@ -52,6 +54,8 @@ def test_a_small_job_behind_a_big_one_is_taken_at_the_next_read(redis_url, tmp_p
     job(conn, tmp_path, "big", 300)
     first = read_new(conn, QK, "w", 8)
     assert jobs_of(first) == ["big"] * 8 and [d.index for d in first] == list(range(8))
+    metrics = Supervisor(conn, LoopConfig(model="m"), [], None).metrics().splitlines()
+    assert 'batchgen_queue_backlog{model="m"} 292' in metrics
     job(conn, tmp_path, "small", 5)
     # the worker has room for 3 more: the small job's first three, then its last two
     assert [(d.job_id, d.index) for d in read_new(conn, QK, "w", 3)] == [
@@ -116,6 +120,8 @@ def test_urgent_jobs_go_first_earliest_deadline_first(redis_url, tmp_path):
     assert 40 * cost / (10 / 3) > 100  # at its share it would be late
     assert soon.eta == pytest.approx(now + 1 + 40 * cost / 10)  # first in line: the whole fleet
     assert later.eta == pytest.approx(now + 1 + 40 * cost / (10 / 3))  # a third of it
+    assert deadlines.deadline_view(later, now + 1) == {
+        "deadline": now + 3600, "state": "on_track", "eta": later.eta, "expire": False}
     assert jobs_of(read_new(conn, QK, "w", 40)) == ["soon"] * 40
     # later becomes urgent too (its deadline is near now); the two go by deadline
     job(conn, tmp_path, "sooner", 10, Schedule(deadline=now + 50), max_tokens=8)
