@@ -233,7 +233,7 @@ def test_lost_entries_become_error_rows(redis_url, tmp_path):
     ds = deliver(conn, qk, count=1)
     rows = [row(0, "ok")]
     commit(conn, qk, [PartCommit("j", publish(out, "a.parquet", rows), rows, [ds[0].entry_id])])
-    deliver(conn, qk, count=1)  # index 1 pending at a worker ...
+    deliver(conn, qk, count=3)  # 1, 2, 3 pending at a worker ...
     conn.xtrim(qk.stream, maxlen=0)  # ... then someone trims the stream: 1, 2, 3 are gone
     assert sweep(conn, KEYS, qk) == ["j"]
     record = load_job(conn, KEYS, "j")

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from batchgen.cli import main
 from batchgen.jobs.consumer.queue import dead_letter, read_new
 from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops import finalize_tasks as tasks
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.maintenance import forget_expired
@@ -120,7 +121,7 @@ def test_a_running_job_is_refused_unless_forced_then_its_entries_go(redis_url, t
     held = read_new(conn, QK, "w", 3, None)  # a worker holds 3, 7 are queued
     result = cli("delete", "live", "--redis", redis_url)
     assert result.exit_code == 1 and "job 'live' is queued; cancel it first" in result.output
-    assert conn.xlen(QK.stream) == 10
+    assert conn.xlen(QK.stream) + len(backlog.queued(conn, QK, "live")) == 10
     result = cli("delete", "live", "--force", "--outputs", "--redis", redis_url)
     assert result.exit_code == 0, result.output
     assert "10 queued entries" in result.output

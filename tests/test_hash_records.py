@@ -13,10 +13,10 @@ from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.redis import hash_codec
 from batchgen.jobs.redis.keys import Keys
+from batchgen.serve.api_keys import OPEN
 from batchgen.serve.batch_lifecycle import MOVES, BatchState, move
 from batchgen.serve.batch_record import BatchRecord, status
 from batchgen.serve.files import FileObject, FileStore
-from batchgen.serve.tenants import OPEN
 
 JOB = JobRecord(
     id="20240101-000000-abcdef", state=JobState.RUNNING, model="m", queue="m", tag="t1",

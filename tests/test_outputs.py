@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from batchgen.cli import main
 from batchgen.jobs.consumer.queue import read_new
 from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.finalization import finalize
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.submission import submit
@@ -51,10 +52,10 @@ def test_a_second_job_is_refused_a_directory_that_holds_another(redis_url, tmp_p
     assert b.exit_code == 1
     assert f"output directory {out} already belongs to job 'A'; give this job" in b.output
     assert conn.hget(KEYS.jobs, "B") is None and not conn.exists(QK.job("B").job)
-    assert conn.xlen(QK.stream) == 3  # only A's requests
+    assert len(backlog.queued(conn, QK, "A")) == 3 and conn.hget(QK.job("B").job, "backlog") is None
     again = cli("submit", str(tmp_path / "a.jsonl"), "--model", "m", "--output", str(out),
                 "--job-id", "A", "--json", "--redis", redis_url)  # fmt: skip
-    assert json.loads(again.output)["resumed"] is True and conn.xlen(QK.stream) == 3
+    assert json.loads(again.output)["resumed"] is True and len(backlog.queued(conn, QK, "A")) == 3
     # the same job id from another Redis (here: another key prefix) is another job
     with pytest.raises(JobConflict, match="the same job id, submitted to another Redis"):
         submit(conn, Keys("elsewhere"), source_path=str(tmp_path / "a.jsonl"), model="m",

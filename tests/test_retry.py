@@ -29,6 +29,7 @@ import pytest
 import redis
 
 from batchgen.jobs.crashpoints import CRASH_EXIT_CODE
+from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.carryover import carry_over, retried_mask
 from batchgen.jobs.ops.job_record import JobRecord, load_job, queue_of_job
 from batchgen.jobs.ops.lifecycle import REOPEN, JobState, script
@@ -195,7 +196,8 @@ def retried(first: World) -> World:
     )
     w.seen["kill_reopen"] = w.retry("main", "--input", str(moved),
                                     BATCHGEN_TEST_CRASH_AT="after_retry_reopen")  # fmt: skip
-    w.seen["after_reopen"] = (w.record("main"), w.conn.xlen(w.qk.stream))
+    w.seen["after_reopen"] = (w.record("main"),
+                              w.conn.xlen(w.qk.stream) + w.record("main").backlog)  # fmt: skip
     w.seen["status_reopened"] = w.cli("status", "main").stdout
     w.seen["resume"] = w.retry("main", "--input", str(moved))
     w.seen["again_while_running"] = w.retry("main", "--input", str(moved))
@@ -356,16 +358,16 @@ def test_all_failed_reruns_the_cancelled_rows(retried: World, reference) -> None
 
 
 def test_a_retry_killed_between_chunks_queues_each_row_once(world: World) -> None:
-    """A cancelled job that no worker ever served: its requests are all still in the stream.
-    ``--all-failed`` deletes those, queues the first chunk, is killed; run again, it queues
-    the rest: every input exactly once, at its own index, with its own request."""
+    """A cancelled job that no worker ever served: the cancel dropped its backlog.
+    ``--all-failed`` queues the first chunk, is killed; run again, it queues the rest:
+    every input exactly once, at its own index, with its own request."""
     n = CHUNK_ENTRIES + 300
     lines = [{"id": f"b{i}", "prompt": f"p{i}"} for i in range(n)]
     world.submit("bulk", lines, model="bulk-model")
     assert world.cli("cancel", "bulk").returncode == 0
     assert world.cli("finalize", "bulk").returncode == 0
-    stream = KEYS.queue_for_model("bulk-model").stream
-    assert world.conn.xlen(stream) == n  # no worker dropped them
+    qk = KEYS.queue_for_model("bulk-model")
+    assert world.conn.xlen(qk.stream) == 0 and backlog.queued(world.conn, qk, "bulk") == []
     out = world.retry("bulk", "--all-failed", BATCHGEN_TEST_CRASH_AT="after_retry_chunk:1")
     assert out.returncode == CRASH_EXIT_CODE, out.stderr
     record = world.record("bulk")
@@ -374,18 +376,18 @@ def test_a_retry_killed_between_chunks_queues_each_row_once(world: World) -> Non
         CHUNK_ENTRIES,
         CHUNK_ENTRIES,
     )
-    assert world.conn.xlen(stream) == CHUNK_ENTRIES
+    assert len(backlog.queued(world.conn, qk, "bulk")) == CHUNK_ENTRIES
     out = world.retry("bulk")
     assert out.returncode == 0, out.stderr
     assert out.stdout == "bulk: went on with retry 1: queued 300 more row(s); the job is running\n"
-    entries = world.conn.xrange(stream)
-    assert [int(fields[b"i"]) for _, fields in entries] == list(range(n))
-    assert [json.loads(fields[b"r"])["id"] for _, fields in entries] == [
+    entries = backlog.queued(world.conn, qk, "bulk")
+    assert [index for index, _, _ in entries] == list(range(n))
+    assert [json.loads(request)["id"] for _, _, request in entries] == [
         line["id"] for line in lines
     ]
     record = world.record("bulk")
     assert (record.enqueued, record.retry_cursor, record.retried) == (n, n, n)
-    assert record.last_id == entries[-1][0].decode() and not record.retry_incomplete
+    assert record.backlog == n and not record.retry_incomplete
 
 
 def test_a_clean_up_a_killed_finalizer_left_is_finished_first(world: World) -> None:
@@ -405,7 +407,7 @@ def test_a_clean_up_a_killed_finalizer_left_is_finished_first(world: World) -> N
     record = world.record("tidy")
     assert (record.state, record.enqueued, record.retry_cursor) == (JobState.RUNNING, 2, 2)
     assert world.conn.sismember(qk.active, "tidy") and not world.conn.zscore(qk.expiring, "tidy")
-    assert [int(f[b"i"]) for _, f in world.conn.xrange(qk.stream)] == [0, 1]
+    assert [index for index, _, _ in backlog.queued(world.conn, qk, "tidy")] == [0, 1]
 
 
 def test_kept_rows_are_written_back_in_bounded_parts(tmp_path: Path) -> None:
@@ -478,14 +480,14 @@ def test_a_table_job_is_read_again_with_its_own_flags(world: World) -> None:
                     "--output", str(world.output("tbl")), *flags)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert world.record("tbl").table  # the flags, kept for the retry
-    stream = KEYS.queue_for_model("table-model").stream
-    submitted = [(f[b"i"], f[b"r"]) for _, f in world.conn.xrange(stream)]
+    qk = KEYS.queue_for_model("table-model")
+    submitted = [(i, r) for i, _, r in backlog.queued(world.conn, qk, "tbl")]
     assert json.loads(submitted[0][1])["p"] == "Title: a\nEnd"
     assert world.cli("cancel", "tbl").returncode == 0
     assert world.cli("finalize", "tbl").returncode == 0
     out = world.retry("tbl", "--all-failed")
     assert out.stdout == "tbl: retry 1: queued 3 row(s) again; the job is running\n", out.stderr
-    assert [(f[b"i"], f[b"r"]) for _, f in world.conn.xrange(stream)] == submitted
+    assert [(i, r) for i, _, r in backlog.queued(world.conn, qk, "tbl")] == submitted
 
 
 def test_a_relative_input_path_is_recorded_absolute(world: World) -> None:

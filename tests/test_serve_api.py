@@ -20,6 +20,8 @@ import pytest
 import redis
 from openai import OpenAI
 
+from batchgen.jobs.ops import tenants
+from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.redis_server import RedisServer
 from tests.serve_stack import KEY, Stack
@@ -338,3 +340,37 @@ def test_logprobs_and_embeddings_render_as_openai_objects(stack, client, tmp_pat
         assert body["data"][0]["embedding"] == by_id[line["custom_id"]]["embedding"]
         assert len(body["data"][0]["embedding"]) == 8
         assert body["usage"]["prompt_tokens"] == by_id[line["custom_id"]]["prompt_tokens"] > 0
+
+
+def test_a_batch_past_its_tenants_queue_limit_fails_with_openais_code(stack, client, tmp_path):
+    """The batch's estimated input tokens would take its tenant ("": an API key without
+    one) past max_enqueued_tokens: the batch fails, nothing is queued; under the limit
+    it runs, with the priority class its metadata names and its window as deadline."""
+    conn: Any = redis.Redis.from_url(stack.redis_url)
+    keys = Keys("bg")
+    tenants.save(conn, keys, tenants.Tenant("", max_enqueued_tokens=20))
+    try:
+        rows = lines(str(stack.model), 4)
+        file = upload(client, tmp_path, rows, "quota.jsonl")
+        refused = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")  # fmt: skip
+        refused = wait_done(client, refused.id)
+        assert refused.status == "failed"
+        (error,) = refused.errors.data
+        assert error.code == "token_limit_exceeded"
+        assert error.message.startswith(f"Enqueued token limit reached for {stack.model}")
+        assert conn.hget(keys.jobs, refused.id) is None  # nothing was queued
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"priority": "high"})  # fmt: skip
+        assert caught.value.body["param"] == "metadata"  # type: ignore[index]
+    finally:
+        tenants.save(conn, keys, tenants.Tenant(""))
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"priority": "3"})  # fmt: skip
+    batch = wait_done(client, batch.id)
+    assert batch.status == "completed"
+    job = load_job(conn, keys, batch.id)
+    assert (job.priority, job.deadline, job.tenant) == (3, float(batch.expires_at), "")
+    usage = batch.usage
+    assert (usage.input_tokens, usage.output_tokens) == (job.prompt_tokens, job.completion_tokens)

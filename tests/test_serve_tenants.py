@@ -145,8 +145,8 @@ def test_jobs_on_the_dashboard_api_are_scoped_and_cli_jobs_are_admin_only(stack,
     b_in = b.files.create(file=("b.jsonl", requests(str(stack.model), 2, "bj")), purpose="batch")
     b_batch = done(b, b.batches.create(input_file_id=b_in.id, endpoint="/v1/completions",
                                        completion_window="24h").id)  # fmt: skip
-    assert load_job(conn, keys, b_batch.id).tenant == "team-b"
-    assert load_job(conn, keys, "cli-job").tenant == ""
+    assert load_job(conn, keys, b_batch.id).api_tenant == "team-b"
+    assert load_job(conn, keys, "cli-job").api_tenant == ""
 
     def job_ids(key: str) -> set[str]:
         status, jobs = api(stack, "/api/jobs", key)
@@ -201,7 +201,7 @@ def test_the_dashboard_shows_a_signed_in_key_its_own_tenant(stack):
     conn: Any = redis.Redis.from_url(stack.redis_url)
     _, everything = api(stack, "/api/jobs", "sk-root")
     team_a = {j["job_id"] for j in everything
-              if load_job(conn, Keys("bg"), j["job_id"]).tenant == "team-a"}  # fmt: skip
+              if load_job(conn, Keys("bg"), j["job_id"]).api_tenant == "team-a"}  # fmt: skip
     assert batch.id in shown and shown == team_a and len(everything) > len(team_a)
 
 

@@ -13,6 +13,7 @@ import redis
 
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.intake.lines import LineError
+from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema import constraints
@@ -202,9 +203,8 @@ def test_cli_flags_set_the_job_default_and_refuse_bad_ones(redis_url, tmp_path):
                "flags", "--output", str(tmp_path / "o"), env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     conn: Any = redis.Redis.from_url(redis_url)
-    stream = Keys.from_env().queue_for_model("m").stream
-    entries = [json.loads(fields[b"r"]) for _, fields in conn.xrange(stream)
-               if fields[b"j"] == b"flags"]  # fmt: skip
+    qk = Keys.from_env().queue_for_model("m")
+    entries = [json.loads(r) for _, _, r in backlog.queued(conn, qk, "flags")]
     assert [e["s"]["structured_output"] for e in entries] == [{"json": SCHEMA}, {"regex": "[0-9]+"}]
 
     bad = tmp_path / "bad.json"

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import redis
 
+from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops import submission as submit_mod
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.lifecycle import JobState
@@ -40,8 +41,8 @@ def run(conn, path, job_id="job1", **kw):
 
 
 def stream_indices(conn, job_id="job1") -> list[int]:
-    qk = KEYS.queue_for_model("m")
-    return [int(f[b"i"]) for _, f in conn.xrange(qk.stream) if f[b"j"] == job_id.encode()]
+    """The job's queued requests' input indices (in its backlog until a worker takes them)."""
+    return [index for index, _, _ in backlog.queued(conn, KEYS.queue_for_model("m"), job_id)]
 
 
 def test_invalid_file_enqueues_nothing_and_names_every_bad_line(redis_url, tmp_path):
@@ -75,10 +76,10 @@ def test_submit_creates_the_job_and_one_entry_per_line(redis_url, tmp_path):
         JobState.QUEUED, 5, 5, 0, 0)  # fmt: skip
     assert (record.model, record.queue, record.output) == ("m", "m", str(tmp_path / "out-job1"))
     qk = KEYS.queue_for_model("m")
-    entries = conn.xrange(qk.stream)
-    assert [int(f[b"i"]) for _, f in entries] == [0, 1, 2, 3, 4]
-    assert json.loads(entries[3][1][b"r"]) == {"id": "r3", "p": "prompt 3 ", "s": DEFAULTS}
-    assert record.last_id == entries[-1][0].decode()
+    entries = backlog.queued(conn, qk, "job1")
+    assert [index for index, _, _ in entries] == [0, 1, 2, 3, 4]
+    assert json.loads(entries[3][2]) == {"id": "r3", "p": "prompt 3 ", "s": DEFAULTS}
+    assert (record.backlog, conn.smembers(qk.ready)) == (5, {b"job1"})
     assert conn.smembers(qk.active) == {b"job1"}
     assert conn.hget(KEYS.jobs, "job1") == qk.tag.encode()
     assert conn.xinfo_groups(qk.stream)[0]["name"] == b"workers"
@@ -154,7 +155,7 @@ def test_skip_invalid_keeps_every_line_at_its_index(redis_url, tmp_path):
     record = load_job(conn, KEYS, "job1")
     assert (record.total, record.skipped) == (4, 2)
     qk = KEYS.queue_for_model("m")
-    assert [(int(f[b"i"]), json.loads(f[b"r"])) for _, f in conn.xrange(qk.stream)] == [
+    assert [(i, json.loads(r)) for i, _, r in backlog.queued(conn, qk, "job1")] == [
         (0, {"p": "a", "s": {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0}}),
         (1, {"err": "line 2, column 31: max_tokens must be an integer from 1 to 1048576, got 0"}),
         (2, {"err": "line 3, column 1: malformed JSON: Expecting value"}),

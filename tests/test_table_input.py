@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from batchgen.cli import main
 from batchgen.jobs.intake.table_spec import TableSpec, parse_sampling_columns
 from batchgen.jobs.intake.template import parse
+from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys
@@ -38,8 +39,7 @@ def run(conn, source, tmp_path, job_id="t1", **kw):
 
 
 def entries(conn, job_id="t1") -> list[dict[str, Any]]:
-    qk = KEYS.queue_for_model("m")
-    return [json.loads(f[b"r"]) for _, f in conn.xrange(qk.stream) if f[b"j"] == job_id.encode()]
+    return [json.loads(r) for _, _, r in backlog.queued(conn, KEYS.queue_for_model("m"), job_id)]
 
 
 def docs() -> pa.Table:
@@ -160,9 +160,9 @@ def test_skip_invalid_keeps_every_row_at_its_number(redis_url, tmp_path):
     assert (result.total, result.skipped, [str(e) for e in result.errors]) == (
         3, 1, ["row 2, column body: null value where --template needs one"])  # fmt: skip
     qk = KEYS.queue_for_model("m")
-    stream = rconn(redis_url).xrange(qk.stream)
-    assert [int(f[b"i"]) for _, f in stream] == [0, 1, 2]  # the invalid row keeps its place
-    assert json.loads(stream[2][1][b"r"]) == {
+    queued = backlog.queued(rconn(redis_url), qk, "t1")
+    assert [i for i, _, _ in queued] == [0, 1, 2]  # the invalid row keeps its place
+    assert json.loads(queued[2][2]) == {
         "err": "row 2, column body: null value where --template needs one", "id": "2"}  # fmt: skip
 
 

@@ -18,6 +18,7 @@ import redis
 
 from batchgen.jobs.intake.kept import KEPT
 from batchgen.jobs.redis.keys import Keys, queue_tag
+from batchgen.jobs.schema.entry import parse_backlog_item
 from benchmarks.table_submit_bench import tree_rss_peak
 from tests.test_submit_memory import WATCH
 
@@ -71,8 +72,10 @@ def test_a_2m_row_parquet_folder_is_submitted_in_bounded_memory(redis_url, tmp_p
     assert watched["peak"] < 512 * MiB, f"peak RSS {watched['peak'] / MiB:.0f} MiB"
     assert total < 1024 * MiB, f"peak RSS of the process tree {total / MiB:.0f} MiB"
     conn: Any = redis.Redis.from_url(redis_url)
-    stream = Keys("bg").queue(queue_tag("m")).stream
-    [(_, last)] = conn.xrevrange(stream, count=1)
-    assert json.loads(last[b"r"])["id"] == f"doc-{ROWS - 1}"
+    qk = Keys("bg").queue(queue_tag("m"))
+    [job] = [j.decode() for j in conn.smembers(qk.active)]
+    items = [item for key in qk.job(job).backlogs for item in conn.lrange(key, -1, -1)]
+    last = max(parse_backlog_item(item) for item in items)  # the highest index queued
+    assert (last[0], json.loads(last[2])["id"]) == (ROWS - 1, f"doc-{ROWS - 1}")
     assert pq.read_metadata(tmp_path / "out" / KEPT).num_rows == ROWS
     conn.flushall()  # two million entries: not for the next test's redis-server

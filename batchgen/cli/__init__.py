@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "serve": "batchgen.cli.serve:serve",
     "cache": "batchgen.cli.cache:cache",
     "redis": "batchgen.cli.redis_command:redis_group",
+    "tenant": "batchgen.cli.tenant:tenant",
 }
 
 

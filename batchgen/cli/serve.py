@@ -63,10 +63,10 @@ def serve(
     from batchgen.cli._common import connect
     from batchgen.jobs.redis import embedded
     from batchgen.jobs.storage.names import output_root as default_output_root
+    from batchgen.serve.api_keys import KeyRing
     from batchgen.serve.app import create_app
     from batchgen.serve.listen import listen
     from batchgen.serve.settings import LOOPBACK, ServeConfig, expiry, keys_from_env
-    from batchgen.serve.tenants import KeyRing
 
     keyring = KeyRing.load(keys_from_env(api_keys), keys_file)
     if keyring.open and host not in LOOPBACK:

@@ -31,6 +31,7 @@ def _render(s) -> str:
         f"output     {d['output']}",
         f"created    {datetime.fromtimestamp(d['created_at']).isoformat(timespec='seconds')}",
     ]
+    lines += _fair_share_lines(d)
     if d["retry_rounds"]:
         lines.append(f"retried    {d['retried']} rows in {d['retry_rounds']} retry round(s)")
     if d["error"]:
@@ -58,6 +59,21 @@ def _eta(d: dict) -> str:
     if d["unserved"]:
         return "- (no live worker serves the model)"
     return duration(d["eta_s"])
+
+
+def _fair_share_lines(d) -> list[str]:
+    """The job's tenant and class, where it stands against its deadline, its usage."""
+    from batchgen.jobs.ops.deadlines import describe
+
+    u = d["usage"]
+    lines = [
+        f"tenant     {d['tenant'] or '(none)'}, priority {d['priority']}",
+        f"usage      in {u['input_tokens']} tokens ({u['cached_input_tokens']} cached), out "
+        f"{u['output_tokens']}, engine {u['engine_s']:.1f}s",
+    ]
+    if d["deadline"]:
+        lines.append(f"deadline   {describe(d['deadline'])}")
+    return lines
 
 
 def _table(statuses) -> str:

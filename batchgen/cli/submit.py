@@ -50,6 +50,32 @@ if TYPE_CHECKING:
     "(greedy or seeded requests only). Where: $BATCHGEN_CACHE (folder or s3://...), default "
     "$BATCHGEN_HOME/cache with the embedded Redis; required with a shared Redis.",
 )
+@click.option(
+    "--tenant",
+    default=None,
+    help="Who the job is for: tenants share the workers by weight and are held to their "
+    "quotas (batchgen tenant). Default $BATCHGEN_TENANT, else your login name.",
+)
+@click.option(
+    "--priority",
+    type=int,
+    default=0,
+    show_default=True,
+    help="The job's class (-1000..1000): a higher class is served first.",
+)
+@click.option(
+    "--deadline",
+    metavar="WHEN",
+    default=None,
+    help="When it should be done: a duration from now (6h, 90m, 2d) or an ISO time. A job "
+    "that would miss it at its fair share is served first (earliest deadline first).",
+)
+@click.option(
+    "--expire",
+    is_flag=True,
+    help="Cancel the job at its --deadline (finished rows are kept); without it a late job "
+    "keeps running and status reports it late.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print {job_id, total, ...} as JSON.")
 @redis_option
 @handles_errors
@@ -63,6 +89,10 @@ def submit(
     skip_invalid: bool,
     retention: str | None,
     use_cache: bool,
+    tenant: str | None,
+    priority: int,
+    deadline: str | None,
+    expire: bool,
     as_json: bool,
     redis_url: str | None,
 ) -> None:
@@ -87,6 +117,13 @@ def submit(
     """
     from batchgen.jobs.ops import retention as keep
     from batchgen.jobs.ops.modelinfo import check_submittable
+    from batchgen.jobs.ops.schedule import (
+        Schedule,
+        check_priority,
+        check_tenant,
+        default_tenant,
+        parse_deadline,
+    )
     from batchgen.jobs.ops.submission import new_job_id
     from batchgen.jobs.ops.submission import submit as run_submit
     from batchgen.jobs.redis.connection import wait_from_env
@@ -95,6 +132,14 @@ def submit(
 
     job_id = check_job_id(job_id) if job_id else new_job_id()
     retention_s = keep.parse(retention) if retention else keep.default()
+    if expire and not deadline:
+        raise click.UsageError("--expire cancels the job at its --deadline: give one")
+    schedule = Schedule(
+        tenant=check_tenant(tenant) if tenant is not None else default_tenant(),
+        priority=check_priority(priority),
+        deadline=parse_deadline(deadline) if deadline else 0.0,
+        expire=expire,
+    )
     conn, keys, target = connect(redis_url)
     warning = check_submittable(conn, keys, model, target.embedded)
     if warning:
@@ -106,6 +151,7 @@ def submit(
         job_id=job_id, skip_invalid=skip_invalid, wait_s=wait_from_env(), retention_s=retention_s,
         cache=cache_uri,
         table=table,
+        schedule=schedule,
     )  # fmt: skip
     report_submit(result)
     if as_json:

@@ -1,6 +1,6 @@
 """Who is asking: ``Authorization: Bearer KEY`` for the API, a session for the dashboard.
 
-Keys are compared in constant time (tenants.py). Signing in to the dashboard
+Keys are compared in constant time (api_keys.py). Signing in to the dashboard
 with a key makes a session: a random token in an HttpOnly, SameSite=Strict
 cookie, of which Redis keeps only a hash (``P:serve:session:H``, with the key's
 id, expiring after ``session_s``); signing out deletes it, so the cookie is
@@ -19,8 +19,8 @@ import redis
 from fastapi import Depends, Request
 
 from batchgen.jobs.redis.keys import Keys, text
+from batchgen.serve.api_keys import OPEN, Principal
 from batchgen.serve.openai_errors import APIError
-from batchgen.serve.tenants import OPEN, Principal
 
 COOKIE = "batchgen_session"
 

@@ -52,7 +52,7 @@ class BatchRecord:
     expired_at: int = 0
     cancelling_at: int = 0
     cancelled_at: int = 0
-    tenant: str = field(default="", metadata=OMIT_EMPTY)  # tenants.py; "" without keys
+    tenant: str = field(default="", metadata=OMIT_EMPTY)  # api_keys.py; "" without keys
     store: str = ""  # the files dir of its input and output files ("": before stores)
     output_expiry_s: int = 0  # its output files (and then this record) go this long after
     finish_attempts: int = 0  # failed tries at writing the output files

@@ -2,7 +2,7 @@
 
 Validating a new batch (validation.py) and finishing a batch whose job ended
 (sweep.py) run in the background. A batch's job has the batch's id. Each batch
-belongs to the tenant of the key that made it (tenants.py): another tenant's
+belongs to the tenant of the key that made it (api_keys.py): another tenant's
 batch is a 404, as one never made.
 """
 
@@ -19,16 +19,17 @@ import redis
 
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
 from batchgen.jobs.ops.job_record import JobRecord, load_job
+from batchgen.jobs.ops.schedule import PRIORITY_LIMIT, check_priority
 from batchgen.jobs.redis.keys import Keys, text, text_hash
-from batchgen.jobs.schema.errors import JobConflict, JobNotFound
+from batchgen.jobs.schema.errors import JobConflict, JobNotFound, UsageError
 from batchgen.jobs.storage.names import check_output
 from batchgen.serve import batch_lifecycle
+from batchgen.serve.api_keys import Principal
 from batchgen.serve.batch_lifecycle import BatchState
 from batchgen.serve.batch_record import BatchRecord, to_openai
 from batchgen.serve.files import FileStore
 from batchgen.serve.openai_errors import APIError, not_found
 from batchgen.serve.settings import ServeConfig
-from batchgen.serve.tenants import Principal
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 WINDOWS = {"24h": 24 * 3600}
@@ -174,6 +175,7 @@ class Batches:
                            "string values (512 chars)", "invalid_request", "metadata")  # fmt: skip
         output_expiry = expires_after(body.get("output_expires_after"),
                                       self.config.output_expiry_s, "output_expires_after")  # fmt: skip
+        priority_of(metadata)  # refused here, not after validation
         if self.store.get(file_id, who).purpose != "batch":
             raise APIError(400, f"file {file_id!r} was not uploaded with purpose 'batch'",
                            "invalid_request", "input_file_id")  # fmt: skip
@@ -229,3 +231,15 @@ class Batches:
             raise APIError(400, f"Cannot cancel the batch: {exc}", "invalid_request") from None
         self.save(record, cancelling_at=int(time.time()))
         return self.view(record)
+
+
+def priority_of(metadata: dict[str, str] | None) -> int:
+    """The job's priority class from the batch's metadata ``priority`` (0 without one)."""
+    raw = (metadata or {}).get("priority")
+    if raw is None:
+        return 0
+    try:
+        return check_priority(int(raw))
+    except (ValueError, UsageError):
+        raise APIError(400, f"metadata.priority must be a whole number from -{PRIORITY_LIMIT} "
+                       f"to {PRIORITY_LIMIT}", "invalid_request", "metadata") from None  # fmt: skip

@@ -10,6 +10,7 @@ import redis
 
 from batchgen.jobs.ops.job_record import queue_of_job
 from batchgen.jobs.ops.status_report import all_statuses, job_status
+from batchgen.jobs.ops.usage import tenants_report
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import Keys, text
 
@@ -33,8 +34,13 @@ def workers(conn: redis.Redis, keys: Keys, rates: dict[str, float]) -> list[dict
 
 def jobs(conn: redis.Redis, keys: Keys, sees: Callable[[str], bool]) -> list[dict[str, Any]]:
     """The newest MAX_JOBS jobs of the tenants ``sees`` admits, newest first."""
-    shown = [s for s in reversed(all_statuses(conn, keys)) if sees(s.record.tenant)]
+    shown = [s for s in reversed(all_statuses(conn, keys)) if sees(s.record.api_tenant)]
     return [s.to_dict() for s in shown[:MAX_JOBS]]
+
+
+def tenants(conn: redis.Redis, keys: Keys, sees: Callable[[str], bool]) -> list[dict[str, Any]]:
+    """The tenants ``sees`` admits: settings, what they hold of their quotas, usage."""
+    return [t for t in tenants_report(conn, keys) if sees(t["tenant"])]
 
 
 def job_detail(conn: redis.Redis, keys: Keys, job_id: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The dashboard's JSON (/api/, also for scripts), each key seeing its own tenant's jobs.
 
 A job is a tenant's when serve submitted it for that tenant's batch
-(``JobRecord.tenant``); jobs submitted otherwise (the CLI's) have no tenant and only
+(``JobRecord.api_tenant``); jobs submitted otherwise (the CLI's) have none and only
 admins see them. Another tenant's job is a 404, as for a job never made. The
 workers are the fleet's (every key sees them); the tok/s series shows a key only
 its own jobs' lines, and the fleet's total.
@@ -20,10 +20,10 @@ from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import JobNotFound
 from batchgen.serve import dashboard
+from batchgen.serve.api_keys import Principal
 from batchgen.serve.auth import Who
 from batchgen.serve.openai_errors import not_found
 from batchgen.serve.series import read_series
-from batchgen.serve.tenants import Principal
 
 
 def router(conn: redis.Redis, keys: Keys) -> APIRouter:
@@ -32,7 +32,7 @@ def router(conn: redis.Redis, keys: Keys) -> APIRouter:
     def own_job(job_id: str, who: Principal) -> None:
         """404 unless the job exists for ``who``."""
         try:
-            tenant = load_job(conn, keys, job_id).tenant
+            tenant = load_job(conn, keys, job_id).api_tenant
         except JobNotFound:
             raise not_found("job", job_id) from None
         if not who.sees(tenant):
@@ -50,7 +50,8 @@ def router(conn: redis.Redis, keys: Keys) -> APIRouter:
         points = series(who)
         rates = points[-1]["workers"] if points else {}
         return {"now": time.time(), "jobs": dashboard.jobs(conn, keys, who.sees),
-                "workers": dashboard.workers(conn, keys, rates), "series": points}  # fmt: skip
+                "workers": dashboard.workers(conn, keys, rates),
+                "tenants": dashboard.tenants(conn, keys, who.sees), "series": points}  # fmt: skip
 
     @api.get("/api/jobs")
     def api_jobs(who: Who) -> Any:

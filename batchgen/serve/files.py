@@ -35,8 +35,8 @@ from batchgen.jobs.redis.hash_codec import OMIT_EMPTY
 from batchgen.jobs.redis.keys import Keys, text
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.jobs.storage.output_store import TEMP_PREFIX, OutputDir
+from batchgen.serve.api_keys import Principal
 from batchgen.serve.openai_errors import APIError, not_found
-from batchgen.serve.tenants import Principal
 
 PURPOSES = ("batch", "batch_output")  # uploads are "batch"; result files "batch_output"
 TEMP_TAG = "serve_"  # .tmp-serve_INSTANCE_... : an upload of a live server, or a dead one's
@@ -55,7 +55,7 @@ class FileObject:
     created_at: int
     filename: str
     purpose: str
-    tenant: str = field(default="", metadata=OMIT_EMPTY)  # tenants.py; "" without keys
+    tenant: str = field(default="", metadata=OMIT_EMPTY)  # api_keys.py; "" without keys
     store: str = ""  # the files dir holding its bytes ("": before stores were recorded)
     expires_at: int = 0  # unix s; 0: never
     hidden: bool = False  # deleted or expired while an open batch reads it: goes after

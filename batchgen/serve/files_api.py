@@ -1,6 +1,6 @@
 """OpenAI's Files API: upload (streamed to the files store), list, get, content, delete.
 
-Every file is its uploader's tenant's (tenants.py): another tenant's is a 404.
+Every file is its uploader's tenant's (api_keys.py): another tenant's is a 404.
 An upload expires after ``expires_after`` (OpenAI's form fields
 ``expires_after[anchor]=created_at`` and ``expires_after[seconds]=N``), else after
 the server's ``--file-expiry``.

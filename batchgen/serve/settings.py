@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from batchgen.serve.tenants import KeyRing
+from batchgen.serve.api_keys import KeyRing
 
 MAX_FILE_BYTES = 200 << 20  # an upload over this is refused with 413
 LOOPBACK = ("127.0.0.1", "::1", "localhost")

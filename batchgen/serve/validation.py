@@ -23,15 +23,22 @@ from typing import Any
 
 from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
+from batchgen.jobs.ops.schedule import Schedule
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.heartbeat import live_workers, starting_queues
 from batchgen.jobs.redis.keys import queue_name
 from batchgen.jobs.redis.lease import Lease, LeaseHeld
-from batchgen.jobs.schema.errors import BatchgenError, InvalidInput, JobConflict, JobNotFound
+from batchgen.jobs.schema.errors import (
+    BatchgenError,
+    InvalidInput,
+    JobConflict,
+    JobNotFound,
+    QuotaExceeded,
+)
 from batchgen.jobs.schema.sampling import job_defaults
 from batchgen.serve.batch_lifecycle import BatchState
 from batchgen.serve.batch_record import BatchRecord
-from batchgen.serve.batches import Batches, job_output
+from batchgen.serve.batches import Batches, job_output, priority_of
 from batchgen.serve.input_checks import check_batch_lines
 from batchgen.serve.openai_errors import APIError
 
@@ -91,10 +98,16 @@ class Validator:
                 self.batches.end(record, BatchState.CANCELLED, cancelled_at=int(time.time()))
                 return
             output = job_output(self.config.output_root, record.id)
+            schedule = Schedule(tenant=record.tenant, priority=priority_of(record.metadata),
+                                deadline=float(record.expires_at))  # fmt: skip
             try:
                 result = submit(self.conn, self.keys, source_path=path, model=checked.model,
                                 output=output, defaults=job_defaults({}), job_id=record.id,
-                                input_format="jsonl", tenant=record.tenant)  # fmt: skip
+                                input_format="jsonl", schedule=schedule,
+                                api_tenant=record.tenant)  # fmt: skip
+            except QuotaExceeded as exc:  # OpenAI's batch queue limit: the batch fails with it
+                self.batches.fail(record, [error(exc.code, str(exc))])
+                return
             except InvalidInput as exc:
                 data = [error("invalid_request", e.message, None, e.line)
                         for e in exc.line_errors] or [error("invalid_request", str(exc))]  # fmt: skip

@@ -11,6 +11,10 @@ has every row moves to ``finalizing`` here, exactly once.
 All keys share the queue's hash tag (keys.py), so this runs on Redis Cluster.
 Through Sentinel a commit then waits for one replica (sentinel.py).
 
+The same step adds what the winning rows used to the job's and its tenant's usage
+(input, cached input and output tokens, engine time): usage is counted exactly
+once, like the rows.
+
 Idempotent: a part already recorded is not counted again (a retried commit
 after a lost reply only acks); a closed (finalized) or missing job's rows are
 discarded and their entries acked.
@@ -28,12 +32,32 @@ from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.keys import GROUP, QueueKeys
 from batchgen.jobs.redis.lua import ACK_AND_DELETE
 from batchgen.jobs.redis.sentinel import replicated
-from batchgen.jobs.schema.rows import Row
+from batchgen.jobs.schema.rows import Row, cached_input_tokens
+
+# Lua: what a job's newly committed rows used, on the job and on its tenant's counters of
+# this model (``TENANT|counter``); their estimated cost, to the fleet's committed work.
+USAGE = """
+local function charge_usage(job, usage, fair, rows, input, cached, output, engine_us)
+  if rows == 0 then return end
+  local v = redis.call('HMGET', job, 'tenant', 'cost')
+  local t = (v[1] or '') .. '|'
+  if engine_us > 0 then redis.call('HINCRBY', job, 'engine_us', engine_us) end
+  redis.call('HINCRBY', usage, t .. 'requests', rows)
+  if input > 0 then redis.call('HINCRBY', usage, t .. 'input_tokens', input) end
+  if cached > 0 then redis.call('HINCRBY', usage, t .. 'cached_tokens', cached) end
+  if output > 0 then redis.call('HINCRBY', usage, t .. 'output_tokens', output) end
+  if engine_us > 0 then redis.call('HINCRBY', usage, t .. 'engine_us', engine_us) end
+  redis.call('HINCRBYFLOAT', fair, 'work', rows * math.max(tonumber(v[2] or '1'), 1))
+end
+"""
+
 
 COMMIT = script(
     "commit parts",
     keys=[
         ("stream", "the model's request stream"),
+        ("usage", "the model's usage per tenant"),
+        ("fair", "the model's fair-share state (its committed work: the fleet's rate)"),
         ("*touched", "every job key the payload names (one hash slot)"),
     ],
     args=[
@@ -42,10 +66,10 @@ COMMIT = script(
         (
             "payload",
             "JSON: {parts: [part], drop: [entry id]}; part: {job_id, record, done, "
-            "parts, name, meta, started, rows: {index, entry, failed, pt, ct, cc} as columns}",
+            "parts, name, meta, started, rows: {index, entry, failed, pt, ct, cc, eu} as columns}",
         ),
     ],
-    prelude=ACK_AND_DELETE,
+    prelude=ACK_AND_DELETE + USAGE,
     body="""
 local p = cjson.decode(payload)
 local out = {finished = {}, missing = {}, closed = {}, again = {}, lost = 0}
@@ -56,13 +80,13 @@ for _, part in ipairs(p.parts) do
     status = 'again'  -- a retried commit after a lost reply: only ack
   end
   local rows, lost = part.rows, {}
-  local d, f, pt, ct, cc = 0, 0, 0, 0, 0
+  local d, f, pt, ct, cc, eu = 0, 0, 0, 0, 0, 0
   for r = 1, #rows.index do
     ids[#ids + 1] = rows.entry[r]
     if status == 'live' then
       if redis.call('SETBIT', part.done, rows.index[r], 1) == 0 then  -- first row wins
         if rows.failed[r] == 1 then f = f + 1 else d = d + 1 end
-        pt, ct, cc = pt + rows.pt[r], ct + rows.ct[r], cc + rows.cc[r]
+        pt, ct, cc, eu = pt + rows.pt[r], ct + rows.ct[r], cc + rows.cc[r], eu + rows.eu[r]
       else
         lost[#lost + 1] = rows.index[r]
       end
@@ -76,6 +100,7 @@ for _, part in ipairs(p.parts) do
     if bump(part.record, d, f, pt, ct, cc, now, part.started) then
       out.finished[#out.finished + 1] = part.job_id
     end
+    charge_usage(part.record, usage, fair, d + f, pt, cc, ct, eu)
   else
     out[status][#out[status] + 1] = part.job_id
   end
@@ -97,6 +122,7 @@ class PartCommit:
     entry_ids: list[str]
     nbytes: int = 0  # the rows' size in memory (Arrow): finalize plans its windows by it
     started: float = 0.0  # unix s the worker read the first of them (0: unknown, now)
+    engine_us: list[int] = field(default_factory=list)  # each row's share of engine time
 
 
 @dataclass(slots=True)
@@ -135,11 +161,13 @@ def commit(
                 "index": indices, "entry": list(part.entry_ids),
                 "failed": [1 if r.failed else 0 for r in rows],
                 "pt": [r.prompt_tokens for r in rows], "ct": [r.completion_tokens for r in rows],
-                "cc": [r.cached_tokens for r in rows],
+                "cc": [cached_input_tokens(r) for r in rows],
+                "eu": part.engine_us or [0] * len(rows),
             },
         })  # fmt: skip
     raw = COMMIT(
-        conn, stream=qk.stream, touched=touched, group=GROUP, now=repr(time.time()),
+        conn, stream=qk.stream, usage=qk.usage, fair=qk.fair, touched=touched, group=GROUP,
+        now=repr(time.time()),
         payload=json.dumps(payload, separators=(",", ":")),
     )  # fmt: skip
     data = json.loads(raw)

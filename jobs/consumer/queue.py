@@ -1,7 +1,8 @@
 """The consumer side of a model's request stream.
 
 A worker is a named consumer in group ``workers``. It reads new entries
-(XREADGROUP ``>``), keeps the ones it holds from looking idle (``refresh``:
+(``read_new``: XREADGROUP ``>``, and requests the dispatch script moves from the
+jobs' backlogs, dispatch.py), keeps the ones it holds from looking idle (``refresh``:
 XCLAIM JUSTID to itself, only where it still owns them), takes over entries
 idle past a timeout (``reclaim``: XPENDING IDLE + XCLAIM per id, in one script,
 so every claimed entry has its exact delivery count; deleted ones are acked
@@ -16,11 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
+from batchgen.jobs.consumer.dispatch import dispatch
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys, text
@@ -59,21 +62,22 @@ class Delivery(QueueEntry):
 
 
 def read_new(
-    conn: redis.Redis, qk: QueueKeys, consumer: str, count: int, block_ms: int | None
-) -> list[Delivery]:
-    """Up to ``count`` never-delivered entries; blocks up to ``block_ms`` (None: not at all)."""
+    conn: redis.Redis, qk: QueueKeys, consumer: str, count: int,
+    groups: Sequence[int] | None = None,
+) -> list[Delivery]:  # fmt: skip
+    """Up to ``count`` entries never delivered before: handed-back ones first, then
+    requests the dispatch script (dispatch.py) moves from the jobs' backlogs by fair
+    share; ``groups``: this worker's prefix groups (None: every group). Never blocks."""
     if count <= 0:
         return []
     try:
-        reply: Any = conn.xreadgroup(GROUP, consumer, {qk.stream: ">"}, count=count, block=block_ms)
+        reply = dispatch(conn, qk, consumer, count, groups)
     except redis.ResponseError as exc:
         if "NOGROUP" not in str(exc):
             raise
         recreate_group(conn, qk)
         return []
-    if not reply:
-        return []
-    return readable(conn, qk, consumer, [(eid, fields, 1) for eid, fields in reply[0][1] if fields])
+    return readable(conn, qk, consumer, [(eid.encode(), fields, 1) for eid, fields in reply])
 
 
 def readable(
@@ -221,6 +225,7 @@ HAND_BACK = script(
     args=[
         ("group", ""),
         ("me", "this consumer"),
+        ("events", "the model's events channel: 'work' wakes idle workers"),
         ("payload", "JSON list of {record, old: entry id, fields: the new entry's}"),
     ],
     prelude=ACK_AND_DELETE,
@@ -237,6 +242,7 @@ for _, item in ipairs(cjson.decode(payload)) do
     ack_and_delete(stream, group, {item.old})
   end
 end
+if handed > 0 then redis.call('PUBLISH', events, 'work') end
 return handed
 """,
 )
@@ -284,7 +290,7 @@ def hand_back(conn: redis.Redis, qk: QueueKeys, consumer: str, items: list[HandB
         touched.append(record)
         payload.append({"record": record, "old": d.entry_id, "fields": entry.handed_back_fields()})
     handed = HAND_BACK(conn, stream=qk.stream, touched=touched, group=GROUP, me=consumer,
-                       payload=json.dumps(payload, ensure_ascii=False))  # fmt: skip
+                       events=qk.events, payload=json.dumps(payload, ensure_ascii=False))  # fmt: skip
     return int(handed)
 
 

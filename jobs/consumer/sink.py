@@ -56,6 +56,7 @@ class _Buffer:
     output_uri: str
     rows: list[Row] = field(default_factory=list)
     deliveries: list[Delivery] = field(default_factory=list)  # the entry each row came from
+    engine_us: list[int] = field(default_factory=list)  # each row's share of engine time
     indices: set[int] = field(default_factory=set)  # of the rows
     failure: StorageFailure | None = None
 
@@ -86,10 +87,11 @@ class PartSink:
     oldest: float | None = None  # monotonic time the oldest buffered row arrived
     seq: int = 0
 
-    def add(self, delivery: Delivery, output_uri: str, row: Row) -> None:
-        """Buffer a row. A second row for an input index already buffered is dropped (its
-        entry acked with the part): a part holds one row per index, because the commit
-        records the indices a part lost, not which of its rows."""
+    def add(self, delivery: Delivery, output_uri: str, row: Row, engine_us: int = 0) -> None:
+        """Buffer a row (``engine_us``: its share of engine time, for usage). A second row
+        for an input index already buffered is dropped (its entry acked with the part): a
+        part holds one row per index, because the commit records the indices a part lost,
+        not which of its rows."""
         buf = self.buffers.get(delivery.job_id)
         if buf is None:
             buf = self.buffers[delivery.job_id] = _Buffer(output_uri)
@@ -102,6 +104,7 @@ class PartSink:
         buf.indices.add(row.index)
         buf.rows.append(row)
         buf.deliveries.append(delivery)
+        buf.engine_us.append(engine_us)
         if self.oldest is None:
             self.oldest = time.monotonic()
 
@@ -206,11 +209,16 @@ class PartSink:
             return False
         self.crash.reached("after_publish")
         started = min(d.read_at for d in buf.deliveries)
-        self.written.append(
-            PartCommit(
-                job_id, f"parts/{job_id}/{name}", buf.rows, buf.entry_ids, table.nbytes, started
-            )
+        part = PartCommit(
+            job_id,
+            f"parts/{job_id}/{name}",
+            buf.rows,
+            buf.entry_ids,
+            table.nbytes,
+            started,
+            buf.engine_us,
         )
+        self.written.append(part)
         return True
 
     def _failed(self, job_id: str, buf: _Buffer, error: str) -> None:

@@ -1,7 +1,7 @@
 """cancel: stop a job; finished rows are kept, the rest become ``cancelled`` rows.
 
-One atomic step marks the job ``cancelling``, adds it to the queue's cancelled
-set and publishes ``cancel:JOB`` on the queue's events channel. Workers hear
+One atomic step marks the job ``cancelling``, drops its backlog (requests no
+worker took yet), adds it to the queue's cancelled set and publishes ``cancel:JOB`` on the queue's events channel. Workers hear
 it at once (their keeper thread listens; they also poll the set, and read it
 again after every read of new entries): no request of the job is started after
 that, and its in-flight requests are aborted before the next engine step; rows
@@ -27,8 +27,9 @@ from batchgen.jobs.schema.errors import JobConflict, JobNotFound
 
 def cancel(conn: redis.Redis, keys: Keys, job_id: str) -> JobState:
     qk = queue_of_job(conn, keys, job_id)
-    raw = CANCEL(conn, job=qk.job(job_id).job, cancelled=qk.cancelled, job_id=job_id,
-                 events=qk.events, now=repr(time.time()))  # fmt: skip
+    jk = qk.job(job_id)
+    raw = CANCEL(conn, job=jk.job, cancelled=qk.cancelled, ready=qk.ready, backlogs=jk.backlogs,
+                 job_id=job_id, events=qk.events, now=repr(time.time()))  # fmt: skip
     if not raw:
         raise JobNotFound(f"job {job_id!r} has no record (Redis lost its state?)")
     state = JobState(text(raw))

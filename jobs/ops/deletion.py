@@ -1,7 +1,7 @@
 """delete: every trace of a job in Redis, and with ``outputs`` its files too.
 
 Redis: the job's keys (record, done-marks, parts, error rows, dead letters,
-finalize lease), its entries in the model's stream (queued or held by a
+finalize lease, backlog), its entries in the model's stream (queued or held by a
 worker: acked and deleted; a worker holding one finds it gone and drops it),
 its place in the queue's sets and the job index, and its finalize task (rq's
 keys and registries). Outputs: the files batchgen wrote in the job's output
@@ -26,6 +26,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from batchgen.jobs.intake.kept import KEPT
+from batchgen.jobs.ops import tenants
 from batchgen.jobs.ops.cancellation import cancel
 from batchgen.jobs.ops.job_record import JobRecord, queue_of_job
 from batchgen.jobs.ops.result import MANIFEST, RESULT
@@ -42,7 +43,7 @@ SCAN_BATCH = 2000
 @dataclass(slots=True)
 class Deleted:
     keys: int = 0  # Redis keys removed
-    entries: int = 0  # stream entries removed
+    entries: int = 0  # requests removed from its backlog and the model's stream
     files: int = 0  # output files removed
 
 
@@ -53,20 +54,20 @@ def delete(
     jk = qk.job(job_id)
     raw = conn.hgetall(jk.job)
     record = JobRecord.from_hash(job_id, raw) if raw else None
-    if record is not None and not record.state.terminal:
-        if not force:
-            raise JobConflict(
-                f"job {job_id!r} is {record.state.value}; cancel it first (batchgen cancel "
-                f"{job_id}), or pass --force to cancel and delete it at once"
-            )
-        if record.state.live:
-            cancel(conn, keys, job_id)
+    if record is not None and not record.state.terminal and not force:
+        raise JobConflict(
+            f"job {job_id!r} is {record.state.value}; cancel it first (batchgen cancel "
+            f"{job_id}), or pass --force to cancel and delete it at once"
+        )
     report = Deleted()
+    if record is not None and record.state.live:
+        cancel(conn, keys, job_id)
+        report.entries = record.backlog  # the cancel dropped its backlog
     try:
         with Lease(conn, jk.finalizer, 60, f"batchgen delete {job_id}"):
             if outputs and record is not None:
                 report.files = _delete_outputs(record)
-            report.entries = delete_entries(conn, qk, job_id)
+            report.entries += delete_entries(conn, qk, job_id)
             task = keys.finalize_task_id(job_id)
             with contextlib.suppress(NoSuchJobError):
                 Job.fetch(task, connection=conn, serializer=JSONSerializer).delete()
@@ -81,13 +82,24 @@ def delete(
             f"job {job_id!r} is being finalized right now by {held.holder}; try again once it "
             "is done"
         ) from None
+    if record is not None:
+        tenants.release(conn, keys, record.tenant, job_id)
     conn.hdel(keys.jobs, job_id)  # last: it is how a re-run finds what is left
     return report
 
 
 def delete_entries(conn: redis.Redis, qk: QueueKeys, job_id: str) -> int:
-    """Ack and delete the job's entries in the model's stream (scanned in batches)."""
-    removed = 0
+    """Drop the job's backlog, and ack and delete its entries in the model's stream
+    (scanned in batches)."""
+    jk = qk.job(job_id)
+    pipe = conn.pipeline(transaction=True)
+    for key in jk.backlogs:
+        pipe.llen(key)
+    pipe.delete(*jk.backlogs)
+    pipe.srem(qk.ready, job_id)
+    removed = sum(pipe.execute()[: len(jk.backlogs)])
+    if removed and conn.exists(jk.job):
+        conn.hset(jk.job, "backlog", 0)
     start = "-"
     mine = job_id.encode()
     while True:

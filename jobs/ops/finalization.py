@@ -6,7 +6,7 @@
    so the set of committed parts is frozen.
 3. Write ``result.parquet`` and ``manifest.json`` (result.py), then mark the
    job completed (or cancelled): FINISH.
-4. Clean up: delete the part files the job's commits recorded and the job's
+4. Clean up: free its share of its tenant's quotas (tenants.py), delete the part files the job's commits recorded and the job's
    own parts folder, then retire the job from the queue's active set. A
    finalize killed between 3 and 4 leaves the job terminal but still active;
    the sweep queues it again and the cleanup is redone.
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import redis
 
 from batchgen.jobs.crashpoints import CrashPlan
+from batchgen.jobs.ops import tenants
 from batchgen.jobs.ops.job_record import load_job, queue_of_job
 from batchgen.jobs.ops.lifecycle import CLOSE, FINISH, RETIRE, JobState
 from batchgen.jobs.ops.result import (
@@ -98,6 +99,7 @@ def finalize(
             state = _write(conn, keys, qk, job_id, settings)
             CrashPlan.from_env().reached("after_finalize_commit")
         if state.terminal:
+            tenants.release(conn, keys, text(conn.hget(jk.job, "tenant")), job_id)
             _clean_up(conn, qk, job_id)
         return state.value
 

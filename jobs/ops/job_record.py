@@ -20,9 +20,10 @@ class JobRecord:
     id: str
     state: JobState = JobState.QUEUED
     model: str = ""
-    # who submitted it through ``batchgen serve`` (its API key's tenant); "" for no tenant
-    # (the CLI, left out of the hash): serve shows a job to its tenant and to admins only
-    tenant: str = field(default="", metadata=OMIT_EMPTY)
+    # the tenant of the API key that submitted it through ``batchgen serve``; "" for a job
+    # the CLI submitted (left out of the hash): serve shows a job to that tenant and to
+    # admins only, whatever fair-share ``tenant`` it runs under
+    api_tenant: str = field(default="", metadata=OMIT_EMPTY)
     queue: str = ""  # the queue name (see keys.queue_name)
     tag: str = ""  # the queue's hash tag
     output: str = ""  # URI of the job's output directory
@@ -60,6 +61,18 @@ class JobRecord:
     input_format: str = ""  # "jsonl", "parquet" or "csv" (sources.py); "" before tables
     table: str = ""  # a table input's flags, TableSpec.to_json (tables.py); "" for JSONL
     kept_columns: list[str] = field(default_factory=list)  # input columns in the result (kept.py)
+    # -- fair share (dispatch.py, tenants.py, deadlines.py) --
+    tenant: str = ""  # who the job is for ("": no tenant); its weight and quotas: tenants.py
+    priority: int = 0  # higher classes are dispatched first
+    deadline: float = 0.0  # unix s by which it should be done; 0.0: none
+    expire: bool = False  # cancel it at its deadline (else it is only reported late)
+    est_input_tokens: int = 0  # submit's estimate (a quarter of the prompts' bytes): quotas
+    cost: float = 0.0  # estimated tokens a request costs (input + max_tokens): fair share
+    backlog: int = 0  # requests in its backlog, not yet dispatched to the stream
+    vtime: float = 0.0  # its virtual time: tokens charged at dispatch (within its tenant)
+    urgent: bool = False  # it would miss its deadline at its fair share: dispatched first (EDF)
+    eta: float = 0.0  # unix s it should finish at the rate it is served; 0.0: unknown
+    engine_us: int = 0  # engine time its committed rows took (usage)
 
     @property
     def retry_incomplete(self) -> bool:

@@ -165,7 +165,12 @@ return 1
 
 CANCEL = script(
     "cancel job",
-    keys=[("job", "the job record"), ("cancelled", "the queue's cancelled jobs (workers poll)")],
+    keys=[
+        ("job", "the job record"),
+        ("cancelled", "the queue's cancelled jobs (workers poll)"),
+        ("ready", "the queue's jobs with a backlog"),
+        ("*backlogs", "the job's backlog lists (dropped: those requests never run)"),
+    ],
     args=[
         ("job_id", ""),
         ("events", "the queue's events channel (workers listen)"),
@@ -175,7 +180,9 @@ CANCEL = script(
 local state = redis.call('HGET', job, 'state')
 if not state then return '' end
 if state == S.QUEUED or state == S.RUNNING then
-  move(job, state, S.CANCELLING, 'cancelled_at', now)
+  move(job, state, S.CANCELLING, 'cancelled_at', now, 'backlog', 0, 'urgent', '0')
+  redis.call('DEL', unpack(backlogs))
+  redis.call('SREM', ready, job_id)
   redis.call('SADD', cancelled, job_id)
   redis.call('PUBLISH', events, 'cancel:' .. job_id)
   return S.CANCELLING
@@ -188,13 +195,15 @@ MARK_LOST = script(
     "mark lost entries",
     keys=[("stream", "the model's request stream"), ("job", "the job record")],
     body="""
-local v = redis.call('HMGET', job, 'state', 'enqueued', 'total', 'done', 'failed', 'last_id')
+local v = redis.call('HMGET', job, 'state', 'enqueued', 'total', 'done', 'failed', 'last_id',
+                     'backlog')
 local state = v[1]
 if not state then return 'missing' end
 if state ~= S.QUEUED and state ~= S.RUNNING then return state end
 local enqueued, total = tonumber(v[2]), tonumber(v[3])
 local finished = tonumber(v[4]) + tonumber(v[5])
 if enqueued < total or finished >= total or not v[6] or v[6] == '' then return state end
+if tonumber(v[7] or '0') > 0 then return state end  -- requests wait in its backlog
 -- an entry up to the newest one of this job may still be read: nothing is lost yet
 if #redis.call('XRANGE', stream, '-', v[6], 'COUNT', 1) > 0 then return state end
 move(job, state, S.FINALIZING, 'lost', total - finished)

@@ -48,6 +48,8 @@ from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES
 from batchgen.jobs.intake.table_spec import TableSpec
 from batchgen.jobs.intake.validate import SpoolDir, Validation
+from batchgen.jobs.ops import backlog
+from batchgen.jobs.ops.backlog import BACKLOG_PUSH
 from batchgen.jobs.ops.carryover import PART_ROWS, carry_over, retried_mask
 from batchgen.jobs.ops.deletion import delete_entries
 from batchgen.jobs.ops.finalization import FinalizeSettings, finalize
@@ -58,7 +60,7 @@ from batchgen.jobs.ops.submission import CHUNK_BYTES, CHUNK_ENTRIES, validate_in
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 from batchgen.jobs.redis.lease import Lease, LeaseHeld
 from batchgen.jobs.redis.sentinel import replicated
-from batchgen.jobs.schema.entry import LUA_FIELDS, is_rejected
+from batchgen.jobs.schema.entry import is_rejected
 from batchgen.jobs.schema.errors import JobConflict, JobNotFound, JobNotReady, UsageError
 from batchgen.jobs.schema.rows import FinishReason
 from batchgen.jobs.schema.sampling import ParamError, job_defaults
@@ -118,25 +120,26 @@ return 'reopened'
 
 RETRY_CHUNK = script(
     "append retry chunk",
-    keys=[("stream", "the model's request stream"), ("job", "the job record")],
+    keys=[
+        ("job", "the job record"),
+        ("ready", "the model's jobs with a backlog"),
+        ("*backlogs", "the job's backlog lists"),
+    ],
     args=[
         ("job_id", ""),
+        ("events", "the model's events channel: 'work' wakes idle workers"),
         ("cursor", "the job's retry_cursor when this chunk was packed"),
         ("next", "the cursor after this chunk"),
         ("final", "'1': the last chunk (every retried input is queued after it)"),
-        ("*items", "input index, request (Request.encode), ..."),
+        ("*items", "prefix group, backlog item (backlog.items), ..."),
     ],
     body="""
 local v = redis.call('HMGET', job, 'state', 'retry_cursor', 'total')
 if not v[1] then return 'missing' end
 if v[1] ~= S.QUEUED and v[1] ~= S.RUNNING then return v[1] end
 if tonumber(v[2]) ~= tonumber(cursor) then return 'moved' end
-local id
-for k = 1, #items, 2 do
-  id = redis.call('XADD', stream, '*', F.job, job_id, F.index, items[k], F.request, items[k + 1])
-end
+if #items > 0 then push_backlog(job, job_id, ready, events, backlogs, items) end
 redis.call('HSET', job, 'retry_cursor', next)
-if id then redis.call('HSET', job, 'last_id', id) end
 if final == '1' then
   redis.call('HSET', job, 'enqueued', v[3])
 else
@@ -144,7 +147,7 @@ else
 end
 return 'ok'
 """,
-    prelude=LUA_FIELDS,
+    prelude=BACKLOG_PUSH,
 )
 
 
@@ -291,23 +294,24 @@ def _enqueue_rest(conn: redis.Redis, qk: QueueKeys, record: JobRecord, requests:
         items = pending or []
         pending = next(chunks, None)
         final = pending is None
-        following = record.total if final else int(items[-2]) + 1
+        following = record.total if final else items[-1][0] + 1
         status = text(RETRY_CHUNK(
-            conn, stream=qk.stream, job=jk.job, job_id=record.id, cursor=cursor,
-            next=following, final="1" if final else "0", items=items,
+            conn, job=jk.job, ready=qk.ready, backlogs=jk.backlogs, job_id=record.id,
+            events=qk.events, cursor=cursor, next=following, final="1" if final else "0",
+            items=backlog.items(items),
         ))  # fmt: skip
         if status != "ok":
             raise JobConflict(_stopped(record.id, status))
         crash.reached("after_retry_chunk")
-        cursor, queued = following, queued + len(items) // 2
+        cursor, queued = following, queued + len(items)
         if final:
             replicated(conn)  # through Sentinel: on a replica before the retry says so
             return queued
 
 
-def _chunks(entries: Iterator[bytes], todo: np.ndarray) -> Iterator[list[bytes | str]]:
-    """(index, entry, index, entry, ...) of the ``todo`` inputs, in chunks submit would send."""
-    chunk: list[bytes | str] = []
+def _chunks(entries: Iterator[bytes], todo: np.ndarray) -> Iterator[list[tuple[int, bytes]]]:
+    """(input index, entry) of the ``todo`` inputs, in chunks submit would send."""
+    chunk: list[tuple[int, bytes]] = []
     size, want = 0, 0
     for position, entry in enumerate(entries):
         if want == len(todo):
@@ -315,9 +319,9 @@ def _chunks(entries: Iterator[bytes], todo: np.ndarray) -> Iterator[list[bytes |
         if position != todo[want]:
             continue
         want += 1
-        chunk += [str(position), entry]
+        chunk.append((position, entry))
         size += len(entry) + 16
-        if len(chunk) // 2 >= CHUNK_ENTRIES or size >= CHUNK_BYTES:
+        if len(chunk) >= CHUNK_ENTRIES or size >= CHUNK_BYTES:
             yield chunk
             chunk, size = [], 0
     if chunk:

@@ -9,6 +9,7 @@ from typing import Any
 import redis
 
 from batchgen.jobs.ops.job_record import JobRecord, load_job
+from batchgen.jobs.ops.schedule import status_fields
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import Keys, text_hash
 from batchgen.jobs.storage.names import redact_uri
@@ -29,6 +30,8 @@ class JobStatus:
     def unserved(self) -> bool:
         """Requests wait, and no live worker reads the job's queue: nothing moves."""
         return self.record.state.live and not self.workers
+
+    now: float = 0.0  # when it was read (the deadline's state is relative to it)
 
     def to_dict(self) -> dict[str, Any]:
         r = self.record
@@ -66,6 +69,7 @@ class JobStatus:
             "retried": r.retried,  # rows re-queued by `batchgen retry`, every round
             "retry_rounds": r.retry_rounds,
             "retry_incomplete": r.retry_incomplete,
+            **status_fields(r, self.now),  # tenant, priority, deadline, usage (schedule.py)
         }
 
 
@@ -92,7 +96,7 @@ def all_statuses(conn: redis.Redis, keys: Keys) -> list[JobStatus]:
 
 
 def _status(record: JobRecord, workers: list[dict[str, Any]], now: float) -> JobStatus:
-    status = JobStatus(record, workers=[w["name"] for w in workers])
+    status = JobStatus(record, workers=[w["name"] for w in workers], now=now)
     if record.state.live:
         held = sum(int(w.get("in_flight", {}).get(record.id, 0)) for w in workers)
         status.in_flight = min(held, max(record.enqueued - record.finished_rows, 0))

@@ -1,10 +1,13 @@
-"""submit: validate the whole input, create the job, append its requests to the stream.
+"""submit: validate the whole input, create the job, append its requests to its backlog.
 
 Pass 1 (validate.py for JSONL, tables.py for Parquet and CSV) makes every line
 or row into spool files of ready entries, in parallel for big files (nothing touches Redis before the
-whole file is known good, unless ``skip_invalid``). Pass 2 appends the spool in chunks, each chunk one Lua call
-that XADDs its entries and advances the job's ``enqueued`` counter atomically,
-and only if ``enqueued`` still equals the chunk's start. So:
+whole file is known good, unless ``skip_invalid``). The job's tenant must have room
+for it (tenants.py: its estimated input tokens and one more unfinished job), or
+nothing is created. Pass 2 appends the spool to the job's backlog (backlog.py) in
+chunks, each chunk one Lua call that pushes its requests and advances the job's
+``enqueued`` counter atomically, and only if ``enqueued`` still equals the chunk's
+start. So:
 
 - a crashed or OOM-stopped submit leaves a prefix of whole chunks; re-running
   it with the same ``--job-id`` continues from ``enqueued``;
@@ -42,15 +45,16 @@ from batchgen.jobs.intake.sources import local_copy, locate
 from batchgen.jobs.intake.table_spec import TableSpec
 from batchgen.jobs.intake.tables import validate_table
 from batchgen.jobs.intake.validate import SpoolDir, Validation, validate_file
-from batchgen.jobs.ops import retention
+from batchgen.jobs.ops import backlog, retention, tenants
+from batchgen.jobs.ops.backlog import BACKLOG_PUSH
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import CREATE, JobState, script
 from batchgen.jobs.ops.modelinfo import fingerprint, vocab_size
+from batchgen.jobs.ops.schedule import Schedule
 from batchgen.jobs.redis.connection import describe_connection_error, is_oom, queue_full
 from batchgen.jobs.redis.keys import Keys, QueueKeys, queue_name, queue_tag, text
 from batchgen.jobs.redis.sentinel import replicated
 from batchgen.jobs.redis.stream import ensure_group
-from batchgen.jobs.schema.entry import LUA_FIELDS
 from batchgen.jobs.schema.errors import InvalidInput, JobConflict, RedisUnavailable, UsageError
 from batchgen.jobs.storage.names import check_job_id
 from batchgen.jobs.storage.output_store import OutputDir
@@ -61,11 +65,16 @@ CHUNK_BYTES = 4 << 20
 
 APPEND_CHUNK = script(
     "append chunk",
-    keys=[("stream", "the model's request stream"), ("job", "the job record")],
+    keys=[
+        ("job", "the job record"),
+        ("ready", "the model's jobs with a backlog"),
+        ("*backlogs", "the job's backlog lists"),
+    ],
     args=[
         ("job_id", ""),
+        ("events", "the model's events channel: 'work' wakes idle workers"),
         ("start", "entries the job had when this chunk was packed"),
-        ("*entries", "the chunk's requests (Request.encode)"),
+        ("*items", "the chunk's requests: prefix group, backlog item, ..."),
     ],
     body="""
 local v = redis.call('HMGET', job, 'enqueued', 'state')
@@ -73,15 +82,12 @@ if not v[1] then return {-1, ''} end
 if v[2] == S.CANCELLING or v[2] == S.CANCELLED then return {-2, v[2]} end
 local first = tonumber(start)
 if tonumber(v[1]) ~= first then return {tonumber(v[1]), ''} end
-local id
-for k, entry in ipairs(entries) do
-  id = redis.call('XADD', stream, '*', F.job, job_id, F.index, first + k - 1, F.request, entry)
-end
-local enqueued = first + #entries
-redis.call('HSET', job, 'enqueued', enqueued, 'last_id', id)
+push_backlog(job, job_id, ready, events, backlogs, items)
+local enqueued = first + #items / 2
+redis.call('HSET', job, 'enqueued', enqueued)
 return {enqueued, ''}
 """,
-    prelude=LUA_FIELDS,
+    prelude=BACKLOG_PUSH,
 )
 
 
@@ -118,13 +124,16 @@ def submit(
     cache: str = "",
     table: TableSpec | None = None,
     input_format: str | None = None,
-    tenant: str = "",
+    schedule: Schedule | None = None,
     queue: str | None = None,
+    api_tenant: str = "",
 ) -> SubmitResult:
     """``table``: how a Parquet or CSV input's rows become requests (tables.py);
-    ``input_format``: "jsonl", "parquet" or "csv" when the name does not say; ``tenant``:
-    who submits it through ``batchgen serve`` (job_record.py); ``queue``: the queue's
-    name when it is not the model's (keys.run_queue_name)."""
+    ``input_format``: "jsonl", "parquet" or "csv" when the name does not say;
+    ``schedule``: the job's tenant, priority class and deadline (schedule.py); ``queue``:
+    the queue's name when it is not the model's (keys.run_queue_name); ``api_tenant``:
+    the serve tenant whose key submitted it (job_record.py)."""
+    schedule = schedule or Schedule()
     job_id = check_job_id(job_id) if job_id else new_job_id()
     with SpoolDir() as spool_dir:
         checked, kept_names, fmt = validate_input(
@@ -148,7 +157,7 @@ def submit(
         record = JobRecord(
             id=job_id,
             model=model,
-            tenant=tenant,
+            api_tenant=api_tenant,
             queue=name,
             tag=qk.tag,
             output=output,
@@ -164,7 +173,12 @@ def submit(
             input_format=fmt,
             kept_columns=kept_names,
             table=table.to_json() if table else "",
+            tenant=schedule.tenant,
+            priority=schedule.priority,
+            deadline=schedule.deadline,
+            expire=schedule.expire,
         )
+        _estimate(record, checked, defaults)
         resumed, start = _create(conn, keys, qk, record)
         if kept_names:  # before any entry: finalize needs it once they all ran
             kept.publish(spool_dir, OutputDir.open(record.output))
@@ -215,6 +229,14 @@ def validate_input(
     return rows, kept_names, found.format
 
 
+def _estimate(record: JobRecord, checked: Validation[Any], defaults: dict[str, Any]) -> None:
+    """The job's estimated input tokens (quotas) and cost a request (fair share: input
+    and the job's max_tokens)."""
+    record.est_input_tokens = sum(map(backlog.estimate_input_tokens, checked.entries()))
+    output = int(defaults.get("max_tokens") or 16)
+    record.cost = max(record.est_input_tokens / max(record.total, 1) + output, 1.0)
+
+
 def _enqueued_after_outage(
     conn: redis.Redis, qk: QueueKeys, job_id: str, wait_s: float
 ) -> int | None:
@@ -258,15 +280,22 @@ def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> 
     raw = conn.hgetall(jk.job)
     if raw:
         return _resume(JobRecord.from_hash(job_id, raw), record)
-    record.output_token = new_token()
-    claim(OutputDir.open(record.output), job_id, record.output_token)
-    conn.hsetnx(keys.jobs, job_id, qk.tag)
-    conn.hset(keys.queues, qk.tag, record.queue)
-    ensure_group(conn, qk)
-    fields = [
-        x for name, value in record.to_hash().items() if name != "state" for x in (name, value)
-    ]
-    created = CREATE(conn, job=jk.job, active=qk.active, job_id=job_id, fields=fields)
+    tenants.reserve(conn, keys, record)  # refused: nothing is created, nothing claimed
+    try:
+        record.output_token = new_token()
+        claim(OutputDir.open(record.output), job_id, record.output_token)
+        conn.hsetnx(keys.jobs, job_id, qk.tag)
+        conn.hset(keys.queues, qk.tag, record.queue)
+        ensure_group(conn, qk)
+        tenants.publish_weight(conn, qk, tenants.load(conn, keys, record.tenant))
+        fields = [
+            x for name, value in record.to_hash().items() if name != "state" for x in (name, value)
+        ]
+        created = CREATE(conn, job=jk.job, active=qk.active, job_id=job_id, fields=fields)
+    except BaseException:
+        if not conn.exists(jk.job):
+            tenants.release(conn, keys, record.tenant, job_id)
+        raise
     if created:
         return False, 0
     return _resume(JobRecord.from_hash(job_id, conn.hgetall(jk.job)), record)  # lost a race
@@ -345,7 +374,7 @@ class _ChunkSender:
         self.sha = APPEND_CHUNK.load(conn)
         self.pool = conn.connection_pool
         self.connection = self.pool.get_connection()
-        self.stream, self.job = qk.stream, qk.job(job_id).job
+        self.qk, self.job = qk, qk.job(job_id)
         self.job_id = job_id
         self.total = total
         self.in_flight: deque[tuple[int, int]] = deque()
@@ -353,8 +382,9 @@ class _ChunkSender:
 
     def send(self, start: int, chunk: list[bytes]) -> None:
         keys, args = APPEND_CHUNK.flatten(
-            {"stream": self.stream, "job": self.job, "job_id": self.job_id, "start": start,
-             "entries": chunk}
+            {"job": self.job.job, "ready": self.qk.ready, "backlogs": self.job.backlogs,
+             "job_id": self.job_id, "events": self.qk.events, "start": start,
+             "items": backlog.items(enumerate(chunk, start))}
         )  # fmt: skip
         packed = self.connection.pack_command("EVALSHA", self.sha, len(keys), *keys, *args)
         self.connection.send_packed_command(packed, check_health=False)

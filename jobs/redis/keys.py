@@ -8,7 +8,10 @@ Layout (prefix ``P``, default ``bg``, from ``BATCHGEN_PREFIX``)::
     P:worker:NAME                 str   heartbeat JSON, expires (TTL)
     P:supervisors                 zset  supervisor id -> last announcement (unix s)
     P:supervisor:ID               str   a live supervisor's model (JSON, TTL): workers starting
-    P:{TAG}:stream                stream  requests of one model; group "workers"
+    P:{TAG}:stream                stream  dispatched requests of one model; group "workers"
+    P:{TAG}:ready                 set   jobs whose backlog holds requests (dispatch picks)
+    P:{TAG}:fair                  hash  fair-share clocks, tenant weights, the fleet's rate
+    P:{TAG}:usage                 hash  "TENANT|counter" -> committed usage on this model
     P:{TAG}:active                set   unfinalized jobs of this model
     P:{TAG}:cancelled             set   cancelled jobs workers must drop
     P:{TAG}:events                channel  "cancel:JOB" (workers subscribe)
@@ -19,6 +22,13 @@ Layout (prefix ``P``, default ``bg``, from ``BATCHGEN_PREFIX``)::
     P:{TAG}:job:ID:errors         hash  input index -> error row JSON (dead letters)
     P:{TAG}:job:ID:dead           stream  the job's dead-lettered requests, with reasons
     P:{TAG}:job:ID:finalizer      str   the finalize lease (holder, TTL)
+    P:{TAG}:job:ID:q:G            list  the job's backlog, prefix group G (backlog.py)
+
+Tenants (tenants.py; ``H`` a short hash of the tenant's name)::
+
+    P:tenants                     set   tenant names with settings or reservations
+    P:{tenant-H}:settings         hash  the tenant's weight and quotas
+    P:{tenant-H}:jobs             hash  unfinished job id -> "TOKENS UNIX_S" (its quota share)
 
 ``batchgen serve`` (the OpenAI Files/Batches API and the dashboard) adds::
 
@@ -63,6 +73,9 @@ from dataclasses import dataclass
 
 DEFAULT_PREFIX = "bg"
 GROUP = "workers"
+# A job's backlog is split into this many lists by prompt prefix (backlog.py): a worker
+# takes first from the groups rendezvous hashing gives it, where its prefix cache is warm.
+BACKLOG_GROUPS = 16
 
 
 def prefix_from_env() -> str:
@@ -99,10 +112,12 @@ class JobKeys:
     errors: str
     dead: str  # dead-lettered requests (a stream)
     finalizer: str  # the finalize lease
+    backlogs: tuple[str, ...]  # requests waiting for dispatch, one list per prefix group
 
     def all(self) -> tuple[str, ...]:
         """Every key of the job (they expire, or go, together)."""
-        return (self.job, self.done, self.parts, self.errors, self.dead, self.finalizer)
+        return (self.job, self.done, self.parts, self.errors, self.dead, self.finalizer,
+                *self.backlogs)  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,6 +136,21 @@ class QueueKeys:
     @property
     def active(self) -> str:
         return f"{self.base}:active"
+
+    @property
+    def ready(self) -> str:
+        """Jobs whose backlog holds requests: the ones dispatch chooses from."""
+        return f"{self.base}:ready"
+
+    @property
+    def fair(self) -> str:
+        """Fair-share state: virtual clocks, tenant weights, the fleet's measured rate."""
+        return f"{self.base}:fair"
+
+    @property
+    def usage(self) -> str:
+        """Committed usage on this model per tenant: ``TENANT|counter`` -> int."""
+        return f"{self.base}:usage"
 
     @property
     def cancelled(self) -> str:
@@ -145,6 +175,7 @@ class QueueKeys:
             errors=f"{base}:errors",
             dead=f"{base}:dead",
             finalizer=f"{base}:finalizer",
+            backlogs=tuple(f"{base}:q:{g}" for g in range(BACKLOG_GROUPS)),
         )
 
 
@@ -160,6 +191,14 @@ class CacheKeys:
 
     def all(self) -> tuple[str, ...]:
         return (self.index, self.files, self.meta, self.stats)
+
+
+@dataclass(slots=True, frozen=True)
+class TenantKeys:
+    """One tenant's keys (tenants.py); they share a hash tag."""
+
+    settings: str
+    jobs: str  # unfinished jobs -> their quota share
 
 
 @dataclass(slots=True, frozen=True)
@@ -205,6 +244,14 @@ class Keys:
 
     def finalize_task_id(self, job_id: str) -> str:
         return f"{self.prefix}-finalize-{job_id}"
+
+    @property
+    def tenants(self) -> str:
+        return f"{self.prefix}:tenants"
+
+    def tenant(self, name: str) -> TenantKeys:
+        base = f"{self.prefix}:{{tenant-{queue_tag(name)}}}"
+        return TenantKeys(f"{base}:settings", f"{base}:jobs")
 
     def cache(self, uri: str) -> CacheKeys:
         base = f"{self.prefix}:{{cache-{queue_tag(uri)}}}"

@@ -6,7 +6,13 @@ A stream entry is these fields, and this module is the only code that names them
     j  the job id
     i  the input's index (0-based over the lines or rows, invalid ones included)
     r  the request (``Request``): compact UTF-8 JSON with short keys
+    q  when the request was queued (unix ms), on an entry dispatched from a job's backlog
     x  only on an entry a worker handed back: what it carries to the next worker (JSON)
+
+Submit does not write entries to the stream itself: it appends each request to its
+job's backlog (backlog.py) as one string, ``INDEX QUEUED_MS REQUEST`` (``backlog_item``),
+and the dispatch script (dispatch.py) makes the entry ``j i r q`` from it when a worker
+has room for it.
 
 Inside ``r``: ``id`` the row id, ``p`` prompt | ``m`` messages | ``e`` embedding input,
 ``dim`` dimensions, ``s`` sampling parameters (named as in ``sampling.FIELDS``: the job's
@@ -24,6 +30,8 @@ part could not be written.
 
 Versions: every release so far writes format 1, which has no ``v`` field. A later
 format adds ``v``; a reader refuses a format it does not know rather than misread it.
+``q`` is optional: an entry without it (one a release before backlogs wrote straight
+to the stream) was queued when its stream id says.
 """
 
 from __future__ import annotations
@@ -38,11 +46,14 @@ from batchgen.jobs.schema.rows import Row, from_dict
 
 FORMAT = 1  # the entry format this release reads and writes
 
-_JOB, _INDEX, _REQUEST, _CARRIED = "j", "i", "r", "x"
+_JOB, _INDEX, _REQUEST, _QUEUED, _CARRIED = "j", "i", "r", "q", "x"
 # as XRANGE returns the names (decoding reads every entry a worker runs); "v": the format
-_JOB_B, _INDEX_B, _REQUEST_B, _CARRIED_B, _FORMAT_B = b"j", b"i", b"r", b"x", b"v"
-# For the Lua scripts that append entries themselves (submit's and retry's chunks).
-LUA_FIELDS = f"local F = {{job = '{_JOB}', index = '{_INDEX}', request = '{_REQUEST}'}}\n"
+_JOB_B, _INDEX_B, _REQUEST_B, _QUEUED_B, _CARRIED_B, _FORMAT_B = b"j", b"i", b"r", b"q", b"x", b"v"
+# For the Lua scripts that make entries themselves (dispatch, and the tests' old-style ones).
+LUA_FIELDS = (
+    f"local F = {{job = '{_JOB}', index = '{_INDEX}', request = '{_REQUEST}', "
+    f"queued = '{_QUEUED}'}}\n"
+)
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
 # JSONEncoder.encode builds this C encoder anew for every call, a tenth of a line's
@@ -56,6 +67,18 @@ _C_ENCODER = c_make_encoder and c_make_encoder(
 def compact_json(value: Any) -> str:
     """``value`` as entries write JSON: no spaces, text as itself (not ASCII escapes)."""
     return "".join(_C_ENCODER(value, 0)) if _C_ENCODER else _ENCODER.encode(value)
+
+
+def backlog_item(index: int, queued_ms: int, request: bytes) -> bytes:
+    """A request as its job's backlog holds it: ``INDEX QUEUED_MS REQUEST`` (dispatch.py
+    splits it at the first two spaces; the request is compact JSON)."""
+    return b"%d %d " % (index, queued_ms) + request
+
+
+def parse_backlog_item(item: bytes) -> tuple[int, int, bytes]:
+    """(index, queued ms, request) of a ``backlog_item``."""
+    index, queued_ms, request = item.split(b" ", 2)
+    return int(index), int(queued_ms), request
 
 
 class EntryError(ValueError):
@@ -176,8 +199,9 @@ class QueueEntry:
             index = int(fields[_INDEX_B])
             request = Request.decode(fields[_REQUEST_B])
             raw_carried = fields.get(_CARRIED_B)
-            if not raw_carried:  # as submit wrote it (most entries): nothing carried
-                queued_at = int(stream_id.split("-")[0])
+            queued = fields.get(_QUEUED_B)
+            if not raw_carried:  # as dispatched from a backlog (most entries): nothing carried
+                queued_at = int(queued) if queued else int(stream_id.split("-")[0])
                 return cls(job_id=job_id, index=index, request=request, queued_at=queued_at, **more)
             carried = json.loads(raw_carried)
             row = carried.get("row")

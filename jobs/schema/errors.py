@@ -87,3 +87,13 @@ class UnsafeRedisURL(UsageError):
 
 class OutputError(BatchgenError):
     """The output location could not be written or read."""
+
+
+class QuotaExceeded(BatchgenError):
+    """Submitting the job would take its tenant past a quota; nothing was queued."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code  # OpenAI's error code for it (serve fails the batch with it)

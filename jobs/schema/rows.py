@@ -90,6 +90,12 @@ class Row:
         return out
 
 
+def cached_input_tokens(row: Row) -> int:
+    """Input tokens the row did not compute: its prefix cache hits, or all of them when
+    the result cache served it (usage counts these as cached input)."""
+    return row.prompt_tokens if row.cached else row.cached_tokens
+
+
 _NAMES = [f.name for f in SCHEMA]
 
 

@@ -302,13 +302,15 @@ def assert_exactly_once(
 
 
 def assert_nothing_left(chaos: Chaos, job_id: str, output: Path | None = None) -> None:
-    """Counters add up, the stream and its PEL are empty, the output holds only final files."""
+    """Counters add up, the stream, its PEL and the job's backlog are empty, the output
+    holds only final files."""
     record = chaos.record(job_id)
     assert record.state.value == "completed", record.state
     assert record.done + record.failed == record.total
     conn = chaos.conn
     assert conn.xlen(chaos.qk.stream) == 0
     assert chaos.pending() == 0
+    assert record.backlog == 0 and not conn.sismember(chaos.qk.ready, job_id)
     if output is not None:
         assert sorted(os.listdir(output)) == [
             "batchgen-job.json",

@@ -15,7 +15,9 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
+from batchgen.jobs.consumer.queue import HandBack, hand_back, read_new
 from batchgen.jobs.crashpoints import CRASH_EXIT_CODE
+from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops import submission as submit_mod
 from batchgen.jobs.ops.result import LOST
 from batchgen.jobs.redis.keys import GROUP
@@ -36,8 +38,8 @@ def finished(chaos: Chaos, job_id: str) -> bool:
 
 
 def stream_indices(chaos: Chaos, job_id: str) -> list[int]:
-    entries = chaos.conn.xrange(chaos.qk.stream)
-    return sorted(int(f[b"i"]) for _, f in entries if f[b"j"].decode() == job_id)
+    """The job's queued requests' input indices (in its backlog until a worker takes them)."""
+    return [index for index, _, _ in backlog.queued(chaos.conn, chaos.qk, job_id)]
 
 
 def test_redis_killed_mid_job_and_restarted_on_its_aof_loses_nothing(chaos_private, reference):
@@ -185,8 +187,9 @@ def test_submit_across_a_redis_crash_enqueues_every_line_once(
 
 def test_entries_trimmed_while_held_become_lost_rows_and_the_counts_add_up(chaos, reference):
     """XTRIM deletes the entries a worker held when it died (pending at its consumer)
-    and two never delivered: a live worker reports them lost, the job finalizes with
-    "lost" error rows for exactly those, done + failed = total, nothing left pending."""
+    and two never delivered (handed back unstarted): a live worker reports them lost, the
+    job finalizes with "lost" error rows for exactly those, done + failed = total,
+    nothing left pending."""
     lines = prompt_lines(16, "trim", max_tokens=(4, 12))
     out = chaos.submit("trim", lines)
     dies = chaos.loop_worker(  # reads 4, dies when the first row is due to be written
@@ -196,9 +199,11 @@ def test_entries_trimmed_while_held_become_lost_rows_and_the_counts_add_up(chaos
     conn = chaos.conn
     ids = [e for e, _ in conn.xrange(chaos.qk.stream)]
     held = [p["message_id"] for p in conn.xpending_range(chaos.qk.stream, GROUP, "-", "+", 100)]
-    assert held == ids[:4]
+    assert held == ids and len(held) == 4  # the stream holds what workers took
+    ghost = read_new(conn, chaos.qk, "ghost", 2)  # the next two, back in the stream unread
+    assert hand_back(conn, chaos.qk, "ghost", [HandBack(d, [], ran=False) for d in ghost]) == 2
     cut = len(held) + 2
-    assert conn.xtrim(chaos.qk.stream, minid=ids[cut], approximate=False) == cut
+    assert conn.xtrim(chaos.qk.stream, maxlen=0, approximate=False) == cut
     survivor = chaos.loop_worker("survivor", burst=True)
     assert survivor.wait(120) == 0, survivor.tail()
     assert f"{len(held)} pending entries were deleted from the stream" in survivor.tail()

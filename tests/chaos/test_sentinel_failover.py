@@ -21,6 +21,7 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
+from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops import submission as submit_mod
 from batchgen.jobs.redis import sentinel
 from batchgen.jobs.redis.connection import connect
@@ -215,7 +216,7 @@ def test_a_submit_in_flight_when_the_primary_dies_enqueues_every_line_once(
     assert (result.exit_code, result.output) == (0, "big\n")
     assert sentinels.master_port() == sentinels.replica.port
     chaos = SentinelChaos(sentinels.url, Path("m"), tmp_path)
-    indices = sorted(int(f[b"i"]) for _, f in chaos.conn.xrange(chaos.qk.stream))
-    assert indices == list(range(2000))  # every line once
+    indices = [index for index, _, _ in backlog.queued(chaos.conn, chaos.qk, "big")]
+    assert indices == list(range(2000)) and chaos.record("big").backlog == 2000  # every line once
     record = chaos.record("big")
     assert (record.enqueued, record.total) == (2000, 2000)

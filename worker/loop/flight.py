@@ -21,6 +21,7 @@ class Flight:
     delivery: Delivery
     output: str  # the job's output URI
     prompt_tokens: int = 0
+    engine_us: int = 0  # its share of the engine steps it was in (usage)
 
 
 def _metadata(delivery: Delivery) -> str | None:

@@ -12,7 +12,10 @@ its own clock:
 - heartbeat: the loop's latest payload, with a TTL, every heartbeat_s;
 - cancels: subscribed to the queue's events channel, where ``batchgen cancel``
   publishes, so the loop learns of a cancel within a step; the cancelled set
-  is also read every cancel_poll_s in case a message was missed.
+  is also read every cancel_poll_s in case a message was missed;
+- work: submit, retry and hand-backs publish ``work`` on the same channel; it
+  sets ``work``, which an idle loop waits on (and reads again at least every
+  block_ms in case a message was missed).
 
 The loop reads what this thread learned with plain attribute reads (no lock
 on the hot path: a snapshot is replaced whole, never mutated).
@@ -47,6 +50,7 @@ class Keeper(threading.Thread):
         self.held: tuple[str, ...] = ()  # set by the loop: the entries it holds
         self.payload: dict[str, Any] = {}  # set by the loop: what the heartbeat carries
         self.cancelled: frozenset[str] = frozenset()  # read by the loop
+        self.work = threading.Event()  # set when new work was announced; the loop clears it
         self._stolen: set[str] = set()
         self._lock = threading.Lock()  # guards _stolen and the publishing of ``cancelled``
         self._cancelled_read_at = 0.0
@@ -121,13 +125,17 @@ class Keeper(threading.Thread):
             heartbeat.beat(self.conn, self.keys, self.config.name, self.payload, ttl)
 
     def _listen(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for an event; a cancel re-reads the cancelled set."""
+        """Wait up to ``timeout`` for an event; a cancel re-reads the cancelled set, new
+        work wakes the loop."""
         if self._pubsub is None:
             self._pubsub = self.conn.pubsub(ignore_subscribe_messages=True)
             self._pubsub.subscribe(self.qk.events)
             self.poll_cancelled()  # anything published before we listened
         message = self._pubsub.get_message(timeout=timeout)
-        if message is not None and text(message.get("data")).startswith("cancel:"):
+        data = text(message.get("data")) if message is not None else ""
+        if data == "work":
+            self.work.set()
+        elif data.startswith("cancel:"):
             self.poll_cancelled()
 
     def _close_pubsub(self) -> None:

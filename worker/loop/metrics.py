@@ -29,7 +29,27 @@ COUNTERS = {
     "lost_entries": ("batchgen_lost_entries_total", "", "Pending entries found deleted."),
     "prompt_tokens": ("batchgen_prompt_tokens_total", "", "Prompt tokens of finished requests."),
     "generation_tokens": ("batchgen_generation_tokens_total", "", "Generated tokens."),
+    "cached_tokens": (
+        "batchgen_cached_tokens_total",
+        "",
+        "Prompt tokens not computed: prefix-cache hits, result-cache rows.",
+    ),
     "commits": ("batchgen_commits_total", "", "Atomic commit steps."),
+}
+# worker counters kept in microseconds, shown in seconds
+SECONDS = {
+    "engine_us": (
+        "batchgen_engine_seconds_total",
+        "Engine time of the rows made (each step shared by its requests).",
+    ),
+}
+# a model's committed usage per tenant (jobs/ops/usage.py)
+TENANT_COUNTERS = {
+    "requests": ("batchgen_tenant_requests_total", 1, "Committed requests, by tenant."),
+    "input_tokens": ("batchgen_tenant_input_tokens_total", 1, "Committed input tokens."),
+    "cached_tokens": ("batchgen_tenant_cached_tokens_total", 1, "Committed cached input tokens."),
+    "output_tokens": ("batchgen_tenant_output_tokens_total", 1, "Committed output tokens."),
+    "engine_us": ("batchgen_tenant_engine_seconds_total", 1e-6, "Engine time of committed rows."),
 }
 GAUGES = {
     "kv_usage": ("batchgen_kv_usage", "KV cache blocks in use (0..1)."),
@@ -40,7 +60,12 @@ GAUGES = {
 }
 
 
-def render(workers: list[dict[str, Any]], queues: dict[str, dict[str, int]]) -> str:
+def render(
+    workers: list[dict[str, Any]],
+    queues: dict[str, dict[str, int]],
+    usage: dict[str, dict[str, dict[str, int]]] | None = None,
+) -> str:
+    """``usage``: model -> tenant -> counter (the model's committed usage by tenant)."""
     lines: list[str] = []
     seen: set[str] = set()
 
@@ -55,6 +80,11 @@ def render(workers: list[dict[str, Any]], queues: dict[str, dict[str, int]]) -> 
         for w in workers:
             labels = f'worker="{w["name"]}"' + (f",{extra}" if extra else "")
             lines.append(f"{name}{{{labels}}} {int(w.get('counters', {}).get(key, 0))}")
+    for key, (name, help_text) in SECONDS.items():
+        header(name, "counter", help_text)
+        for w in workers:
+            value = int(w.get("counters", {}).get(key, 0)) / 1e6
+            lines.append(f'{name}{{worker="{w["name"]}"}} {value}')
     for key, (name, help_text) in GAUGES.items():
         header(name, "counter" if name.endswith("_total") else "gauge", help_text)
         for w in workers:
@@ -67,11 +97,19 @@ def render(workers: list[dict[str, Any]], queues: dict[str, dict[str, int]]) -> 
     header("batchgen_queue_entries", "gauge", "Entries in a model's stream (queued + pending).")
     header("batchgen_queue_pending", "gauge", "Entries delivered and not yet acknowledged.")
     header("batchgen_queue_lag", "gauge", "Entries in the stream not yet delivered.")
+    header("batchgen_queue_backlog", "gauge", "Requests in the jobs' backlogs, not dispatched.")
     for model, q in queues.items():
         label = f'model="{model}"'
         lines.append(f"batchgen_queue_entries{{{label}}} {q['entries']}")
         lines.append(f"batchgen_queue_pending{{{label}}} {q['pending']}")
         lines.append(f"batchgen_queue_lag{{{label}}} {max(q['entries'] - q['pending'], 0)}")
+        lines.append(f"batchgen_queue_backlog{{{label}}} {q.get('backlog', 0)}")
+    for key, (name, scale, help_text) in TENANT_COUNTERS.items():
+        header(name, "counter", help_text)
+        for model, by_tenant in (usage or {}).items():
+            for tenant, counts in sorted(by_tenant.items()):
+                value = counts.get(key, 0) * scale
+                lines.append(f'{name}{{model="{model}",tenant="{tenant}"}} {value:g}')
     return "\n".join(lines) + "\n"
 
 

@@ -1,10 +1,13 @@
 """The queue loop: keep the engine's in-flight set full from the stream, commit rows.
 
 Each tick: take what the keeper thread heard (keeper.py: claims and heartbeat
-kept fresh, cancels), upkeep (reclaim, sweep), read at most the engine's free
-capacity of new entries (blocking on Redis only when the engine is idle and
-nothing waits to be committed), admit them (requests.py), run one engine
-step, and flush the sink when due. On SIGTERM/SIGINT it stops admitting,
+kept fresh, cancels, work announced), upkeep (reclaim, sweep, deadlines), read
+at most the engine's free capacity of new entries (the dispatch script chooses
+them by fair share, this worker's prefix groups first: jobs/consumer/dispatch.py,
+affinity.py; when the engine is idle and nothing waits to be committed, an empty
+read waits for work to be announced), admit them (requests.py), run one engine
+step (its time shared by the requests in it, for usage), and flush the sink when
+due. On SIGTERM/SIGINT it stops admitting,
 commits finished rows, hands unfinished requests back with their tokens so
 far, and exits within ``drain_timeout_s``.
 
@@ -32,6 +35,7 @@ from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.redis.keys import Keys, queue_tag
 from batchgen.jobs.redis.stream import ensure_group
+from batchgen.worker.loop.affinity import Affinity
 from batchgen.worker.loop.caching import LoopCache, numerics
 from batchgen.worker.loop.engine_api import EngineAPI
 from batchgen.worker.loop.keeper import Keeper
@@ -94,6 +98,7 @@ class QueueLoop:
             ),
         )
         self.keeper = Keeper(conn, self.keys, self.qk, config)
+        self.affinity = Affinity(conn, self.keys, self.qk, config.name, config.heartbeat_s)
         self.stopping = False
         self.finished_jobs = False  # the last flush completed a job (``until`` may hold now)
         self.counters: dict[str, int] = {}
@@ -146,12 +151,16 @@ class QueueLoop:
         if capacity > 0 and not self.stopping and time.monotonic() >= paused_until:
             idle = not self.engine.has_unfinished() and self.sink.empty
             block = self.config.block_ms if idle else None
+            self.keeper.work.clear()  # before the read: work announced after it wakes us
             try:
-                deliveries = read_new(self.conn, self.qk, self.config.name, capacity, block)
+                groups = self.affinity.groups() if self.config.prefix_affinity else None
+                deliveries = read_new(self.conn, self.qk, self.config.name, capacity, groups)
                 self._redis_ok()
             except _REDIS_DOWN as exc:
                 self._redis_down(exc)
                 deliveries = []
+            if not deliveries and block is not None:
+                self.keeper.work.wait(block / 1000)  # idle: until work is announced
             read = len(deliveries)
             if deliveries:  # a cancel that happened before this read must be seen now
                 requests.cancel(self.keeper.poll_cancelled())
@@ -161,6 +170,7 @@ class QueueLoop:
         # what the keeper keeps fresh while the step (however long) and the flush run
         self.keeper.held = requests.held()
         if self.engine.has_unfinished():
+            started = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as exc:
@@ -171,6 +181,7 @@ class QueueLoop:
                 self.engine_failed = self.stopping = True
                 self.engine_error = error
                 return read
+            requests.charge_step(time.perf_counter() - started)
             for out in outputs:
                 requests.finished(out)
             stepped = True

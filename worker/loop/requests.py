@@ -22,6 +22,7 @@ import redis
 
 from batchgen.jobs.consumer.queue import Delivery, HandBack
 from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.schema.rows import Row, cached_input_tokens
 from batchgen.worker.loop.caching import LoopCache
 from batchgen.worker.loop.engine_api import EngineAPI
 from batchgen.worker.loop.flight import Flight, error_row, now_ms, output_row, resumable
@@ -180,7 +181,7 @@ class Requests:
         for d, job, params, token_ids in ready:
             row = hits.get(d.entry_id)
             if row is not None:
-                self.sink.add(d, job.output, row)
+                self.emit(d, job.output, row)
                 self.count("rows_cached", 1)
                 continue
             try:
@@ -239,8 +240,25 @@ class Requests:
 
     def error(self, d: Delivery, output: str, message: str, prompt_tokens: int = 0) -> None:
         row = error_row(d, message, self.config.name, prompt_tokens)
-        self.sink.add(d, output, row)
+        self.emit(d, output, row)
         self.count("rows_error", 1)
+
+    def emit(self, d: Delivery, output: str, row: Row, engine_us: int = 0) -> None:
+        """A row made here, to the sink; its usage to this worker's own counters (which
+        the jobs' committed usage adds up to)."""
+        self.sink.add(d, output, row, engine_us)
+        self.count("prompt_tokens", row.prompt_tokens)
+        self.count("cached_tokens", cached_input_tokens(row))
+        self.count("generation_tokens", row.completion_tokens)
+        self.count("engine_us", engine_us)
+
+    def charge_step(self, elapsed_s: float) -> None:
+        """An engine step took ``elapsed_s``: each request in the engine bears an equal share."""
+        if not self.flights:
+            return
+        share = int(elapsed_s * 1e6) // len(self.flights)
+        for flight in self.flights.values():
+            flight.engine_us += share
 
     def finished(self, out) -> None:
         self.isolation.forget(out.request_id)
@@ -249,10 +267,8 @@ class Requests:
             return  # aborted meanwhile (cancelled, or claimed by another worker)
         row = output_row(flight, out, self.config.name, self.engine.token_text)
         self.cache.finished(out.request_id, row)
-        self.sink.add(flight.delivery, flight.output, row)
+        self.emit(flight.delivery, flight.output, row, flight.engine_us)
         self.count("rows_error" if row.failed else "rows_ok", 1)
-        self.count("prompt_tokens", row.prompt_tokens)
-        self.count("generation_tokens", row.completion_tokens)
 
     def abort(self, entry_id: str) -> None:
         self.isolation.forget(entry_id)

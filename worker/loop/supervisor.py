@@ -30,7 +30,9 @@ from typing import Any
 
 import redis
 
+from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.finalize_tasks import finalize_queue
+from batchgen.jobs.ops.usage import model_usage
 from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import GROUP, Keys, queue_name
@@ -127,7 +129,10 @@ class Supervisor:
             pending = int(self.conn.xpending(qk.stream, GROUP)["pending"])
         except redis.ResponseError:
             pending = 0
-        return render(workers, {self.base.model: {"entries": entries, "pending": pending}})
+        queue = {"entries": entries, "pending": pending, "backlog": backlog.total(self.conn, qk)}
+        return render(
+            workers, {self.base.model: queue}, {self.base.model: model_usage(self.conn, qk)}
+        )
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)

@@ -3,6 +3,8 @@
 - reclaim: take over entries idle past the claim timeout (a dead worker's);
   deleted ones are counted as lost (maintenance.sweep turns them into rows)
 - sweep: lost requests and stuck finalizes (jobs/ops/maintenance.py)
+- deadlines: jobs that would miss theirs go first; expired ones are cancelled
+  (jobs/ops/deadlines.py)
 - the heartbeat's payload, which the keeper thread sends (keeper.py also keeps
   the claims fresh and hears cancels, off the main thread)
 """
@@ -22,6 +24,7 @@ from typing import Any
 import redis
 
 from batchgen.jobs.consumer.queue import Delivery, dead_letter, reclaim, recreate_group
+from batchgen.jobs.ops import deadlines
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.maintenance import sweep
 from batchgen.jobs.ops.modelinfo import fingerprint
@@ -81,6 +84,8 @@ class Upkeep:
                 self.reclaim()
             if self.due("sweep", c.sweep_interval_s):
                 sweep(self.conn, self.keys, self.qk)
+            if self.due("deadlines", c.deadline_check_s):
+                deadlines.check(self.conn, self.keys, self.qk)
         except _REDIS_DOWN as exc:
             log.warning("upkeep skipped: Redis unavailable (%s)", exc)
         except redis.ResponseError as exc:
@@ -150,11 +155,12 @@ class Upkeep:
             enqueue_finalize(self.conn, self.keys, self.qk, d.job_id)
 
     def drained(self) -> bool:
-        """Burst mode: the stream holds no entry at all (none queued, none pending)."""
+        """Burst mode: no backlog holds a request and the stream no entry (none queued,
+        none pending)."""
         if not self.due("drained", 0.2):
             return False
         try:
-            if self.conn.xlen(self.qk.stream) > 0:
+            if self.conn.xlen(self.qk.stream) > 0 or self.conn.scard(self.qk.ready) > 0:
                 return False
             sweep(self.conn, self.keys, self.qk)  # lost entries -> finalize
         except _REDIS_DOWN:

@@ -97,6 +97,20 @@ function renderWorkers(workers, now) {
   document.getElementById("no-workers").hidden = workers.length > 0;
 }
 
+function renderTenants(tenants) {
+  const limit = (held, max) => max === null ? `${held}` : `${held} / ${max}`;
+  const body = document.querySelector("#tenants tbody");
+  body.replaceChildren(...tenants.map((t) => el("tr", {"data-tenant": t.tenant},
+    el("td", {}, t.tenant || "(none)"), el("td", {class: "num"}, t.weight),
+    el("td", {class: "num"}, limit(t.jobs, t.max_jobs)),
+    el("td", {class: "num"}, limit(t.enqueued_tokens, t.max_enqueued_tokens)),
+    el("td", {class: "num"}, t.usage.input_tokens),
+    el("td", {class: "num"}, t.usage.cached_input_tokens),
+    el("td", {class: "num"}, t.usage.output_tokens),
+    el("td", {class: "num"}, Number(t.usage.engine_s).toFixed(1)))));
+  document.getElementById("no-tenants").hidden = tenants.length > 0;
+}
+
 function renderChart(series, jobs, now) {
   const canvas = document.getElementById("chart");
   const ratio = window.devicePixelRatio || 1;
@@ -221,6 +235,7 @@ async function refresh() {
       `${data.jobs.length} jobs, ${running} active · ${data.workers.length} live workers`;
     renderJobs(data.jobs);
     renderWorkers(data.workers, data.now);
+    renderTenants(data.tenants);
     renderChart(data.series, data.jobs, data.now);
     await renderDetail();
     status.textContent = "updated " + new Date().toLocaleTimeString();

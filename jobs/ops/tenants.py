@@ -1,0 +1,164 @@
+"""Tenants: who jobs are for, their weight in fair share, and their quotas.
+
+A tenant's settings are one hash (``batchgen tenant set``): ``weight`` (its share
+of a model's workers against the other tenants with work in the same priority
+class; default 1), ``max_enqueued_tokens`` (OpenAI's batch queue limit: the
+estimated input tokens of its unfinished jobs together) and ``max_jobs`` (its
+unfinished jobs at once). A tenant without settings has weight 1 and no limits.
+
+Quotas are checked by one script on the tenant's own keys before a job is created
+(``reserve``): it records the job's share (its estimated input tokens) in the
+tenant's ``jobs`` hash only if the total stays within the limits, so two submits
+can never both squeeze under one. The job's keys live in its model's hash slot
+and the tenant's in another, so this is a step of its own: a share whose job was
+never created (a submit that died in between) is dropped by the next reserve once
+it is a minute old, and a finished job's share when it finishes (``release``) or,
+failing that, at the next reserve.
+
+The weight also lives in each model's ``fair`` hash (``w:TENANT``), where the
+dispatch script reads it: written when a job is created and by ``save``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from batchgen.jobs.ops.job_record import JobRecord
+from batchgen.jobs.ops.lifecycle import JobState
+from batchgen.jobs.redis import hash_codec
+from batchgen.jobs.redis.keys import Keys, QueueKeys, text
+from batchgen.jobs.redis.lua import LuaScript
+from batchgen.jobs.schema.errors import QuotaExceeded, UsageError
+
+ORPHAN_S = 60  # a share this old whose job does not exist is a submit that died
+
+# OpenAI's code for a batch past the queue limit; its API has no limit on concurrent
+# batches, so that refusal has a code of batchgen's own.
+TOKENS_CODE = "token_limit_exceeded"
+JOBS_CODE = "batch_limit_exceeded"
+
+
+@dataclass(slots=True)
+class Tenant:
+    name: str
+    weight: float = 1.0
+    max_enqueued_tokens: int | None = None  # None: no limit
+    max_jobs: int | None = None  # None: no limit
+
+    def check(self) -> Tenant:
+        if not self.weight > 0:
+            raise UsageError(f"tenant {self.name!r}: --weight must be above 0")
+        for name in ("max_enqueued_tokens", "max_jobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise UsageError(f"tenant {self.name!r}: {name} must be 0 or more")
+        return self
+
+
+def load(conn: redis.Redis, keys: Keys, name: str) -> Tenant:
+    raw = conn.hgetall(keys.tenant(name).settings)
+    return hash_codec.from_hash(Tenant, raw, name=name)
+
+
+def save(conn: redis.Redis, keys: Keys, tenant: Tenant) -> None:
+    """Store the settings, and the weight where every model's dispatch reads it."""
+    tenant.check()
+    fields = {k: v for k, v in hash_codec.to_hash(tenant).items() if k != "name"}
+    conn.hset(keys.tenant(tenant.name).settings, mapping=fields)  # type: ignore[arg-type]
+    conn.sadd(keys.tenants, tenant.name)
+    for tag in conn.hkeys(keys.queues):
+        publish_weight(conn, keys.queue(text(tag)), tenant)
+
+
+def publish_weight(conn: redis.Redis, qk: QueueKeys, tenant: Tenant) -> None:
+    conn.hset(qk.fair, f"w:{tenant.name}", repr(float(tenant.weight)))
+
+
+def names(conn: redis.Redis, keys: Keys) -> list[str]:
+    return sorted(text(n) for n in conn.smembers(keys.tenants))
+
+
+RESERVE = LuaScript.define(
+    "reserve quota",
+    keys=[("settings", "the tenant's settings"), ("jobs", "its unfinished jobs' shares")],
+    args=[("job_id", ""), ("tokens", "the job's estimated input tokens"), ("now", "unix s")],
+    body="""
+if redis.call('HEXISTS', jobs, job_id) == 1 then return {1, '', 0} end  -- a resumed submit
+local v = redis.call('HMGET', settings, 'max_jobs', 'max_enqueued_tokens')
+local held = redis.call('HVALS', jobs)
+local max_jobs, max_tokens = tonumber(v[1]), tonumber(v[2])  -- JSON null: no limit
+if max_jobs and #held + 1 > max_jobs then return {0, 'jobs', #held} end
+if max_tokens then
+  local sum = 0
+  for _, share in ipairs(held) do sum = sum + tonumber(string.match(share, '^%d+')) end
+  if sum + tonumber(tokens) > max_tokens then return {0, 'tokens', sum} end
+end
+redis.call('HSET', jobs, job_id, tokens .. ' ' .. now)
+return {1, '', 0}
+""",
+)
+
+
+def reserve(conn: redis.Redis, keys: Keys, record: JobRecord) -> None:
+    """Hold the job's share of its tenant's quotas; QuotaExceeded (nothing held) if
+    it does not fit."""
+    tk = keys.tenant(record.tenant)
+    prune(conn, keys, record.tenant)
+    ok, which, held = RESERVE(conn, settings=tk.settings, jobs=tk.jobs, job_id=record.id,
+                              tokens=record.est_input_tokens, now=int(time.time()))  # fmt: skip
+    if ok:
+        conn.sadd(keys.tenants, record.tenant)  # listed while it holds a share, settings or not
+        return
+    tenant = load(conn, keys, record.tenant)
+    who = f"tenant {record.tenant!r}" if record.tenant else "jobs without a tenant"
+    if text(which) == "tokens":
+        raise QuotaExceeded(
+            f"Enqueued token limit reached for {record.model} by {who}. Limit: "
+            f"{tenant.max_enqueued_tokens:,} enqueued tokens; unfinished jobs hold {int(held):,} "
+            f"and this one needs {record.est_input_tokens:,} (estimated). Please try again once "
+            "some in_progress jobs have been completed. Nothing was queued.",
+            TOKENS_CODE,
+        )
+    raise QuotaExceeded(
+        f"Concurrent job limit reached for {who}: {tenant.max_jobs} unfinished jobs at most. "
+        "Please try again once one has been completed. Nothing was queued.",
+        JOBS_CODE,
+    )
+
+
+def release(conn: redis.Redis, keys: Keys, tenant: str, job_id: str) -> None:
+    """The job finished (or is gone): its share of the quotas is free again."""
+    conn.hdel(keys.tenant(tenant).jobs, job_id)
+
+
+def prune(conn: redis.Redis, keys: Keys, tenant: str, now: float | None = None) -> list[str]:
+    """Drop shares of jobs that finished, or that were never created; their ids."""
+    now = time.time() if now is None else now
+    jobs_key = keys.tenant(tenant).jobs
+    shares = {text(k): text(v) for k, v in conn.hgetall(jobs_key).items()}
+    if not shares:
+        return []
+    ids = sorted(shares)
+    tags = conn.hmget(keys.jobs, ids)
+    pipe = conn.pipeline(transaction=False)
+    for job_id, tag in zip(ids, tags):
+        pipe.hget(keys.queue(text(tag)).job(job_id).job, "state")
+    gone = []
+    for job_id, tag, state in zip(ids, tags, pipe.execute()):
+        since = float(shares[job_id].split(" ")[1])
+        missing = not tag or state is None
+        if (missing and now - since > ORPHAN_S) or (state and JobState(text(state)).terminal):
+            gone.append(job_id)
+    if gone:
+        conn.hdel(jobs_key, *gone)
+    return gone
+
+
+def holding(conn: redis.Redis, keys: Keys, tenant: str) -> dict[str, Any]:
+    """What the tenant's unfinished jobs hold of its quotas: {jobs, enqueued_tokens}."""
+    shares = [text(v) for v in conn.hvals(keys.tenant(tenant).jobs)]
+    return {"jobs": len(shares), "enqueued_tokens": sum(int(s.split(" ")[0]) for s in shares)}

@@ -1,0 +1,202 @@
+"""The dispatch script against a real redis-server: which requests a worker takes next.
+
+No worker here: ``read_new`` is what a worker calls each time it has room, so these
+tests read as workers would and check who got what, exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from batchgen.jobs.consumer.queue import read_new
+from batchgen.jobs.ops import deadlines, tenants
+from batchgen.jobs.ops.backlog import prefix_group
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.schedule import Schedule
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis.keys import BACKLOG_GROUPS, Keys
+from batchgen.jobs.redis.stream import ensure_group
+from batchgen.jobs.schema.entry import Request
+from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.worker.loop.affinity import owned
+from batchgen.worker.loop.loop_config import LoopConfig
+from batchgen.worker.loop.supervisor import Supervisor
+
+KEYS = Keys("bg")
+QK = KEYS.queue_for_model("m")
+
+
+def rconn(url: str) -> Any:
+    return redis.Redis.from_url(url)
+
+
+def job(conn, tmp_path: Path, job_id: str, n: int, schedule: Schedule | None = None,
+        prompt: str = "prompt {i}", **defaults) -> None:  # fmt: skip
+    src = tmp_path / f"{job_id}.jsonl"
+    src.write_text("".join(json.dumps({"prompt": prompt.format(i=i)}) + "\n" for i in range(n)))
+    submit(conn, KEYS, source_path=str(src), model="m", output=str(tmp_path / f"out-{job_id}"),
+           defaults={**DEFAULTS, **defaults}, job_id=job_id, schedule=schedule)  # fmt: skip
+
+
+def jobs_of(deliveries) -> list[str]:
+    return [d.job_id for d in deliveries]
+
+
+def test_a_small_job_behind_a_big_one_is_taken_at_the_next_read(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    job(conn, tmp_path, "big", 300)
+    first = read_new(conn, QK, "w", 8)
+    assert jobs_of(first) == ["big"] * 8 and [d.index for d in first] == list(range(8))
+    metrics = Supervisor(conn, LoopConfig(model="m"), [], None).metrics().splitlines()
+    assert 'batchgen_queue_backlog{model="m"} 292' in metrics
+    job(conn, tmp_path, "small", 5)
+    # the worker has room for 3 more: the small job's first three, then its last two
+    assert [(d.job_id, d.index) for d in read_new(conn, QK, "w", 3)] == [
+        ("small", i) for i in range(3)
+    ]
+    again = read_new(conn, QK, "w", 4)
+    assert [(d.job_id, d.index) for d in again][:2] == [("small", 3), ("small", 4)]
+    assert jobs_of(again)[2:] == ["big", "big"]
+    record = load_job(conn, KEYS, "small")
+    assert (record.backlog, conn.sismember(QK.ready, "small")) == (0, False)
+    assert record.last_id == again[1].entry_id  # the newest stream entry of the job
+
+
+def test_equal_jobs_take_equal_shares_and_weights_are_shares_of_tokens(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    job(conn, tmp_path, "a", 400, Schedule(tenant="t1"))
+    job(conn, tmp_path, "b", 400, Schedule(tenant="t1"))
+    got = Counter(jobs_of(d for _ in range(20) for d in read_new(conn, QK, "w", 8)))
+    assert got == {"a": 80, "b": 80}
+    # tenants by weight: heavy has 3, light 1; light's requests cost twice as much
+    # (max_tokens 32 against 16): in tokens heavy gets three times light's share
+    tenants.save(conn, KEYS, tenants.Tenant("heavy", weight=3))
+    job(conn, tmp_path, "h", 900, Schedule(tenant="heavy"), prompt="{i:04d}", max_tokens=16)
+    job(conn, tmp_path, "l", 900, Schedule(tenant="light"), prompt="{i:04d}", max_tokens=32)
+    cost = {j: load_job(conn, KEYS, j).cost for j in ("h", "l")}
+    for _ in range(2):  # catch up with the tenant that ran before, then share
+        read_new(conn, QK, "w", 400)
+    got = Counter(d.job_id for _ in range(30) for d in read_new(conn, QK, "w", 16)
+                  if d.job_id in "hl")  # fmt: skip
+    ratio = got["h"] * cost["h"] / (got["l"] * cost["l"])
+    assert ratio == pytest.approx(3, rel=0.1), (got, cost)
+
+
+def test_a_higher_class_goes_first_and_a_new_job_gets_no_credit_for_idle_time(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    job(conn, tmp_path, "low", 50)
+    read_new(conn, QK, "w", 40)  # low ran alone for a while: its virtual time is high
+    job(conn, tmp_path, "high", 30, Schedule(priority=5))
+    assert jobs_of(read_new(conn, QK, "w", 40)) == ["high"] * 30 + ["low"] * 10
+    # a job arriving now starts at the clock, level with the one that ran all along
+    job(conn, tmp_path, "low2", 100)
+    job(conn, tmp_path, "low3", 100)
+    got = Counter(jobs_of(read_new(conn, QK, "w", 32)))
+    assert got == {"low2": 16, "low3": 16}
+
+
+def test_urgent_jobs_go_first_earliest_deadline_first(redis_url, tmp_path):
+    """A fleet doing 10 tokens/s: the job due in 100 s cannot finish at its share (a
+    third), the one due in an hour can; once both are urgent, the earlier goes first."""
+    conn = rconn(redis_url)
+    now = time.time()
+    job(conn, tmp_path, "bulk", 500, max_tokens=8)
+    job(conn, tmp_path, "later", 40, Schedule(deadline=now + 3600), max_tokens=8)
+    job(conn, tmp_path, "soon", 40, Schedule(deadline=now + 100), max_tokens=8)
+    cost = load_job(conn, KEYS, "soon").cost
+    conn.hincrbyfloat(QK.fair, "work", 0.0)
+    deadlines.check(conn, KEYS, QK, now=now)  # first sample of the committed work
+    conn.hincrbyfloat(QK.fair, "work", 10.0)  # commits add each row's cost here
+    deadlines.check(conn, KEYS, QK, now=now + 1)  # 10 tokens/s
+    soon, later = load_job(conn, KEYS, "soon"), load_job(conn, KEYS, "later")
+    assert (soon.urgent, later.urgent) == (True, False)
+    assert 40 * cost / (10 / 3) > 100  # at its share it would be late
+    assert soon.eta == pytest.approx(now + 1 + 40 * cost / 10)  # first in line: the whole fleet
+    assert later.eta == pytest.approx(now + 1 + 40 * cost / (10 / 3))  # a third of it
+    assert deadlines.deadline_view(later, now + 1) == {
+        "deadline": now + 3600,
+        "state": "on_track",
+        "eta": later.eta,
+        "expire": False,
+    }
+    assert jobs_of(read_new(conn, QK, "w", 40)) == ["soon"] * 40
+    # later becomes urgent too (its deadline is near now); the two go by deadline
+    job(conn, tmp_path, "sooner", 10, Schedule(deadline=now + 50), max_tokens=8)
+    conn.hset(QK.job("later").job, "deadline", repr(now + 60))
+    deadlines.check(conn, KEYS, QK, now=now + 2)
+    order = jobs_of(read_new(conn, QK, "w", 60))
+    assert order == ["sooner"] * 10 + ["later"] * 40 + ["bulk"] * 10
+    view = deadlines.deadline_view(load_job(conn, KEYS, "sooner"), now + 2)
+    assert view is not None and view["state"] == "at_risk"
+    assert deadlines.deadline_view(load_job(conn, KEYS, "sooner"), now + 51)["state"] == "late"
+
+
+def test_expire_cancels_at_the_deadline_and_keeps_running_without_it(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    now = time.time()
+    job(conn, tmp_path, "strict", 5, Schedule(deadline=now + 10, expire=True))
+    job(conn, tmp_path, "lenient", 5, Schedule(deadline=now + 10))
+    read_new(conn, QK, "w", 2)
+    assert deadlines.check(conn, KEYS, QK, now=now + 11) == ["strict"]
+    strict, lenient = load_job(conn, KEYS, "strict"), load_job(conn, KEYS, "lenient")
+    assert (strict.state.value, strict.backlog) == ("cancelling", 0)
+    assert lenient.state.value == "queued" and lenient.backlog > 0
+    view = deadlines.deadline_view(lenient, now + 11)
+    assert view is not None and view["state"] == "late"
+    assert deadlines.describe(view).endswith("keeps running (submitted without --expire)")
+
+
+def test_each_worker_takes_its_own_prefix_groups_first_and_steals_when_they_are_empty(
+    redis_url, tmp_path
+):
+    conn = rconn(redis_url)
+    system = "You are a careful assistant. " * 12  # > PREFIX_BYTES: the prefix decides
+    lines = [f"{i % 8}: {system} question {i}" for i in range(64)]
+    job(conn, tmp_path, "fs", 64, prompt="{i}")
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
+    group = [prefix_group(Request(prompt=p, sampling=dict(DEFAULTS)).encode()) for p in lines]
+    assert len({group[i] for i in range(8)}) > 1 and all(
+        group[i] == group[i % 8] for i in range(64))  # fmt: skip
+    mine = {w: owned(w, {"w1", "w2"}) for w in ("w1", "w2")}
+    assert sorted(mine["w1"] + mine["w2"]) == list(range(BACKLOG_GROUPS))
+    own = {w: [i for i in range(64) if group[i] in mine[w]] for w in mine}
+    thief, victim = sorted(mine, key=lambda w: len(own[w]))  # the one with less of its own
+    conn.delete(*QK.job("fs").backlogs)
+    conn.srem(QK.ready, "fs")
+    submit(conn, KEYS, source_path=str(src), model="m", output=str(tmp_path / "o2"),
+           defaults=dict(DEFAULTS), job_id="prefixed")  # fmt: skip
+    got = read_new(conn, QK, thief, len(own[thief]), mine[thief])
+    assert [d.index for d in got] == own[thief]  # its own groups, in input order
+    # its groups are empty: it takes from the other's fullest group, in input order
+    counts = Counter(group[i] for i in own[victim])
+    fullest = min(counts, key=lambda g: (-counts[g], g))  # the first of the fullest
+    stolen = read_new(conn, QK, thief, 3, mine[thief])
+    assert [d.index for d in stolen] == [i for i in own[victim] if group[i] == fullest][:3]
+    rest = read_new(conn, QK, victim, 64, mine[victim])
+    assert sorted(d.index for d in rest) == sorted(set(own[victim]) - {d.index for d in stolen})
+
+
+def test_entries_a_previous_release_wrote_to_the_stream_are_served_first(redis_url, tmp_path):
+    """An upgrade: the stream still holds requests written straight to it (no ``q``
+    field) for a job whose record has none of the fair-share fields."""
+    conn = rconn(redis_url)
+    ensure_group(conn, QK)
+    old = {"state": "queued", "model": "m", "total": "2", "enqueued": "2", "done": "0",
+           "failed": "0", "output": str(tmp_path / "old")}  # fmt: skip
+    conn.hset(QK.job("old").job, mapping=old)
+    conn.hset(KEYS.jobs, "old", QK.tag)
+    request = Request(prompt="from before", sampling=dict(DEFAULTS)).encode()
+    ids = [conn.xadd(QK.stream, {"j": "old", "i": i, "r": request}).decode() for i in range(2)]
+    job(conn, tmp_path, "new", 3)
+    got = read_new(conn, QK, "w", 4)
+    assert [(d.job_id, d.index) for d in got] == [("old", 0), ("old", 1), ("new", 0), ("new", 1)]
+    assert [d.entry_id for d in got[:2]] == ids
+    assert got[0].queued_at == int(ids[0].split("-")[0])  # its stream id's time, as before

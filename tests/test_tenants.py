@@ -1,0 +1,173 @@
+"""Tenants from the command line: quotas refuse a submit before anything is queued,
+``batchgen tenant`` sets and lists them, ``status`` shows a job's class, deadline
+and usage."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from batchgen.cli import main
+from batchgen.jobs.consumer.commit import PartCommit, commit
+from batchgen.jobs.consumer.queue import read_new
+from batchgen.jobs.ops import backlog, tenants
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.schedule import default_tenant, parse_deadline
+from batchgen.jobs.redis import embedded
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema.errors import UsageError
+from batchgen.jobs.schema.rows import FinishReason, Row
+from tests.doc_blocks import doc_block, run_sh, shell_env
+
+KEYS = Keys("bg")
+QK = KEYS.queue_for_model("m")
+
+
+def rconn(url: str) -> Any:
+    return redis.Redis.from_url(url)
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> Any:
+    return CliRunner().invoke(main, list(args), env=env)
+
+
+def prompts(tmp_path: Path, n: int, name: str, chars: int = 40) -> Path:
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i:03d}" + "x" * (chars - 3)}) + "\n"
+                            for i in range(n)))  # fmt: skip
+    return path
+
+
+def submit(redis_url: str, tmp_path: Path, job_id: str, n: int, *flags: str) -> Any:
+    return cli("submit", str(prompts(tmp_path, n, job_id)), "--model", "m", "--job-id", job_id,
+               "--output", str(tmp_path / f"out-{job_id}"), "--redis", redis_url, *flags)  # fmt: skip
+
+
+def test_a_submit_past_a_quota_is_refused_before_anything_is_queued(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    out = cli("tenant", "set", "acme", "--max-jobs", "2", "--max-enqueued-tokens", "1000",
+              "--weight", "2", "--redis", redis_url)  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert out.output == "tenant acme: weight 2, max enqueued tokens 1000, max jobs 2\n"
+    first = submit(redis_url, tmp_path, "a1", 10, "--tenant", "acme")
+    assert first.exit_code == 0, first.output
+    # each line's request is {"p":"<40 chars>","s":{...}}: 47 bytes before the sampling
+    # fields, 12 tokens estimated; 10 lines hold 120 of the tenant's 1000
+    assert load_job(conn, KEYS, "a1").est_input_tokens == 120
+    big = submit(redis_url, tmp_path, "a2", 80, "--tenant", "acme")
+    assert big.exit_code == 3
+    assert big.output == (
+        "batchgen: error: Enqueued token limit reached for m by tenant 'acme'. Limit: 1,000 enqueued "
+        "tokens; unfinished jobs hold 120 and this one needs 960 (estimated). Please try again "
+        "once some in_progress jobs have been completed. Nothing was queued.\n"
+    )
+    assert conn.hget(KEYS.jobs, "a2") is None and not conn.exists(QK.job("a2").job)
+    assert not (tmp_path / "out-a2").exists() and backlog.queued(conn, QK, "a2") == []
+    assert submit(redis_url, tmp_path, "a3", 10, "--tenant", "acme").exit_code == 0
+    third = submit(redis_url, tmp_path, "a4", 1, "--tenant", "acme")
+    assert third.exit_code == 3 and "Concurrent job limit reached for tenant 'acme': 2" in (
+        third.output)  # fmt: skip
+    # the same job submitted again (a resumed submit) is not counted twice
+    assert submit(redis_url, tmp_path, "a1", 10, "--tenant", "acme").exit_code == 0
+    # another tenant is not held to acme's quotas
+    assert submit(redis_url, tmp_path, "b1", 80, "--tenant", "bravo").exit_code == 0
+    listed = json.loads(cli("tenant", "list", "--json", "--redis", redis_url).output)
+    assert [(t["tenant"], t["weight"], t["jobs"], t["enqueued_tokens"], t["max_jobs"])
+            for t in listed] == [("acme", 2.0, 2, 240, 2), ("bravo", 1.0, 1, 960, None)]  # fmt: skip
+    # a job that finishes frees its share
+    conn.hset(QK.job("a1").job, "state", "completed")
+    assert submit(redis_url, tmp_path, "a4", 1, "--tenant", "acme").exit_code == 0
+
+
+def test_a_share_whose_job_was_never_created_is_dropped_after_a_minute(redis_url):
+    conn = rconn(redis_url)
+    tk = KEYS.tenant("t")
+    now = time.time()
+    conn.hset(tk.jobs, mapping={"died-before-create": f"500 {int(now) - 61}",
+                                "creating-now": f"500 {int(now)}"})  # fmt: skip
+    assert tenants.prune(conn, KEYS, "t", now) == ["died-before-create"]
+    assert tenants.holding(conn, KEYS, "t") == {"jobs": 1, "enqueued_tokens": 500}
+
+
+def test_status_shows_class_deadline_and_usage(redis_url, tmp_path):
+    conn = rconn(redis_url)
+    out = submit(redis_url, tmp_path, "d", 3, "--tenant", "ops", "--priority", "7",
+                 "--deadline", "2h", "--expire")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    (d,) = read_new(conn, QK, "w", 1)
+    row = Row(index=d.index, finish_reason=FinishReason.STOP, prompt_tokens=9, cached_tokens=4,
+              completion_tokens=5)  # fmt: skip
+    (tmp_path / "out-d" / "parts").mkdir(exist_ok=True)
+    commit(
+        conn, QK, [PartCommit("d", "parts/x.parquet", [row], [d.entry_id], 0, engine_us=[250_000])]
+    )
+    status = json.loads(cli("status", "d", "--json", "--redis", redis_url).output)
+    assert (status["tenant"], status["priority"]) == ("ops", 7)
+    assert status["usage"] == {"input_tokens": 9, "cached_input_tokens": 4, "output_tokens": 5,
+                               "engine_s": 0.25}  # fmt: skip
+    deadline = status["deadline"]
+    assert deadline["deadline"] == pytest.approx(time.time() + 7200, abs=60)
+    assert (deadline["state"], deadline["expire"]) == ("unknown", True)
+    text = cli("status", "d", "--redis", redis_url).output
+    assert "tenant     ops, priority 7\n" in text
+    assert "usage      in 9 tokens (4 cached), out 5, engine 0.2s\n" in text
+    assert "deadline   " in text and ": no rate measured yet" in text
+    listed = json.loads(cli("tenant", "list", "--json", "--redis", redis_url).output)
+    assert listed[0]["usage"] == {"requests": 1, "input_tokens": 9, "cached_input_tokens": 4,
+                                  "output_tokens": 5, "engine_s": 0.25}  # fmt: skip
+
+
+def test_flags_are_checked_before_anything_is_read(redis_url, tmp_path, monkeypatch):
+    bad = [("--priority", "1001", "priority 1001: give a class from -1000 to 1000"),
+           ("--deadline", "soon", "--deadline 'soon': give a duration from now"),
+           ("--tenant", "a b", "tenant 'a b': use letters, digits")]  # fmt: skip
+    for flag, value, message in bad:
+        out = submit(redis_url, tmp_path, "f", 1, flag, value)
+        assert out.exit_code == 2 and message in out.output, out.output
+    out = submit(redis_url, tmp_path, "f", 1, "--expire")
+    assert out.exit_code == 2 and "--expire cancels the job at its --deadline" in out.output
+    assert rconn(redis_url).hget(KEYS.jobs, "f") is None
+    monkeypatch.setenv("BATCHGEN_TENANT", "team-a")
+    assert default_tenant() == "team-a"
+    assert parse_deadline("90m", now=1000.0) == 1000.0 + 5400
+    with pytest.raises(UsageError, match="is not after now"):
+        parse_deadline("2001-01-01T00:00")
+
+
+def test_the_fair_share_block(tmp_path, toy_model):
+    """docs/fair-share.md's block as a reader runs it: embedded Redis, no worker yet."""
+    (tmp_path / "tiny").symlink_to(toy_model("llama"))
+    for name, n in (("big", 6), ("urgent", 2)):
+        prompts(tmp_path, n, name)
+    env = shell_env(tmp_path / "home")
+    try:
+        out = run_sh(doc_block("fair-share"), tmp_path, env)
+        assert "research" in out.stdout and "ops" in out.stdout
+        status = json.loads(
+            subprocess.run(
+                ["batchgen", "status", "--json"],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                check=True,
+            ).stdout
+        )
+        listed = json.loads(subprocess.run(["batchgen", "tenant", "list", "--json"],
+                                           cwd=tmp_path, env=env, capture_output=True,
+                                           check=True).stdout)  # fmt: skip
+    finally:
+        embedded.stop(tmp_path / "home")
+    jobs = sorted((s["tenant"], s["total"], s["priority"], s["state"], bool(s["deadline"]))
+                  for s in status)  # fmt: skip
+    assert jobs == [("ops", 2, 5, "queued", True), ("research", 6, 0, "queued", False)]
+    research = next(t for t in listed if t["tenant"] == "research")
+    assert (research["weight"], research["max_enqueued_tokens"], research["max_jobs"],
+            research["jobs"]) == (3.0, 2_000_000, 10, 1)  # fmt: skip
+    assert research["enqueued_tokens"] > 0
