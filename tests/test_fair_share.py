@@ -18,7 +18,8 @@ import pytest
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.ops.usage import COUNTERS, model_usage
 from batchgen.jobs.schema.sampling import DEFAULTS
-from batchgen.serve.dashboard import overview
+from batchgen.serve.api_keys import OPEN
+from batchgen.serve.dashboard import tenants
 from batchgen.worker.loop.loop_config import LoopConfig
 from batchgen.worker.loop.supervisor import Supervisor
 from tests.chaos.harness import KEYS, Chaos, prompt_lines, wait_until, write_jsonl
@@ -130,7 +131,7 @@ def test_usage_per_job_and_per_tenant_adds_up_to_the_workers_own_counters(fleet,
         f"batchgen_tenant_engine_seconds_total{{{label}}} {first.engine_us / 1e6:g}",
     ):
         assert expected in metrics.splitlines()
-    shown = {t["tenant"]: t["usage"] for t in overview(fleet.conn, KEYS)["tenants"]}
+    shown = {t["tenant"]: t["usage"] for t in tenants(fleet.conn, KEYS, OPEN.sees)}
     assert shown["t1"] == {"requests": 12, "input_tokens": first.prompt_tokens,
                            "cached_input_tokens": first.cached_tokens,
                            "output_tokens": first.completion_tokens,
