@@ -44,8 +44,16 @@ JOB_HASH_BEFORE = {
 }  # fmt: skip
 
 
+# fields added since, at their defaults (cancelled rows; fair share, deadlines and usage)
+JOB_HASH_ADDED = {
+    "cancelled_rows": "0", "tenant": "", "priority": "0", "deadline": "0.0", "expire": "0",
+    "est_input_tokens": "0", "cost": "0.0", "backlog": "0", "vtime": "0.0", "urgent": "0",
+    "eta": "0.0", "engine_us": "0",
+}  # fmt: skip
+
+
 def test_the_job_record_writes_the_hash_it_wrote_before_and_reads_it_back() -> None:
-    assert JOB.to_hash() == {**JOB_HASH_BEFORE, "id": JOB.id}
+    assert JOB.to_hash() == {**JOB_HASH_BEFORE, "id": JOB.id, **JOB_HASH_ADDED}
     as_redis = {k.encode(): v.encode() for k, v in JOB_HASH_BEFORE.items()}
     assert JobRecord.from_hash(JOB.id, as_redis) == JOB
 

@@ -24,6 +24,7 @@ from batchgen.jobs.ops import tenants
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.redis_server import RedisServer
+from batchgen.serve.api_keys import KeyRing
 from tests.serve_stack import KEY, Stack
 
 DONE = ("completed", "failed", "cancelled", "expired")
@@ -343,12 +344,14 @@ def test_logprobs_and_embeddings_render_as_openai_objects(stack, client, tmp_pat
 
 
 def test_a_batch_past_its_tenants_queue_limit_fails_with_openais_code(stack, client, tmp_path):
-    """The batch's estimated input tokens would take its tenant ("": an API key without
-    one) past max_enqueued_tokens: the batch fails, nothing is queued; under the limit
-    it runs, with the priority class its metadata names and its window as deadline."""
+    """The batch's estimated input tokens would take its tenant (the key's own, as no keys
+    file names one) past max_enqueued_tokens: the batch fails, nothing is queued; under the
+    limit it runs, with the priority class its metadata names and its window as deadline."""
     conn: Any = redis.Redis.from_url(stack.redis_url)
     keys = Keys("bg")
-    tenants.save(conn, keys, tenants.Tenant("", max_enqueued_tokens=20))
+    who = KeyRing.load([KEY]).find(KEY)
+    assert who is not None and who.tenant.startswith("key-")
+    tenants.save(conn, keys, tenants.Tenant(who.tenant, max_enqueued_tokens=20))
     try:
         rows = lines(str(stack.model), 4)
         file = upload(client, tmp_path, rows, "quota.jsonl")
@@ -365,12 +368,12 @@ def test_a_batch_past_its_tenants_queue_limit_fails_with_openais_code(stack, cli
                                   completion_window="24h", metadata={"priority": "high"})  # fmt: skip
         assert caught.value.body["param"] == "metadata"  # type: ignore[index]
     finally:
-        tenants.save(conn, keys, tenants.Tenant(""))
+        tenants.save(conn, keys, tenants.Tenant(who.tenant))
     batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
                                   completion_window="24h", metadata={"priority": "3"})  # fmt: skip
     batch = wait_done(client, batch.id)
     assert batch.status == "completed"
     job = load_job(conn, keys, batch.id)
-    assert (job.priority, job.deadline, job.tenant) == (3, float(batch.expires_at), "")
+    assert (job.priority, job.deadline, job.tenant) == (3, float(batch.expires_at), who.tenant)
     usage = batch.usage
     assert (usage.input_tokens, usage.output_tokens) == (job.prompt_tokens, job.completion_tokens)
