@@ -137,6 +137,15 @@ def test_dashboard_shows_a_job_progress_to_100_percent(stack, browser, toy_model
     assert page.evaluate("document.querySelector('#detail button.danger')") is None
     status = status_of(stack, "waits")
     assert status["state"] == "cancelling"  # the worker of its model would finalize it
+    finalized = subprocess.run([sys.executable, "-m", "batchgen", "finalize", "waits", "--redis",
+                                stack.redis_url], capture_output=True, text=True)  # fmt: skip
+    assert finalized.returncode == 0, finalized.stderr
+    # its rows are cancelled ones, not failed ones, in the detail and in the table
+    page.wait_for("document.querySelector('#detail dd').textContent === 'cancelled'")
+    assert shown_detail(page)["done / failed / cancelled / total"] == "0 / 0 / 2 / 2"
+    cells = page.evaluate("[...document.querySelector('[data-job=\"waits\"]').children]"
+                          ".map(td => td.textContent)")  # fmt: skip
+    assert cells[4:8] == ["0", "0", "2", "2"]  # done, failed, cancelled, total
 
     shot = page.screenshot(tmp_path / "dashboard.png")
     assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 20_000
