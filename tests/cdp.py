@@ -57,16 +57,26 @@ class Page:
         self.ws = ws
         self.next_id = 0
         self.events: list[dict[str, Any]] = []
+        self.dialogs: list[str] = []  # confirm()/alert() messages, each accepted as an OK
 
     def send(self, method: str, **params: Any) -> dict[str, Any]:
-        self.next_id += 1
-        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        wanted = self._post(method, **params)
         while True:
             message = json.loads(self.ws.recv(timeout=60))
-            if message.get("id") == self.next_id:
+            if message.get("id") == wanted:
                 assert "error" not in message, message["error"]
                 return message.get("result", {})
+            if message.get("method") == "Page.javascriptDialogOpening":
+                # the page waits on the dialog (and a click that opened it on the page):
+                # press OK, as the person clicking would (needs Page.enable)
+                self.dialogs.append(message["params"]["message"])
+                self._post("Page.handleJavaScriptDialog", accept=True)
             self.events.append(message)
+
+    def _post(self, method: str, **params: Any) -> int:
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        return self.next_id
 
     def evaluate(self, expression: str) -> Any:
         result = self.send("Runtime.evaluate", expression=expression, returnByValue=True,
@@ -80,6 +90,22 @@ class Page:
             assert time.monotonic() < deadline, f"timed out waiting for {expression}"
             time.sleep(0.1)
         return value
+
+    def click(self, selector: str, hold_s: float = 0.1) -> None:
+        """Click the element as a person does: the mouse moves onto its middle, presses,
+        holds ``hold_s`` and lets go (real input events, not ``element.click()``)."""
+        box = self.evaluate(
+            f"(() => {{ const e = document.querySelector({json.dumps(selector)});"
+            " e.scrollIntoView({block: 'center'}); const r = e.getBoundingClientRect();"
+            " return {x: r.left + r.width / 2, y: r.top + r.height / 2}; })()"
+        )
+        x, y = box["x"], box["y"]
+        self.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+        self.send("Input.dispatchMouseEvent", type="mousePressed", x=x, y=y, button="left",
+                  buttons=1, clickCount=1)  # fmt: skip
+        time.sleep(hold_s)
+        self.send("Input.dispatchMouseEvent", type="mouseReleased", x=x, y=y, button="left",
+                  buttons=0, clickCount=1)  # fmt: skip
 
     def screenshot(self, path: Path) -> bytes:
         data = base64.b64decode(self.send("Page.captureScreenshot", format="png")["data"])

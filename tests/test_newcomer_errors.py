@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from batchgen.jobs.intake.duplicate_ids import IdLog, find_duplicates
+from batchgen.jobs.intake.duplicate_ids import MEMORY_BYTES, IdLog, find_duplicates
 from batchgen.jobs.redis import embedded
 from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.jobs.schema.entry import Request
@@ -236,8 +237,16 @@ def test_repeated_ids_are_found_the_same_in_buckets_as_in_memory(tmp_path):
             expected_first = (first_seen[value], where)
         first_seen.setdefault(value, where)
     expected = len(ids) - len(first_seen)
-    whole = find_duplicates(logs, tmp_path)
-    bucketed = find_duplicates(logs, tmp_path, memory_bytes=4096)  # 20 buckets
-    assert (whole.count, whole.first) == (bucketed.count, bucketed.first) == (
-        expected, expected_first)  # fmt: skip
+    # what input.md says: 16 bytes an id on disk, and memory within the bound (64 MB, here
+    # scaled down to the test's 80 kB of ids: one bucket, then several)
+    assert sum(p.stat().st_size for p in logs) == 16 * len(ids)
+    assert MEMORY_BYTES == 64 << 20
+    found = []
+    for memory_bytes in (MEMORY_BYTES, 400_000, 200_000, 100_000):  # 1, 1, 2, 4 buckets
+        tracemalloc.start()
+        found.append(find_duplicates(logs, tmp_path, memory_bytes=memory_bytes))
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak <= memory_bytes, (memory_bytes, peak)
+    assert {(f.count, f.first) for f in found} == {(expected, expected_first)}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ids-0", "ids-1", "ids-2"]

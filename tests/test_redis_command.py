@@ -50,9 +50,8 @@ def test_status_and_stop_of_the_embedded_redis(tmp_path: Path, toy_model):
         shell.ok("submit", "p.jsonl", "--model", "tiny", "--job-id", "b")  # starts it again
         assert shell.status("a")["state"] == "completed"  # the AOF kept everything
         new_pid = embedded.server_pid(home)
-        # the killed worker's last heartbeat came back with the AOF: live until its TTL ends
-        wait_for(lambda: "workers         0 live" in shell.ok("redis", "status"),
-                 "the killed worker's heartbeat to expire")  # fmt: skip
+        # the killed worker's heartbeat came back with the AOF (it expires in 45 s), but
+        # nothing is connected: the stop is not refused for it
         assert shell.ok("redis", "stop") == (
             f"stopped the embedded Redis (pid {new_pid}); 1 unfinished job(s) wait in its AOF "
             "for the next start\n"

@@ -1,9 +1,13 @@
 """The dashboard in a real headless browser (Debian's ``chromium``; ``.ci/run`` installs it):
-log in, watch a running job's progress bar move and reach 100%, no console error."""
+log in, watch a running job's progress bar move and reach 100%, click its id as a person
+does (its detail, output and tok/s agree with `batchgen status` and the chart), cancel a
+waiting job with its button, no console error."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +47,19 @@ def browser(tmp_path: Path) -> Iterator[Browser]:
         browser.close()
 
 
+def shown_detail(page) -> dict[str, str]:
+    """The job detail's fields as the page shows them."""
+    return page.evaluate("Object.fromEntries([...document.querySelectorAll('#detail dt')]"
+                         ".map(dt => [dt.textContent, dt.nextElementSibling.textContent]))")  # fmt: skip
+
+
+def status_of(stack: Stack, job_id: str) -> dict:
+    """What `batchgen status JOB --json` says."""
+    out = subprocess.run([sys.executable, "-m", "batchgen", "status", job_id, "--json", "--redis",
+                          stack.redis_url], capture_output=True, text=True, check=True)  # fmt: skip
+    return json.loads(out.stdout)
+
+
 def test_dashboard_shows_a_job_progress_to_100_percent(stack, browser, toy_model, tmp_path):
     page = browser.page
     for domain in ("Runtime", "Log", "Page"):
@@ -80,13 +97,55 @@ def test_dashboard_shows_a_job_progress_to_100_percent(stack, browser, toy_model
     assert any(0 < p < 100 for p in seen), f"the bar never showed a value between: {seen}"
     assert page.evaluate(f"{bar}.firstChild.style.width") == "100%"
 
-    page.evaluate(f"document.querySelector('[data-job=\"{batch.id}\"]').click()")
+    # a person's click on the job id, held across a refresh (every 0.3 s here): the row
+    # under the mouse must be the same element when the button comes up
+    page.click(f'[data-job="{batch.id}"] td', hold_s=0.8)
     page.wait_for("!document.getElementById('detail').hidden")
-    page.wait_for("document.getElementById('detail').textContent.includes('40 / 0 / 40')")
+    page.wait_for("document.getElementById('detail').textContent.includes('40 / 0 / 0 / 40')")
+    page.wait_for("document.querySelector('#detail dd').textContent === 'completed'")  # final
+    detail = shown_detail(page)
+    assert detail["output"] == str(stack.tmp / "out" / batch.id)
+    # its tok/s is `batchgen status`'s, and no more than the fleet's chart ever showed
+    status = status_of(stack, batch.id)
+    assert float(detail["tok/s"]) == status["tokens_per_s"] > 0
+    series = page.evaluate("fetch('/api/series').then(r => r.json())")
+    peak = max(point["fleet"] for point in series)
+    assert status["tokens_per_s"] <= peak, (status, [p["fleet"] for p in series])
     workers = page.evaluate("[...document.querySelectorAll('#workers tbody tr')]"
                             ".map(r => r.children[3].textContent)")  # fmt: skip
     assert workers == ["cpu"]
     page.wait_for("document.querySelectorAll('#legend span').length >= 2")  # fleet + the job
+
+    # a job no worker serves: its detail has its output and a cancel button that works
+    unserved = tmp_path / "unserved"
+    unserved.symlink_to(toy_model("llama"))
+    (tmp_path / "wait.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    submitted = subprocess.run(
+        [sys.executable, "-m", "batchgen", "submit", str(tmp_path / "wait.jsonl"), "--model",
+         str(unserved), "--job-id", "waits", "--output", str(tmp_path / "waits"), "--redis",
+         stack.redis_url], capture_output=True, text=True)  # fmt: skip
+    assert (submitted.returncode, submitted.stdout) == (0, "waits\n"), submitted.stderr
+    page.wait_for("!!document.querySelector('[data-job=\"waits\"]')")
+    page.click('[data-job="waits"] td')
+    page.wait_for("document.getElementById('detail').textContent.includes('Job waits')")
+    detail = shown_detail(page)
+    assert (detail["state"], detail["output"], detail["ETA"]) == (
+        "queued", str(tmp_path / "waits"), "– (no live worker serves the model)")  # fmt: skip
+    page.click("#detail button.danger")
+    assert page.dialogs == ["Cancel job waits? Finished rows are kept."]
+    page.wait_for("document.querySelector('#detail dd').textContent === 'cancelling'")
+    assert page.evaluate("document.querySelector('#detail button.danger')") is None
+    status = status_of(stack, "waits")
+    assert status["state"] == "cancelling"  # the worker of its model would finalize it
+    finalized = subprocess.run([sys.executable, "-m", "batchgen", "finalize", "waits", "--redis",
+                                stack.redis_url], capture_output=True, text=True)  # fmt: skip
+    assert finalized.returncode == 0, finalized.stderr
+    # its rows are cancelled ones, not failed ones, in the detail and in the table
+    page.wait_for("document.querySelector('#detail dd').textContent === 'cancelled'")
+    assert shown_detail(page)["done / failed / cancelled / total"] == "0 / 0 / 2 / 2"
+    cells = page.evaluate("[...document.querySelector('[data-job=\"waits\"]').children]"
+                          ".map(td => td.textContent)")  # fmt: skip
+    assert cells[4:8] == ["0", "0", "2", "2"]  # done, failed, cancelled, total
 
     shot = page.screenshot(tmp_path / "dashboard.png")
     assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 20_000

@@ -65,13 +65,12 @@ def stop(force: bool) -> None:
     if not report["running"]:
         click.echo("the embedded Redis is not running")
         return
-    busy = []
-    if report["live_workers"]:
-        busy.append(f"{report['live_workers']} live worker(s)")
-    if report["other_connections"]:
+    # in use means connected: a live worker holds connections, and a heartbeat without
+    # any is a killed worker's (kept by the AOF until it expires), which holds nothing up
+    if report["other_connections"] and not force:
+        busy = [f"{report['live_workers']} live worker(s)"] if report["live_workers"] else []
         busy.append(f"{report['other_connections']} connection(s) of workers, batchgen run, "
                     "serve or status --watch")  # fmt: skip
-    if busy and not force:
         raise JobConflict(
             f"the embedded Redis is in use ({'; '.join(busy)}; {report['unfinished_jobs']} "
             "job(s) not finished): stop those first, or pass --force"

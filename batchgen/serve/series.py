@@ -1,9 +1,9 @@
 """Output tok/s over the last hour, for the fleet, each job and each worker.
 
 The server samples every ``interval_s``: committed completion tokens per job
-(from the job records) and generated tokens per worker (from their heartbeats'
-counters, which arrive with each heartbeat: a rate over the last 30 s), as rates
-since the previous sample. Each sample is one JSON member
+(from the job records), as a rate over the part of the interval the job ran, and
+generated tokens per worker (from their heartbeats' counters, which arrive with
+each heartbeat: a rate over the last 30 s). Each sample is one JSON member
 of a sorted set scored by time; older than an hour is trimmed. With several
 servers on one Redis, one takes each time slot (SET NX).
 """
@@ -17,12 +17,14 @@ from typing import Any
 
 import redis
 
+from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.status_report import all_statuses
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import Keys, text
 
 WINDOW_S = 3600
 WORKER_WINDOW_S = 30.0  # heartbeats carry a worker's counters every few seconds: rate over this
+MIN_ACTIVE_S = 0.01  # a job that ran shorter than this within an interval: counted as this long
 
 
 class Sampler:
@@ -38,7 +40,8 @@ class Sampler:
         ttl = max(int(self.interval_s * 3), 2)
         if not self.conn.set(self.keys.sampled(slot), "1", nx=True, ex=ttl):
             return None
-        jobs = {s.record.id: s.record.completion_tokens for s in all_statuses(self.conn, self.keys)}
+        records = {s.record.id: s.record for s in all_statuses(self.conn, self.keys)}
+        jobs = {job_id: record.completion_tokens for job_id, record in records.items()}
         workers = {w["name"]: int(w.get("counters", {}).get("generation_tokens", 0))
                    for w in live_workers(self.conn, self.keys)}  # fmt: skip
         worker_rates = {}
@@ -53,8 +56,9 @@ class Sampler:
         dt = now - self.last_t
         point = None
         if self.last_t and dt > 0:
-            job_rates = {j: round((n - self.jobs[j]) / dt, 2) for j, n in jobs.items()
-                         if j in self.jobs and n > self.jobs[j]}  # fmt: skip
+            # a job not seen at the last sample was created since: all its tokens are new
+            job_rates = {j: round((n - self.jobs.get(j, 0)) / self._active(records[j], now), 2)
+                         for j, n in jobs.items() if n > self.jobs.get(j, 0)}  # fmt: skip
             point = {"t": round(now, 3), "fleet": round(sum(job_rates.values()), 2),
                      "jobs": job_rates, "workers": worker_rates}  # fmt: skip
             pipe = self.conn.pipeline(transaction=False)
@@ -63,6 +67,16 @@ class Sampler:
             pipe.execute()
         self.last_t, self.jobs = now, jobs
         return point
+
+    def _active(self, record: JobRecord, now: float) -> float:
+        """The part of the interval since the last sample in which the job ran (from
+        its start, the first read of one of its requests, to its end): the tokens it
+        committed meanwhile are a rate over that time, not over idle time around a short
+        job. So the job's own tok/s (tokens over its running time) never exceeds its
+        highest point here."""
+        start = max(self.last_t, record.started_at or self.last_t)
+        end = min(now, record.finished_at) if record.finished_at > start else now
+        return max(end - start, MIN_ACTIVE_S)
 
 
 def read_series(conn: redis.Redis, keys: Keys, since_s: float = WINDOW_S) -> list[dict[str, Any]]:
