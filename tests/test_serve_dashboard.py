@@ -30,7 +30,9 @@ pytestmark = pytest.mark.skipif(
 def stack(redis_url: str, tmp_path: Path, toy_model) -> Iterator[Stack]:
     stack = Stack(redis_url, tmp_path)
     try:
-        stack.serve("--api-key", KEY, "--refresh", "0.3", "--sample", "1")
+        # an admin key: the dashboard shows it the CLI's jobs too (another key would not)
+        (tmp_path / "keys.txt").write_text(f"{KEY} ops admin\n")
+        stack.serve("--keys-file", str(tmp_path / "keys.txt"), "--refresh", "0.3", "--sample", "1")
         stack.worker(toy_model("llama"), "--max-num-seqs", "2")
         yield stack
     finally:
@@ -71,7 +73,7 @@ def test_dashboard_shows_a_job_progress_to_100_percent(stack, browser, toy_model
     page.wait_for("!!document.querySelector('#jobs') && document.readyState === 'complete'")
     cookie = page.send("Network.getCookies")["cookies"][0]
     assert (cookie["name"], cookie["httpOnly"], cookie["sameSite"]) == (
-        "batchgen_key", True, "Strict")  # fmt: skip
+        "batchgen_session", True, "Strict")  # fmt: skip
 
     client = OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0)
     rows = [{"custom_id": f"d{i}", "method": "POST", "url": "/v1/completions",
