@@ -4,7 +4,7 @@ the official ``openai`` client per key against a live ``batchgen serve`` and a C
 Keys: two of team-a (from a keys file), one of team-b, an admin (ops), and a bare
 ``--api-key`` (its own tenant). Another tenant's object is a 404 in OpenAI's error
 shape on the API, on /api/ and on the dashboard; a job submitted from the CLI is
-visible to admins only.
+visible to admins only. (The README's Security section states these.)
 """
 
 from __future__ import annotations
@@ -116,9 +116,14 @@ def test_a_key_sees_only_its_tenants_batches_and_files(stack):
         for file_id in (a_in.id, out_id):
             error = not_found(other.files.retrieve, file_id)
             assert error["message"] == f"No such file: '{file_id}'"
+            never = not_found(other.files.retrieve, "file-never-made")  # told apart by nothing
+            assert error == never | {"message": f"No such file: '{file_id}'"}
             not_found(other.files.content, file_id)  # the prompts, the outputs
             not_found(other.files.delete, file_id)
-        not_found(other.batches.retrieve, a_batch.id)
+        error = not_found(other.batches.retrieve, a_batch.id)
+        assert error["message"] == f"No such batch: '{a_batch.id}'"
+        never = not_found(other.batches.retrieve, "batch_never_made")
+        assert error == never | {"message": error["message"]}
         not_found(other.batches.cancel, a_batch.id)
         not_found(other.batches.create, input_file_id=a_in.id, endpoint="/v1/completions",
                   completion_window="24h")  # fmt: skip
