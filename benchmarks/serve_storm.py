@@ -105,7 +105,7 @@ def run_storm(config: StormConfig, model: Path, tmp: Path) -> StormResult:
                 stack.env["BATCHGEN_TEST_CRASH_AT"] = f"{point}:1:stop"
             else:
                 stack.env.pop("BATCHGEN_TEST_CRASH_AT", None)
-            stack.serve("--lease", "2", name=f"serve-{epoch}")
+            stack.serve("--lease", "2", name=f"serve-{epoch}", or_frozen=True)
             froze = _epoch(stack, plan, rng, point, config, result, started, model)
             if point is not None:
                 if froze:
@@ -129,7 +129,7 @@ def _epoch(stack: Stack, plan: list[Planned], rng: random.Random, point: str | N
     client = openai.OpenAI(base_url=stack.base + "/v1", api_key="-", max_retries=0, timeout=10)
     waiting = [p for p in plan if not p.batch_id]
     for p in waiting[: len(waiting) if point is None else rng.randint(1, 3)]:
-        if _frozen(stack):
+        if stack.frozen():
             break
         try:
             file = client.files.create(file=("in.jsonl", _lines(p, model)), purpose="batch")
@@ -139,7 +139,7 @@ def _epoch(stack: Stack, plan: list[Planned], rng: random.Random, point: str | N
             break  # frozen mid-request: the batch is made again by the next server
     deadline = time.monotonic() + (config.epoch_s if point else config.timeout_s)
     while time.monotonic() < deadline and time.monotonic() - started < config.timeout_s:
-        if _frozen(stack):
+        if stack.frozen():
             return True
         try:
             states = {p.name: client.batches.retrieve(p.batch_id) for p in plan if p.batch_id}
@@ -170,10 +170,6 @@ def _apply(client: openai.OpenAI, p: Planned, batch: Any, result: StormResult) -
         pass  # it finished first
     except (openai.APITimeoutError, openai.APIConnectionError):
         p.applied = False  # the server froze: try again on the next one
-
-
-def _frozen(stack: Stack) -> bool:
-    return "crash point" in stack.log(stack.server_log)
 
 
 def _lines(p: Planned, model: Path) -> bytes:

@@ -44,15 +44,22 @@ class Stack:
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def serve(self, *args: str, name: str = "serve") -> subprocess.Popen:
-        """A server (its log: ``name``.log), on the stack's files dir unless ``args`` say."""
+    def serve(self, *args: str, name: str = "serve", or_frozen: bool = False) -> subprocess.Popen:
+        """A server (its log: ``name``.log), on the stack's files dir unless ``args`` say.
+        ``or_frozen``: it may stop at its crash point (a batch it takes over) before it
+        answers, and that is waited for too."""
         self.port = free_port()
         self.server = self._start(name, "serve", "--port", str(self.port), "--files-dir",
                                   str(self.tmp / "files"), "--output-root", str(self.tmp / "out"),
                                   *args)  # fmt: skip
         self.server_log = name
-        wait_for(self._up, 60, "batchgen serve to answer")
+        wait_for(lambda: (or_frozen and self.frozen()) or self._up(), 60,
+                 "batchgen serve to answer")  # fmt: skip
         return self.server
+
+    def frozen(self) -> bool:
+        """The server stopped at its crash point (BATCHGEN_TEST_CRASH_AT)."""
+        return "crash point" in self.log(self.server_log)
 
     def kill_server(self) -> None:
         """kill -9 of the server (its whole process group)."""

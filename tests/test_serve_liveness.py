@@ -110,7 +110,7 @@ def test_serve_killed_mid_validation_and_mid_output_is_taken_over(fleet, tmp_pat
         stack.kill_server()
         # 3. the next one takes B over and freezes half way through its output files
         stack.env[crash] = "serve_writing_outputs:1:stop"
-        stack.serve("--api-key", KEY, "--lease", LEASE, name="serve-3")
+        stack.serve("--api-key", KEY, "--lease", LEASE, name="serve-3", or_frozen=True)
         wait_for(lambda: reached(stack, "serve_writing_outputs"), 120, "output to freeze")
         conn: Any = redis.Redis.from_url(fleet.redis_url)  # (the frozen server cannot answer)
         assert conn.hget(Keys("bg").batch(b.id), "state") == b"submitted"  # outputs unwritten
