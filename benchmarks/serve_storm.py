@@ -187,7 +187,8 @@ def _check(stack: Stack, plan: list[Planned], result: StormResult) -> None:
         problems.append(f"{len(plan) - len(expected)} batches were never made")
     for batch in client.batches.list(limit=100):  # those made without a reply too
         result.batches += 1
-        result.requests += batch.request_counts.total
+        total = batch.request_counts.total if batch.request_counts else 0
+        result.requests += total
         if batch.status not in FINAL:
             problems.append(f"{batch.id} ended {batch.status}")
             continue
@@ -198,8 +199,8 @@ def _check(stack: Stack, plan: list[Planned], result: StormResult) -> None:
                 got += [json.loads(x)["custom_id"]
                         for x in client.files.content(file_id).text.splitlines()]  # fmt: skip
         result.lines += len(got)
-        if len(got) != batch.request_counts.total:
-            problems.append(f"{batch.id}: {len(got)} lines for {batch.request_counts.total}")
+        if len(got) != total:
+            problems.append(f"{batch.id}: {len(got)} lines for {total}")
         p = expected.get(batch.id)
         if p is not None and batch.status != "failed":
             want = sorted(f"{p.name}-{i}" for i in range(p.requests))
