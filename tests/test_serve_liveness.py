@@ -270,6 +270,8 @@ def test_files_and_batches_expire_and_delete_removes_a_batch_whole(fleet, tmp_pa
         other = finished(c, c.batches.create(input_file_id=kept.id, endpoint="/v1/completions",
                                              completion_window="24h").id)  # fmt: skip
         assert mentions(conn, other.id)
+        kept_out = c.files.retrieve(other.output_file_id)  # --output-expiry's default: 30 days
+        assert kept_out.expires_at == kept_out.created_at + 30 * 86400
         result = CliRunner().invoke(main, ["delete", other.id, "--redis", fleet.redis_url])
         assert result.exit_code == 0, result.output
         assert result.output.endswith(f"; deleted batch {other.id} and its 1 output files\n")
