@@ -9,14 +9,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
 from batchgen.jobs.redis.keys import Keys
-from batchgen.jobs.redis.redis_server import free_port
+from batchgen.jobs.redis.redis_server import RedisServer, free_port
 
 KEY = "sk-test-batchgen"
 
@@ -26,6 +27,21 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+
+
+@contextmanager
+def private_stack(tmp: Path, model: Path, env: dict[str, str] | None = None) -> Iterator[Stack]:
+    """A Stack (``model``: what its workers serve) on a redis-server of its own, in ``tmp``;
+    its processes and the redis-server are killed at the end."""
+    server = RedisServer(tmp / "redis")
+    server.start()
+    stack = Stack(server.url, tmp, env=dict(env or {}))
+    stack.model = model  # type: ignore[attr-defined]
+    try:
+        yield stack
+    finally:
+        stack.stop()
+        server.kill()
 
 
 @dataclass

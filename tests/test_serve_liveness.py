@@ -20,9 +20,8 @@ import redis
 from openai import OpenAI
 
 from batchgen.jobs.redis.keys import Keys
-from batchgen.jobs.redis.redis_server import RedisServer
 from benchmarks.soak_checks import dump_redis
-from tests.serve_stack import KEY, Stack, wait_for
+from tests.serve_stack import KEY, Stack, private_stack, wait_for
 
 DONE = ("completed", "failed", "cancelled", "expired")
 LEASE = "2"  # seconds: how soon a dead server's batch is taken over
@@ -31,17 +30,9 @@ LEASE = "2"  # seconds: how soon a dead server's batch is taken over
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, toy_model) -> Iterator[Stack]:
     """A private redis-server and one CPU worker, for every server these tests start."""
-    tmp = tmp_path_factory.mktemp("serve-liveness")
-    server = RedisServer(tmp / "redis")
-    server.start()
-    fleet = Stack(server.url, tmp)
-    fleet.model = toy_model("llama")  # type: ignore[attr-defined]
-    try:
+    with private_stack(tmp_path_factory.mktemp("serve-liveness"), toy_model("llama")) as fleet:
         fleet.worker(fleet.model, "--max-num-seqs", "4")  # type: ignore[attr-defined]
         yield fleet
-    finally:
-        fleet.stop()
-        server.kill()
 
 
 def client(stack: Stack) -> OpenAI:

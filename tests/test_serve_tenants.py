@@ -27,9 +27,8 @@ from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys
-from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.jobs.schema.sampling import DEFAULTS
-from tests.serve_stack import Stack
+from tests.serve_stack import Stack, private_stack
 
 KEYS_FILE = """\
 # key        tenant   role
@@ -44,18 +43,11 @@ DONE = ("completed", "failed", "cancelled", "expired")
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, toy_model) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("serve-tenants")
-    server = RedisServer(tmp / "redis")
-    server.start()
     (tmp / "keys.txt").write_text(KEYS_FILE)
-    stack = Stack(server.url, tmp)
-    stack.model = toy_model("llama")  # type: ignore[attr-defined]
-    try:
+    with private_stack(tmp, toy_model("llama")) as stack:
         stack.serve("--keys-file", str(tmp / "keys.txt"), "--api-key", "sk-solo")
         stack.worker(stack.model, "--max-num-seqs", "4")  # type: ignore[attr-defined]
         yield stack
-    finally:
-        stack.stop()
-        server.kill()
 
 
 def client(stack: Stack, key: str) -> OpenAI:
