@@ -36,8 +36,7 @@ if str(REPO) not in sys.path:  # run as a script: its sibling modules are benchm
     sys.path.insert(0, str(REPO))
 
 from batchgen.jobs.redis.keys import Keys  # noqa: E402
-from batchgen.jobs.redis.redis_server import RedisServer  # noqa: E402
-from tests.serve_stack import Stack  # noqa: E402
+from tests.serve_stack import Stack, private_stack  # noqa: E402
 
 FATES = ("plain", "delete_input", "cancel", "delete_input+cancel")
 POINTS = ("serve_validating", "serve_writing_outputs")
@@ -51,7 +50,7 @@ class StormConfig:
     requests: tuple[int, int] = (4, 12)  # per batch
     max_tokens: tuple[int, int] = (8, 32)
     kills: int = 4  # servers killed at crash points (half of each kind, order from the seed)
-    epoch_s: float = 90.0  # a server's crash point not reached by then: it is stopped anyway
+    epoch_s: float = 60.0  # a server's crash point not reached by then: it is stopped anyway
     timeout_s: float = 600.0
 
 
@@ -70,6 +69,7 @@ class StormResult:
     cancelled: int = 0
     lines: int = 0  # output + error lines, all batches
     wall_s: float = 0.0
+    failures: list[str] = field(default_factory=list)  # each failed batch's errors (allowed)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -94,52 +94,51 @@ def run_storm(config: StormConfig, model: Path, tmp: Path) -> StormResult:
                     rng.choice(FATES)) for i in range(config.batches)]  # fmt: skip
     crashes = [POINTS[i % 2] for i in range(config.kills)]
     rng.shuffle(crashes)
-    server = RedisServer(tmp / "redis")
-    server.start()
-    stack = Stack(server.url, tmp, env={"BATCHGEN_API_KEYS": ""})  # one user: sees everything
     started = time.monotonic()
-    try:
-        stack.worker(model, "--max-num-seqs", "4")
-        for epoch, point in enumerate([*crashes, None]):
-            if point is not None:
-                stack.env["BATCHGEN_TEST_CRASH_AT"] = f"{point}:1:stop"
-            else:
-                stack.env.pop("BATCHGEN_TEST_CRASH_AT", None)
-            stack.serve("--lease", "2", name=f"serve-{epoch}")
-            froze = _epoch(stack, plan, rng, point, config, result, started, model)
-            if point is not None:
-                if froze:
-                    kind = "killed_validating" if point == POINTS[0] else "killed_writing"
-                    setattr(result, kind, getattr(result, kind) + 1)
+    try:  # without keys: one user, who sees everything
+        with private_stack(tmp, model, {"BATCHGEN_API_KEYS": ""}) as stack:
+            stack.worker(model, "--max-num-seqs", "4")
+            for epoch, point in enumerate([*crashes, None]):
+                if point is not None:
+                    stack.env["BATCHGEN_TEST_CRASH_AT"] = f"{point}:1:stop"
                 else:
-                    result.not_reached += 1
-                stack.kill_server()
-        _check(stack, plan, result)
+                    stack.env.pop("BATCHGEN_TEST_CRASH_AT", None)
+                stack.serve("--lease", "2", name=f"serve-{epoch}", or_frozen=True)
+                froze = _epoch(stack, plan, rng, point, config, result, started, model)
+                if point is not None:
+                    if froze:
+                        kind = "killed_validating" if point == POINTS[0] else "killed_writing"
+                        setattr(result, kind, getattr(result, kind) + 1)
+                    else:
+                        result.not_reached += 1
+                    stack.kill_server()
+            _check(stack, plan, result)
     finally:
         result.wall_s = round(time.monotonic() - started, 1)
-        stack.stop()
-        server.kill()
     return result
 
 
 def _epoch(stack: Stack, plan: list[Planned], rng: random.Random, point: str | None,
            config: StormConfig, result: StormResult, started: float, model: Path) -> bool:  # fmt: skip
     """Drive one server until it freezes at its crash point (True), or, for the last one,
-    until every batch ended; False when its point was never reached."""
+    until every batch ended; False when its point was not reached (in ``epoch_s``, or
+    at once when nothing is left that could reach it)."""
     client = openai.OpenAI(base_url=stack.base + "/v1", api_key="-", max_retries=0, timeout=10)
     waiting = [p for p in plan if not p.batch_id]
+    made = 0
     for p in waiting[: len(waiting) if point is None else rng.randint(1, 3)]:
-        if _frozen(stack):
+        if stack.frozen():
             break
         try:
             file = client.files.create(file=("in.jsonl", _lines(p, model)), purpose="batch")
             p.batch_id = client.batches.create(input_file_id=file.id, completion_window="24h",
                                                endpoint="/v1/completions").id  # fmt: skip
+            made += 1
         except (openai.APITimeoutError, openai.APIConnectionError):
             break  # frozen mid-request: the batch is made again by the next server
     deadline = time.monotonic() + (config.epoch_s if point else config.timeout_s)
     while time.monotonic() < deadline and time.monotonic() - started < config.timeout_s:
-        if _frozen(stack):
+        if stack.frozen():
             return True
         try:
             states = {p.name: client.batches.retrieve(p.batch_id) for p in plan if p.batch_id}
@@ -150,10 +149,15 @@ def _epoch(stack: Stack, plan: list[Planned], rng: random.Random, point: str | N
             if batch is not None and not p.applied and batch.status == "in_progress":
                 p.applied = True
                 _apply(client, p, batch, result)
-        if point is None and len(states) == len(plan) and all(
-            b.status in FINAL for b in states.values()
-        ):  # fmt: skip
+        ended = all(b.status in FINAL for b in states.values())
+        if point is None and len(states) == len(plan) and ended:
             return True
+        if point == POINTS[0] and not made and all(
+            b.status != "validating" for b in states.values()
+        ):  # fmt: skip
+            return False  # nothing to validate: this server's point cannot be reached
+        if point == POINTS[1] and ended:
+            return False  # no output left to write
         time.sleep(0.3)
     return False
 
@@ -172,10 +176,6 @@ def _apply(client: openai.OpenAI, p: Planned, batch: Any, result: StormResult) -
         p.applied = False  # the server froze: try again on the next one
 
 
-def _frozen(stack: Stack) -> bool:
-    return "crash point" in stack.log(stack.server_log)
-
-
 def _lines(p: Planned, model: Path) -> bytes:
     rows = [{"custom_id": f"{p.name}-{i}", "method": "POST", "url": "/v1/completions",
              "body": {"model": str(model), "prompt": f"{p.name} request {i}",
@@ -191,19 +191,24 @@ def _check(stack: Stack, plan: list[Planned], result: StormResult) -> None:
         problems.append(f"{len(plan) - len(expected)} batches were never made")
     for batch in client.batches.list(limit=100):  # those made without a reply too
         result.batches += 1
-        result.requests += batch.request_counts.total
+        total = batch.request_counts.total if batch.request_counts else 0
+        result.requests += total
         if batch.status not in FINAL:
             problems.append(f"{batch.id} ended {batch.status}")
             continue
         setattr(result, batch.status, getattr(result, batch.status) + 1)
+        if batch.status == "failed":
+            errors = batch.errors.data if batch.errors and batch.errors.data else []
+            result.failures.append(f"{batch.id}: " + "; ".join(
+                f"{e.code}: {e.message}" for e in errors))  # fmt: skip
         got = []
         for file_id in (batch.output_file_id, batch.error_file_id):
             if file_id:
                 got += [json.loads(x)["custom_id"]
                         for x in client.files.content(file_id).text.splitlines()]  # fmt: skip
         result.lines += len(got)
-        if len(got) != batch.request_counts.total:
-            problems.append(f"{batch.id}: {len(got)} lines for {batch.request_counts.total}")
+        if len(got) != total:
+            problems.append(f"{batch.id}: {len(got)} lines for {total}")
         p = expected.get(batch.id)
         if p is not None and batch.status != "failed":
             want = sorted(f"{p.name}-{i}" for i in range(p.requests))

@@ -9,14 +9,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
 from batchgen.jobs.redis.keys import Keys
-from batchgen.jobs.redis.redis_server import free_port
+from batchgen.jobs.redis.redis_server import RedisServer, free_port
 
 KEY = "sk-test-batchgen"
 
@@ -26,6 +27,21 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+
+
+@contextmanager
+def private_stack(tmp: Path, model: Path, env: dict[str, str] | None = None) -> Iterator[Stack]:
+    """A Stack (``model``: what its workers serve) on a redis-server of its own, in ``tmp``;
+    its processes and the redis-server are killed at the end."""
+    server = RedisServer(tmp / "redis")
+    server.start()
+    stack = Stack(server.url, tmp, env=dict(env or {}))
+    stack.model = model  # type: ignore[attr-defined]
+    try:
+        yield stack
+    finally:
+        stack.stop()
+        server.kill()
 
 
 @dataclass
@@ -44,15 +60,22 @@ class Stack:
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def serve(self, *args: str, name: str = "serve") -> subprocess.Popen:
-        """A server (its log: ``name``.log), on the stack's files dir unless ``args`` say."""
+    def serve(self, *args: str, name: str = "serve", or_frozen: bool = False) -> subprocess.Popen:
+        """A server (its log: ``name``.log), on the stack's files dir unless ``args`` say.
+        ``or_frozen``: it may stop at its crash point (a batch it takes over) before it
+        answers, and that is waited for too."""
         self.port = free_port()
         self.server = self._start(name, "serve", "--port", str(self.port), "--files-dir",
                                   str(self.tmp / "files"), "--output-root", str(self.tmp / "out"),
                                   *args)  # fmt: skip
         self.server_log = name
-        wait_for(self._up, 60, "batchgen serve to answer")
+        wait_for(lambda: (or_frozen and self.frozen()) or self._up(), 60,
+                 "batchgen serve to answer")  # fmt: skip
         return self.server
+
+    def frozen(self) -> bool:
+        """The server stopped at its crash point (BATCHGEN_TEST_CRASH_AT)."""
+        return "crash point" in self.log(self.server_log)
 
     def kill_server(self) -> None:
         """kill -9 of the server (its whole process group)."""

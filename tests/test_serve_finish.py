@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -22,13 +23,19 @@ from batchgen.serve.settings import ServeConfig, expiry
 from batchgen.serve.sweep import FINISH_ATTEMPTS, Sweep
 
 
-def test_a_batch_whose_outputs_cannot_be_written_fails_after_its_tries(redis_url, tmp_path):
+def sweeper(redis_url: str, tmp_path: Path) -> tuple[Any, Keys, ServeConfig, Batches, Sweep]:
+    """A server's Batches and Sweep on ``tmp_path``'s files dir (it validates nothing)."""
     conn: Any = redis.Redis.from_url(redis_url)
     keys = Keys("bg")
     config = ServeConfig(str(tmp_path / "files"), str(tmp_path / "out"), redis_url)
     batches = Batches(conn, keys, config, FileStore(conn, keys, config.files_dir))
     with ThreadPoolExecutor(1) as pool:
         sweep = Sweep(batches, lambda _: None, "test", pool)
+    return conn, keys, config, batches, sweep
+
+
+def test_a_batch_whose_outputs_cannot_be_written_fails_after_its_tries(redis_url, tmp_path):
+    conn, keys, config, batches, sweep = sweeper(redis_url, tmp_path)
     record = BatchRecord(id="batch_broken", input_file_id="file-x", state=BatchState.SUBMITTED,
                          store=config.files_dir)  # fmt: skip
     conn.hset(keys.batch(record.id), mapping=record.to_hash())
@@ -55,12 +62,7 @@ def test_a_batch_whose_outputs_cannot_be_written_fails_after_its_tries(redis_url
 
 
 def test_only_the_lease_holder_writes_and_a_retry_waits_its_delay(redis_url, tmp_path):
-    conn: Any = redis.Redis.from_url(redis_url)
-    keys = Keys("bg")
-    config = ServeConfig(str(tmp_path / "files"), str(tmp_path / "out"), redis_url)
-    batches = Batches(conn, keys, config, FileStore(conn, keys, config.files_dir))
-    with ThreadPoolExecutor(1) as pool:
-        sweep = Sweep(batches, lambda _: None, "test", pool)
+    conn, keys, config, batches, sweep = sweeper(redis_url, tmp_path)
     record = BatchRecord(id="batch_held", state=BatchState.SUBMITTED, store=config.files_dir,
                          finish_retry_at=time.time() + 3600)  # fmt: skip
     conn.hset(keys.batch(record.id), mapping=record.to_hash())

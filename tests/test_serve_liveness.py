@@ -20,9 +20,8 @@ import redis
 from openai import OpenAI
 
 from batchgen.jobs.redis.keys import Keys
-from batchgen.jobs.redis.redis_server import RedisServer
 from benchmarks.soak_checks import dump_redis
-from tests.serve_stack import KEY, Stack, wait_for
+from tests.serve_stack import KEY, Stack, private_stack, wait_for
 
 DONE = ("completed", "failed", "cancelled", "expired")
 LEASE = "2"  # seconds: how soon a dead server's batch is taken over
@@ -31,17 +30,9 @@ LEASE = "2"  # seconds: how soon a dead server's batch is taken over
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, toy_model) -> Iterator[Stack]:
     """A private redis-server and one CPU worker, for every server these tests start."""
-    tmp = tmp_path_factory.mktemp("serve-liveness")
-    server = RedisServer(tmp / "redis")
-    server.start()
-    fleet = Stack(server.url, tmp)
-    fleet.model = toy_model("llama")  # type: ignore[attr-defined]
-    try:
+    with private_stack(tmp_path_factory.mktemp("serve-liveness"), toy_model("llama")) as fleet:
         fleet.worker(fleet.model, "--max-num-seqs", "4")  # type: ignore[attr-defined]
         yield fleet
-    finally:
-        fleet.stop()
-        server.kill()
 
 
 def client(stack: Stack) -> OpenAI:
@@ -63,6 +54,13 @@ def create(c: OpenAI, data: bytes) -> Any:
 
 def status_of(c: OpenAI, batch_id: str) -> str:
     return c.batches.retrieve(batch_id).status
+
+
+def counts(c: OpenAI, batch_id: str) -> Any:
+    """The batch's request_counts (always there on this server's batches)."""
+    got = c.batches.retrieve(batch_id).request_counts
+    assert got is not None
+    return got
 
 
 def finished(c: OpenAI, batch_id: str, timeout: float = 300) -> Any:
@@ -110,7 +108,7 @@ def test_serve_killed_mid_validation_and_mid_output_is_taken_over(fleet, tmp_pat
         stack.kill_server()
         # 3. the next one takes B over and freezes half way through its output files
         stack.env[crash] = "serve_writing_outputs:1:stop"
-        stack.serve("--api-key", KEY, "--lease", LEASE, name="serve-3")
+        stack.serve("--api-key", KEY, "--lease", LEASE, name="serve-3", or_frozen=True)
         wait_for(lambda: reached(stack, "serve_writing_outputs"), 120, "output to freeze")
         conn: Any = redis.Redis.from_url(fleet.redis_url)  # (the frozen server cannot answer)
         assert conn.hget(Keys("bg").batch(b.id), "state") == b"submitted"  # outputs unwritten
@@ -127,7 +125,7 @@ def test_serve_killed_mid_validation_and_mid_output_is_taken_over(fleet, tmp_pat
         assert sorted(x["custom_id"] for x in lines(c, batch.output_file_id)) == [
             f"b-{i}" for i in range(5)]  # fmt: skip
         assert batch.error_file_id is None
-        assert c.batches.retrieve(a.id).request_counts.total == 0  # never submitted
+        assert counts(c, a.id).total == 0  # never submitted
         wait_for(lambda: temp_files(tmp_path / "files") == [], 30, "dead writes' temp files")
         print(
             f"cancel after a kill -9 mid-validation done in {took_over:.1f} s; output "
@@ -146,7 +144,7 @@ def test_an_input_file_deleted_mid_run_never_sticks_a_batch(fleet, tmp_path):
         c = client(stack)
         runs = create(c, rows(model, 24, "run", max_tokens=24))
         stops = create(c, rows(model, 24, "stop", max_tokens=24))
-        wait_for(lambda: c.batches.retrieve(runs.id).request_counts.completed > 0, 120,
+        wait_for(lambda: counts(c, runs.id).completed > 0, 120,
                  "the first rows")  # fmt: skip
         for batch in (runs, stops):
             assert c.files.delete(batch.input_file_id).deleted  # mid-run
@@ -161,7 +159,8 @@ def test_an_input_file_deleted_mid_run_never_sticks_a_batch(fleet, tmp_path):
             prefix = "run" if batch.id == runs.id else "stop"
             assert sorted(x["custom_id"] for x in got) == sorted(f"{prefix}-{i}"
                                                                  for i in range(24))  # fmt: skip
-            wait_for(lambda b=batch: not (tmp_path / "files" / b.input_file_id).exists(), 30,
+            input_bytes = tmp_path / "files" / batch.input_file_id
+            wait_for(lambda: not input_bytes.exists(), 30,  # noqa: B023 (called here only)
                      "the deleted input's bytes to go once its batch ended")  # fmt: skip
         # bytes removed behind the server's back: every request still gets its line
         gone = create(c, rows(model, 24, "gone", max_tokens=48))
@@ -262,6 +261,8 @@ def test_files_and_batches_expire_and_delete_removes_a_batch_whole(fleet, tmp_pa
         other = finished(c, c.batches.create(input_file_id=kept.id, endpoint="/v1/completions",
                                              completion_window="24h").id)  # fmt: skip
         assert mentions(conn, other.id)
+        kept_out = c.files.retrieve(other.output_file_id)  # --output-expiry's default: 30 days
+        assert kept_out.expires_at == kept_out.created_at + 30 * 86400
         result = CliRunner().invoke(main, ["delete", other.id, "--redis", fleet.redis_url])
         assert result.exit_code == 0, result.output
         assert result.output.endswith(f"; deleted batch {other.id} and its 1 output files\n")

@@ -4,7 +4,7 @@ the official ``openai`` client per key against a live ``batchgen serve`` and a C
 Keys: two of team-a (from a keys file), one of team-b, an admin (ops), and a bare
 ``--api-key`` (its own tenant). Another tenant's object is a 404 in OpenAI's error
 shape on the API, on /api/ and on the dashboard; a job submitted from the CLI is
-visible to admins only.
+visible to admins only. (The README's Security section states these.)
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys
-from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.jobs.schema.sampling import DEFAULTS
-from tests.serve_stack import Stack
+from tests.serve_stack import Stack, private_stack
 
 KEYS_FILE = """\
 # key        tenant   role
@@ -44,18 +43,11 @@ DONE = ("completed", "failed", "cancelled", "expired")
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, toy_model) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("serve-tenants")
-    server = RedisServer(tmp / "redis")
-    server.start()
     (tmp / "keys.txt").write_text(KEYS_FILE)
-    stack = Stack(server.url, tmp)
-    stack.model = toy_model("llama")  # type: ignore[attr-defined]
-    try:
+    with private_stack(tmp, toy_model("llama")) as stack:
         stack.serve("--keys-file", str(tmp / "keys.txt"), "--api-key", "sk-solo")
         stack.worker(stack.model, "--max-num-seqs", "4")  # type: ignore[attr-defined]
         yield stack
-    finally:
-        stack.stop()
-        server.kill()
 
 
 def client(stack: Stack, key: str) -> OpenAI:
@@ -116,9 +108,14 @@ def test_a_key_sees_only_its_tenants_batches_and_files(stack):
         for file_id in (a_in.id, out_id):
             error = not_found(other.files.retrieve, file_id)
             assert error["message"] == f"No such file: '{file_id}'"
+            never = not_found(other.files.retrieve, "file-never-made")  # told apart by nothing
+            assert error == never | {"message": f"No such file: '{file_id}'"}
             not_found(other.files.content, file_id)  # the prompts, the outputs
             not_found(other.files.delete, file_id)
-        not_found(other.batches.retrieve, a_batch.id)
+        error = not_found(other.batches.retrieve, a_batch.id)
+        assert error["message"] == f"No such batch: '{a_batch.id}'"
+        never = not_found(other.batches.retrieve, "batch_never_made")
+        assert error == never | {"message": error["message"]}
         not_found(other.batches.cancel, a_batch.id)
         not_found(other.batches.create, input_file_id=a_in.id, endpoint="/v1/completions",
                   completion_window="24h")  # fmt: skip

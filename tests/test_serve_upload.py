@@ -239,6 +239,12 @@ def test_form_fields_are_bounded_in_number_and_memory(stack):
     assert (status, reply["error"]["code"]) == (400, "invalid_request")
     assert reply["error"]["message"] == "an upload takes the file and at most 16 other form fields"
     assert grew < 20
+    # one field is bounded: its 4,097th byte ends the upload
+    long = f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n'.encode()
+    sock = raw_upload(stack, long + b"b" * 4097, 10 * MB)
+    status, reply = reply_of(sock)
+    assert (status, reply["error"]["message"], reply["error"]["param"]) == (
+        400, "form field 'purpose' is too long", "purpose")  # fmt: skip
     # a part's headers are bounded too
     huge = f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="x"\r\nX-Pad: '.encode()
     sock = raw_upload(stack, huge + b"p" * 20_000 + b"\r\n\r\nv\r\n", 10 * MB)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -86,7 +86,9 @@ def read_series(conn: redis.Redis, keys: Keys, since_s: float = WINDOW_S) -> lis
 
 def forget_job(conn: redis.Redis, keys: Keys, job_id: str) -> None:
     """Take ``job_id``'s line out of every sample (its batch was deleted)."""
-    for raw, score in conn.zrangebyscore(keys.series, "-inf", "+inf", withscores=True):
+    samples = cast(list[tuple[bytes, float]],
+                   conn.zrangebyscore(keys.series, "-inf", "+inf", withscores=True))  # fmt: skip
+    for raw, score in samples:
         point = json.loads(text(raw))
         if job_id in point.get("jobs", {}):
             del point["jobs"][job_id]
