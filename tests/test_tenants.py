@@ -148,11 +148,10 @@ def test_the_fair_share_block(tmp_path, toy_model):
     try:
         out = run_sh(doc_block("fair-share"), tmp_path, env)
         assert "research" in out.stdout and "ops" in out.stdout
-        status = json.loads(subprocess.run(["batchgen", "status", "--json"], cwd=tmp_path,
-                                           env=env, capture_output=True, check=True).stdout)
-        listed = json.loads(subprocess.run(["batchgen", "tenant", "list", "--json"],
-                                           cwd=tmp_path, env=env, capture_output=True,
-                                           check=True).stdout)  # fmt: skip
+        status, listed = (json.loads(subprocess.run(["batchgen", *args, "--json"], cwd=tmp_path,
+                                                    env=env, capture_output=True,
+                                                    check=True).stdout)
+                          for args in (["status"], ["tenant", "list"]))  # fmt: skip
     finally:
         embedded.stop(tmp_path / "home")
     jobs = sorted((s["tenant"], s["total"], s["priority"], s["state"], bool(s["deadline"]))
