@@ -84,6 +84,11 @@ def test_a_submit_past_a_quota_is_refused_before_anything_is_queued(redis_url, t
     # a job that finishes frees its share
     conn.hset(QK.job("a1").job, "state", "completed")
     assert submit(redis_url, tmp_path, "a4", 1, "--tenant", "acme").exit_code == 0
+    # a3 and a4 hold both jobs acme may have; 'none' lifts the limit
+    assert submit(redis_url, tmp_path, "a5", 1, "--tenant", "acme").exit_code == 3
+    out = cli("tenant", "set", "acme", "--max-jobs", "none", "--redis", redis_url)
+    assert out.output == "tenant acme: weight 2, max enqueued tokens 1000, max jobs none\n"
+    assert submit(redis_url, tmp_path, "a5", 1, "--tenant", "acme").exit_code == 0
 
 
 def test_a_share_whose_job_was_never_created_is_dropped_after_a_minute(redis_url):
