@@ -34,82 +34,53 @@ from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.jobs.schema.sampling import DEFAULTS
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
+from benchmarks.pipeline_bench import ZeroEngine, _Out, _params
 
 KEYS = Keys("fair")
 MODEL = "fair-paced"
 
 
 @dataclass
-class _Out:
-    request_id: str
-    token_ids: list[int]
-    text: str = ""
-    finish_reason: str = "length"
-    num_prompt_tokens: int = 3
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    logprobs: list[dict[int, float]] | None = None
-    samples: list[Any] = field(default_factory=list)
-    embedding: list[float] | None = None
-
-
-@dataclass
-class PacedEngine:
+class PacedEngine(ZeroEngine):
     """Each step sleeps ``step_s`` and gives every running request one token."""
 
-    step_s: float
-    max_num_seqs: int
-    max_model_len: int = 4096
-    running: dict[str, list[int]] = field(default_factory=dict)  # id -> [made, wanted]
-
-    def token_text(self, token_id: int) -> str:
-        return str(token_id)
-
-    def encode(self, prompt: Any) -> list[int]:
-        return [1, 2, 3]
-
-    def add_embedding(self, request_id, prompt, dimensions=None):
-        raise ValueError("the paced engine does not embed")
+    step_s: float = 0.01
+    made: dict[str, list[int]] = field(default_factory=dict)  # id -> [made, wanted]
 
     def add_request(self, request_id, prompt, params, *, resume_token_ids=None, priority=0):
-        self.running[request_id] = [len(resume_token_ids or ()), int(params["max_tokens"])]
+        self.made[request_id] = [len(resume_token_ids or ()), int(params["max_tokens"])]
 
     def step(self) -> list[_Out]:
         time.sleep(self.step_s)
         done = []
-        for rid, counts in list(self.running.items()):
+        for rid, counts in list(self.made.items()):
             counts[0] += 1
             if counts[0] >= counts[1]:
-                del self.running[rid]
+                del self.made[rid]
                 done.append(_Out(rid, [7] * counts[1]))
         return done
 
     def abort(self, request_id: str) -> None:
-        self.running.pop(request_id, None)
+        self.made.pop(request_id, None)
 
     def drain(self) -> list[_Out]:
-        out = [_Out(rid, [7] * made) for rid, (made, _) in self.running.items()]
-        self.running.clear()
+        out = [_Out(rid, [7] * made) for rid, (made, _) in self.made.items()]
+        self.made.clear()
         return out
 
     def has_unfinished(self) -> bool:
-        return bool(self.running)
+        return bool(self.made)
 
     def free_capacity(self) -> int:
-        return self.max_num_seqs - len(self.running)
-
-    def stats(self) -> None:
-        return None
-
-
-def _params(**kwargs: Any) -> dict[str, Any]:
-    return kwargs
+        return self.max_num_seqs - len(self.made)
 
 
 def _worker(url: str, step_s: float, seqs: int, stop: Any) -> None:
     conn = redis.Redis.from_url(url)
     config = LoopConfig(model=MODEL, name="w", prefix=KEYS.prefix, block_ms=100)
-    QueueLoop(conn, EngineAPI(PacedEngine(step_s, seqs), _params, ()), config).run(stop.is_set)
+    QueueLoop(
+        conn, EngineAPI(PacedEngine(max_num_seqs=seqs, step_s=step_s), _params, ()), config
+    ).run(stop.is_set)
 
 
 def _lines(path: Path, n: int, tag: str, max_tokens: int) -> Path:

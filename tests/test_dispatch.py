@@ -120,12 +120,8 @@ def test_urgent_jobs_go_first_earliest_deadline_first(redis_url, tmp_path):
     assert 40 * cost / (10 / 3) > 100  # at its share it would be late
     assert soon.eta == pytest.approx(now + 1 + 40 * cost / 10)  # first in line: the whole fleet
     assert later.eta == pytest.approx(now + 1 + 40 * cost / (10 / 3))  # a third of it
-    assert deadlines.deadline_view(later, now + 1) == {
-        "deadline": now + 3600,
-        "state": "on_track",
-        "eta": later.eta,
-        "expire": False,
-    }
+    on_track = {"deadline": now + 3600, "state": "on_track", "eta": later.eta, "expire": False}
+    assert deadlines.deadline_view(later, now + 1) == on_track
     assert jobs_of(read_new(conn, QK, "w", 40)) == ["soon"] * 40
     # later becomes urgent too (its deadline is near now); the two go by deadline
     job(conn, tmp_path, "sooner", 10, Schedule(deadline=now + 50), max_tokens=8)
@@ -135,7 +131,8 @@ def test_urgent_jobs_go_first_earliest_deadline_first(redis_url, tmp_path):
     assert order == ["sooner"] * 10 + ["later"] * 40 + ["bulk"] * 10
     view = deadlines.deadline_view(load_job(conn, KEYS, "sooner"), now + 2)
     assert view is not None and view["state"] == "at_risk"
-    assert deadlines.deadline_view(load_job(conn, KEYS, "sooner"), now + 51)["state"] == "late"
+    view = deadlines.deadline_view(load_job(conn, KEYS, "sooner"), now + 51)
+    assert view is not None and view["state"] == "late"
 
 
 def test_expire_cancels_at_the_deadline_and_keeps_running_without_it(redis_url, tmp_path):

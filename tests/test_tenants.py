@@ -84,6 +84,11 @@ def test_a_submit_past_a_quota_is_refused_before_anything_is_queued(redis_url, t
     # a job that finishes frees its share
     conn.hset(QK.job("a1").job, "state", "completed")
     assert submit(redis_url, tmp_path, "a4", 1, "--tenant", "acme").exit_code == 0
+    # a3 and a4 hold both jobs acme may have; 'none' lifts the limit
+    assert submit(redis_url, tmp_path, "a5", 1, "--tenant", "acme").exit_code == 3
+    out = cli("tenant", "set", "acme", "--max-jobs", "none", "--redis", redis_url)
+    assert out.output == "tenant acme: weight 2, max enqueued tokens 1000, max jobs none\n"
+    assert submit(redis_url, tmp_path, "a5", 1, "--tenant", "acme").exit_code == 0
 
 
 def test_a_share_whose_job_was_never_created_is_dropped_after_a_minute(redis_url):
@@ -105,9 +110,7 @@ def test_status_shows_class_deadline_and_usage(redis_url, tmp_path):
     row = Row(index=d.index, finish_reason=FinishReason.STOP, prompt_tokens=9, cached_tokens=4,
               completion_tokens=5)  # fmt: skip
     (tmp_path / "out-d" / "parts").mkdir(exist_ok=True)
-    commit(
-        conn, QK, [PartCommit("d", "parts/x.parquet", [row], [d.entry_id], 0, engine_us=[250_000])]
-    )
+    commit(conn, QK, [PartCommit("d", "parts/x.parquet", [row], [d.entry_id], 0, [250_000])])
     status = json.loads(cli("status", "d", "--json", "--redis", redis_url).output)
     assert (status["tenant"], status["priority"]) == ("ops", 7)
     assert status["usage"] == {"input_tokens": 9, "cached_input_tokens": 4, "output_tokens": 5,
@@ -150,18 +153,10 @@ def test_the_fair_share_block(tmp_path, toy_model):
     try:
         out = run_sh(doc_block("fair-share"), tmp_path, env)
         assert "research" in out.stdout and "ops" in out.stdout
-        status = json.loads(
-            subprocess.run(
-                ["batchgen", "status", "--json"],
-                cwd=tmp_path,
-                env=env,
-                capture_output=True,
-                check=True,
-            ).stdout
-        )
-        listed = json.loads(subprocess.run(["batchgen", "tenant", "list", "--json"],
-                                           cwd=tmp_path, env=env, capture_output=True,
-                                           check=True).stdout)  # fmt: skip
+        status, listed = (json.loads(subprocess.run(["batchgen", *args, "--json"], cwd=tmp_path,
+                                                    env=env, capture_output=True,
+                                                    check=True).stdout)
+                          for args in (["status"], ["tenant", "list"]))  # fmt: skip
     finally:
         embedded.stop(tmp_path / "home")
     jobs = sorted((s["tenant"], s["total"], s["priority"], s["state"], bool(s["deadline"]))
