@@ -16,6 +16,7 @@ from batchgen.cli._common import (
     redis_option,
     sampling_options,
     table_options,
+    threads_option,
 )
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 @click.option("--max-num-seqs", type=int, default=256, show_default=True)
 @click.option("--num-kv-blocks", type=int, default=None)
 @model_impl_option
+@threads_option
 @click.option("--job-id", default=None, help="Name the job (re-running it resumes it).")
 @click.option("--skip-invalid", is_flag=True, help="Run the valid lines; report the others.")
 @redis_option
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 def run(
     prompts: str, model: str, dest: str, job_output: str | None, defaults: dict[str, Any],
     table: TableSpec, device: str | None, max_num_seqs: int, num_kv_blocks: int | None,
-    model_impl: str, job_id: str | None,
+    model_impl: str, threads: int | None, job_id: str | None,
     skip_invalid: bool, redis_url: str | None,
 ) -> None:  # fmt: skip
     """Generate for every line (or table row) of PROMPTS and write OUTPUT, all in this
@@ -71,7 +73,7 @@ def run(
 
     engine_config = EngineConfig(
         device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
-        model_impl=model_impl,
+        model_impl=model_impl, threads=threads,
     )  # fmt: skip
     job_id = check_job_id(job_id) if job_id else new_job_id()
     conn, keys, target = connect(redis_url)
