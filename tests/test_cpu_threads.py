@@ -13,7 +13,6 @@ import torch
 
 from batchgen.worker import cpu_threads
 from batchgen.worker.cpu_threads import choose_threads, cpu_quota, usable_cpus
-from batchgen.worker.engine_config import EngineConfig, InvalidEngineConfig
 
 
 def _cgroup(tmp_path: Path, membership: str, files: dict[str, str]) -> tuple[Path, Path]:
@@ -63,9 +62,7 @@ def test_an_unreadable_cgroup_sets_no_quota(tmp_path):
 def test_the_thread_count_asked_for_wins_else_the_fewer_of_torchs_and_the_usable_cpus():
     assert choose_threads(None, current=8, usable=3) == 3  # torch's default counts host cores
     assert choose_threads(None, current=1, usable=4) == 1  # OMP_NUM_THREADS=1 or set by the caller
-    assert choose_threads(5, current=1, usable=2) == 5
-    with pytest.raises(InvalidEngineConfig, match="threads must be an integer >= 1"):
-        EngineConfig(threads=0)
+    assert choose_threads(5, current=1, usable=2) == 5  # EngineConfig checked it is >= 1
 
 
 def test_the_engine_takes_its_thread_count_from_the_mask_and_quota_it_is_given(
