@@ -4,6 +4,7 @@
     python benchmarks/engine_bench.py --sizes tiny --peers batchgen,hf-continuous
     python benchmarks/engine_bench.py --sizes tiny --peers batchgen,batchgen-transformers
     python benchmarks/engine_bench.py --load 2        # 2 CPU hogs running beside every peer
+    python benchmarks/engine_bench.py --sizes small --requests 16   # fewer requests, same mix
 
 Workload "mixed" (seeded): prompts uniform 16..256 tokens, outputs 70% uniform
 16..64 and 30% uniform 256..512, random token ids, greedy, EOS off. Peers: HF
@@ -173,6 +174,10 @@ def main() -> None:
     )
     p.add_argument("--load", type=int, default=0, help="CPU hogs running beside every system")
     p.add_argument("--threads", type=int, default=None, help="batchgen's EngineConfig.threads")
+    p.add_argument(
+        "--requests", type=int, default=None,
+        help="requests per size (default: tiny 64, small 32); fewer to fit a busy machine",
+    )  # fmt: skip
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--step-overhead", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -218,7 +223,7 @@ def compare(args: argparse.Namespace, models: Path, engine: dict, report: dict) 
     """The peers on each size, side by side, into ``report``."""
     for size in args.sizes.split(","):
         model = models / f"{args.arch}-{size}"
-        n = SIZES[size]
+        n = args.requests or SIZES[size]
         rounds = []
         for _ in range(args.rounds):
             rows = {}
