@@ -33,7 +33,11 @@ MAY_IMPORT: dict[str, set[str]] = {
     "worker.engine_config": {"jobs.schema"},
     "worker.cpu_threads": set(),
     "worker.engine": {
-        "kernels", "worker.models", "worker.engine_config", "worker.cpu_threads", "jobs.schema"
+        "kernels",
+        "worker.models",
+        "worker.engine_config",
+        "worker.cpu_threads",
+        "jobs.schema",
     },
     "worker.__init__": {"worker.engine", "worker.cpu_threads"},
     "worker.loop": {
