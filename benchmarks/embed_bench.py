@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see engine_bench.py
+# both systems' OpenMP threads sleep while they wait (batchgen's engine sets this itself
+# when imported before torch: worker/cpu_threads.py); HF gets it too, to compare the models
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

@@ -3,6 +3,8 @@
     python benchmarks/engine_bench.py                 # tiny (N=64) and small (N=32), all peers
     python benchmarks/engine_bench.py --sizes tiny --peers batchgen,hf-continuous
     python benchmarks/engine_bench.py --sizes tiny --peers batchgen,batchgen-transformers
+    python benchmarks/engine_bench.py --load 2        # 2 CPU hogs running beside every peer
+    python benchmarks/engine_bench.py --sizes small --requests 16   # fewer requests, same mix
 
 Workload "mixed" (seeded): prompts uniform 16..256 tokens, outputs 70% uniform
 16..64 and 30% uniform 256..512, random token ids, greedy, EOS off. Peers: HF
@@ -11,13 +13,15 @@ length per request, batchgen, and batchgen-transformers (batchgen's engine on
 transformers' own modules, the backend for architectures batchgen has no code
 for: beside batchgen it measures what the backend costs). Also: a
 shared-prefix workload (512-token common prefix) with prefix caching on and
-off, and batchgen's per-step CPU overhead with the model taken out. Every system runs in its own process (peak RSS is
-its own) under torch.inference_mode; the machine should be otherwise idle.
-Every process gets OMP_WAIT_POLICY=PASSIVE unless the environment sets it
-(--omp-wait-policy unset leaves libgomp's default): on a machine shared with
-other work, the default wait made each of torch's 2-thread matmuls of 4-64
-rows take ~270 ms instead of 6-17 ms here, which measures the neighbours,
-not the engines.
+off, and batchgen's per-step CPU overhead with the model taken out. Every
+system runs in its own process (peak RSS is its own) under
+torch.inference_mode, with the environment this benchmark was started with:
+it sets no thread count or OpenMP variable, so each system threads as its
+user would get it (batchgen's processes import batchgen.worker before torch,
+as its worker does, and choose their own: worker/cpu_threads.py; HF runs
+torch's defaults). ``--load N`` runs N CPU hogs (busy loops, one process
+each) for the whole comparison, the same for every system: a machine that
+other work shares. The load averages before and after are in the report.
 
 batchgen's row also gives its matmul floor: the output tokens over the time
 of the run's matrix multiplies alone, timed at every step shape the run used
@@ -28,6 +32,8 @@ Prints JSON, then a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import os
 import resource
@@ -35,11 +41,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# what every system runs with: the environment as started, before anything of batchgen's
+# is imported here (batchgen.worker sets OMP_WAIT_POLICY for its own process)
+CHILD_ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+HOG = "while True: pass"
 
 SIZES = {"tiny": 64, "small": 32}  # requests per size
 ROUND_KEYS = ("output_tok_s", "batchgen_speedup", "floor_share", "matmul_floor_tok_s")
@@ -48,6 +59,8 @@ VOCAB = {"tiny": 8192, "small": 32000}
 
 def child(args: argparse.Namespace) -> None:
     """Runs one system on one workload in this process; prints one JSON line."""
+    if args.peer.startswith("batchgen"):
+        importlib.import_module("batchgen.worker")  # before torch, as batchgen's worker does
     import torch
 
     from benchmarks.peers import PEERS
@@ -69,6 +82,7 @@ def child(args: argparse.Namespace) -> None:
         prompt_tok_s=wl.prompt_tokens / result["wall_s"],
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         threads=torch.get_num_threads(),
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
         outputs_digest=hash_ids(ids),
     )
     print("RESULT " + json.dumps(result))
@@ -80,12 +94,16 @@ def hash_ids(ids: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
-def set_omp_wait_policy(policy: str) -> None:
-    """For this process (torch is not imported yet) and the children it starts."""
-    if policy == "unset":
-        os.environ.pop("OMP_WAIT_POLICY", None)
-    else:
-        os.environ.setdefault("OMP_WAIT_POLICY", policy.upper())
+@contextlib.contextmanager
+def cpu_hogs(n: int) -> Iterator[None]:
+    """n busy-loop processes for as long as the block runs."""
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 def run_child(model: Path, peer: str, workload: str, n: int, vocab: int, **engine: Any) -> dict:
@@ -94,17 +112,27 @@ def run_child(model: Path, peer: str, workload: str, n: int, vocab: int, **engin
         "--workload", workload, "--num-requests", str(n), "--vocab", str(vocab),
         "--engine-kwargs", json.dumps(engine),
     ]  # fmt: skip
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=CHILD_ENV, cwd=REPO)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
     raise RuntimeError(f"{peer} on {workload} failed:\n{out.stderr[-3000:]}")
 
 
+def run_step_overhead(model: Path) -> dict:
+    """``step_overhead`` in a process of its own, threaded as batchgen's worker is."""
+    cmd = [sys.executable, __file__, "--step-overhead", "--model", str(model)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=CHILD_ENV, cwd=REPO)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"step overhead failed:\n{out.stderr[-3000:]}")
+
+
 def step_overhead(model: Path, batch: int = 64) -> dict:
     """Mean time of engine.step() with the model forward and logits replaced by
     constant tensors: scheduling, input preparation, sampling and bookkeeping."""
+    importlib.import_module("batchgen.worker")  # before torch, as batchgen's worker does
     import torch
 
     from batchgen.worker import Engine, SamplingParams
@@ -140,11 +168,18 @@ def main() -> None:
     p.add_argument("--arch", default="llama")
     p.add_argument("--models-dir", default=None, help="where toy checkpoints are written/reused")
     p.add_argument("--skip-prefix", action="store_true")
+    p.add_argument("--skip-overhead", action="store_true", help="no per-step overhead probe")
     p.add_argument(
         "--rounds", type=int, default=1, help="run the peers side by side this many times"
     )
-    p.add_argument("--omp-wait-policy", choices=("passive", "active", "unset"), default="passive")
+    p.add_argument("--load", type=int, default=0, help="CPU hogs running beside every system")
+    p.add_argument("--threads", type=int, default=None, help="batchgen's EngineConfig.threads")
+    p.add_argument(
+        "--requests", type=int, default=None,
+        help="requests per size (default: tiny 64, small 32); fewer to fit a busy machine",
+    )  # fmt: skip
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--step-overhead", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--peer", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
@@ -155,25 +190,45 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    if args.step_overhead:
+        print("RESULT " + json.dumps(step_overhead(Path(args.model))))
+        return
 
-    set_omp_wait_policy(args.omp_wait_policy)
     from batchgen.toy import write_toy_checkpoint
 
     models = Path(args.models_dir or tempfile.mkdtemp(prefix="batchgen-bench-"))
+    for size in args.sizes.split(","):
+        if not (models / f"{args.arch}-{size}" / "config.json").exists():
+            write_toy_checkpoint(models / f"{args.arch}-{size}", arch=args.arch, size=size)
+    engine = {} if args.threads is None else {"threads": args.threads}
     report: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
+        "machine": {
+            "cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+            "env": {k: CHILD_ENV.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
+            "load": args.load, "loadavg_before": os.getloadavg()[0],
+        },
         "mixed": {}, "rounds": {}, "shared_prefix": {},
     }  # fmt: skip
+    with cpu_hogs(args.load):
+        compare(args, models, engine, report)
+    report["machine"]["loadavg_after"] = os.getloadavg()[0]
+    tiny = models / f"{args.arch}-tiny"
+    if tiny.exists() and not args.skip_overhead:
+        report["step_overhead"] = run_step_overhead(tiny)
+    print(json.dumps(report, indent=2))
+    print_table(report)
+
+
+def compare(args: argparse.Namespace, models: Path, engine: dict, report: dict) -> None:
+    """The peers on each size, side by side, into ``report``."""
     for size in args.sizes.split(","):
         model = models / f"{args.arch}-{size}"
-        if not (model / "config.json").exists():
-            write_toy_checkpoint(model, arch=args.arch, size=size)
-        n = SIZES[size]
+        n = args.requests or SIZES[size]
         rounds = []
         for _ in range(args.rounds):
             rows = {}
             for peer in args.peers.split(","):
-                rows[peer] = run_child(model, peer, "mixed", n, VOCAB[size])
+                rows[peer] = run_child(model, peer, "mixed", n, VOCAB[size], **engine)
                 print(
                     f"# {size} {peer}: {rows[peer]['output_tok_s']:.0f} output tok/s",
                     file=sys.stderr,
@@ -190,30 +245,29 @@ def main() -> None:
             {peer: {k: r.get(k) for k in ROUND_KEYS} for peer, r in rows.items()} for rows in rounds
         ]
         if not args.skip_prefix and "batchgen" in rows:
-            on = run_child(
-                model, "batchgen", "shared-prefix", n, VOCAB[size], enable_prefix_caching=True
-            )
-            off = run_child(
-                model, "batchgen", "shared-prefix", n, VOCAB[size], enable_prefix_caching=False
-            )
+            on, off = (
+                run_child(model, "batchgen", "shared-prefix", n, VOCAB[size],
+                          enable_prefix_caching=caching, **engine)
+                for caching in (True, False)
+            )  # fmt: skip
             report["shared_prefix"][size] = {
                 "on": on,
                 "off": off,
                 "speedup": off["wall_s"] / on["wall_s"],
             }
-    tiny = models / f"{args.arch}-tiny"
-    if tiny.exists():
-        report["step_overhead"] = step_overhead(tiny)
-    print(json.dumps(report, indent=2))
-    print_table(report)
 
 
 def print_table(report: dict) -> None:
+    m = report["machine"]
     print(
-        "\n| model | system | output tok/s | prompt tok/s | peak RSS MB | batchgen speedup "
-        "| matmul floor tok/s | share of floor |"
+        f"\n{m['affinity']} CPUs, {m['load']} CPU hogs beside each system; load average "
+        f"{m['loadavg_before']:.1f} before, {m['loadavg_after']:.1f} after"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| model | system | threads | output tok/s | prompt tok/s | peak RSS MB "
+        "| batchgen speedup | matmul floor tok/s | share of floor |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size, rows in report["mixed"].items():
         if not isinstance(rows, dict):
             continue
@@ -222,7 +276,8 @@ def print_table(report: dict) -> None:
             if "floor_share" in r:
                 floor = f"| {r['matmul_floor_tok_s']:.0f} | {r['floor_share']:.0%} |"
             print(
-                f"| {size} | {peer} | {r['output_tok_s']:.0f} | {r['prompt_tok_s']:.0f} | "
+                f"| {size} | {peer} | {r['threads']} | {r['output_tok_s']:.0f} | "
+                f"{r['prompt_tok_s']:.0f} | "
                 f"{r['peak_rss_mb']:.0f} | {r.get('batchgen_speedup', float('nan')):.2f}x {floor}"
             )
     for size, sp in report["shared_prefix"].items():

@@ -55,6 +55,7 @@ def main() -> None:
 
     import importlib
 
+    importlib.import_module("batchgen.worker")  # before torch, as batchgen's worker does
     import torch
     from torch.profiler import profile
 

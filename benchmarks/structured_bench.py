@@ -12,9 +12,10 @@ difference is the constraint's own cost. Reports output tok/s
 both ways, their ratio, the time llguidance spent filling masks (on its thread,
 overlapped with the model) and the part of it the step waited for after the
 model had run, each as a share of the constrained run's wall time. Each size
-runs in its own process on a warm engine (one untimed round first), with
-OMP_WAIT_POLICY=PASSIVE unless the environment sets it (as engine_bench.py:
-spinning OpenMP threads and llguidance's mask threads fight for two cores).
+runs in its own process on a warm engine (one untimed round first), which
+imports batchgen.worker before torch, as the worker does: its OpenMP threads
+then sleep while they wait (worker/cpu_threads.py) instead of spinning
+against llguidance's mask threads.
 ``--rounds N`` repeats everything and reports each round. Prints JSON, then a
 table.
 """
@@ -22,6 +23,7 @@ table.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
 import subprocess
@@ -33,8 +35,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-from benchmarks.engine_bench import set_omp_wait_policy  # noqa: E402
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -67,6 +67,7 @@ def _prompts(n: int) -> list[str]:
 
 
 def child(size: str, n: int) -> dict:
+    importlib.import_module("batchgen.worker")  # before torch, as the worker does
     import torch
 
     from batchgen.toy import write_toy_checkpoint
@@ -127,7 +128,6 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.requests)))
         return
-    set_omp_wait_policy("passive")
     results = []
     for size in [s for _ in range(args.rounds) for s in args.sizes.split(",")]:
         out = subprocess.run(

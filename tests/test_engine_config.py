@@ -41,6 +41,7 @@ def test_from_pretrained_takes_the_config_fields_by_name(toy_model):
         ({"use_cuda_graphs": "no"}, "use_cuda_graphs must be true or false, got 'no'"),
         ({"seed": -1}, "seed must be an integer from 0 to 2**63 - 1, got -1"),
         ({"model_impl": "hf"}, "model_impl must be one of auto, native, transformers, got 'hf'"),
+        ({"threads": 0}, "threads must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_settings_are_refused_by_name(settings, message):
@@ -53,7 +54,7 @@ def test_bad_settings_are_refused_by_name(settings, message):
 
 def test_the_loop_config_carries_the_engine_config_through_json():
     engine = EngineConfig(device="cuda:1", dtype="bfloat16", max_num_seqs=64, num_kv_blocks=900,
-                          model_impl="transformers")  # fmt: skip
+                          model_impl="transformers", threads=3)  # fmt: skip
     config = LoopConfig(model="m", name="w1", burst=True, engine=engine)
     data = json.loads(json.dumps(config.to_dict()))  # what a supervisor hands its children
     assert data["engine"]["max_num_seqs"] == 64

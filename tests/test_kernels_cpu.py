@@ -144,6 +144,36 @@ def test_the_kernel_splits_rows_over_threads_and_does_every_row(threads):
                                     rows_kv, 0.2)  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "window,softcap,with_sinks", [(None, None, False), (24, None, False), (None, 30.0, True),
+                                  (40, 50.0, True)],
+)  # fmt: skip
+def test_the_kernels_rows_are_the_same_bits_on_1_2_and_n_threads(window, softcap, with_sinks):
+    """The pool hands each row to one thread, so every thread count gives the same bits,
+    with sliding windows, soft-capping and sinks too, call after call (a step's layers
+    reuse the pool); and they are attention: the torch path's, within fp32 rounding."""
+    if cpu_native.load() is None:
+        pytest.skip("no C kernel on this machine")
+    contexts = [300, 1, 0, 45, 2, 120, 17, 64, 90]
+    k_cache, v_cache, tables, _ = _paged([max(c, 1) for c in contexts], 2, 32, 16, seed=11)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    plan = cpu_decode.plan_decode(tables, lens, k_cache, v_cache, window=window, softcap=softcap)
+    assert isinstance(plan, KernelDecode)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(len(contexts), 4, 32, generator=gen)
+    sinks = torch.randn(4, generator=gen) if with_sinks else None
+    runs = {}
+    for threads in (1, 2, 3, len(contexts), 16, 1):  # more threads than rows; 1 after the pool
+        plan.threads = threads
+        runs[threads] = [plan(q, k_cache, v_cache, 0.2, sinks) for _ in range(4)]
+    one = runs[1][0]
+    assert all(torch.equal(out, one) for outs in runs.values() for out in outs)
+    by_torch = cpu_decode.plan_decode(
+        tables, lens, k_cache, v_cache, use_kernel=False, window=window, softcap=softcap
+    )
+    torch.testing.assert_close(one, by_torch(q, k_cache, v_cache, 0.2, sinks), atol=1e-5, rtol=1e-5)
+
+
 def test_a_step_with_enough_to_read_takes_torchs_threads():
     if cpu_native.load() is None:
         pytest.skip("no C kernel on this machine")

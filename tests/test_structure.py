@@ -31,10 +31,18 @@ MAY_IMPORT: dict[str, set[str]] = {
     "kernels": set(),
     "worker.models": {"kernels", "jobs.schema"},
     "worker.engine_config": {"jobs.schema"},
-    "worker.engine": {"kernels", "worker.models", "worker.engine_config", "jobs.schema"},
-    "worker.__init__": {"worker.engine"},
+    "worker.cpu_threads": set(),
+    "worker.engine": {
+        "kernels",
+        "worker.models",
+        "worker.engine_config",
+        "worker.cpu_threads",
+        "jobs.schema",
+    },
+    "worker.__init__": {"worker.engine", "worker.cpu_threads"},
     "worker.loop": {
         "worker.engine_config",
+        "worker.cpu_threads",
         "worker.engine",
         "jobs.schema",
         "jobs.redis",
@@ -63,6 +71,7 @@ NEVER: dict[str, set[str]] = {
     "worker.engine": {"redis", "rq"},
     "worker.models": {"redis", "rq"},
     "worker.engine_config": {"redis", "rq", "torch"},
+    "worker.cpu_threads": {"redis", "rq", "torch"},
     "kernels": {"redis", "rq", "transformers"},
 }
 

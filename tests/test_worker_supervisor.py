@@ -16,6 +16,7 @@ from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.redis_server import free_port
 from batchgen.jobs.redis.stream import ensure_group
 from batchgen.jobs.schema.errors import UsageError
+from batchgen.worker import cpu_threads
 from batchgen.worker.loop.loop_config import ENGINE_FAILED_EXIT, LoopConfig
 from batchgen.worker.loop.metrics import serve
 from batchgen.worker.loop.supervisor import (
@@ -40,11 +41,18 @@ def test_gpu_specs():
         parse_gpus("0", 0)
 
 
-def test_cpu_workers_share_the_cores(monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+def test_cpu_workers_share_the_cpus_they_may_use_and_wait_without_spinning(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_threads, "CGROUP_ROOT", tmp_path)  # no quota: test_cpu_threads.py
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 64)  # the host's cores: not this process's
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     plan = plan_children(None, "cpu", 4)
-    assert plan == [{"env": {"OMP_NUM_THREADS": "2"}, "device": "cpu"}] * 4
+    env = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert plan == [{"env": env, "device": "cpu"}] * 4
+    assert plan_children(None, "cpu", 4, threads=3)[0]["env"]["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # the user's choice stands
+    assert plan_children(None, "cpu", 2)[0]["env"] == {"OMP_NUM_THREADS": "4"}
     with pytest.raises(UsageError, match="--workers must be at least 1"):
         plan_children(None, "cpu", -1)
 

@@ -4,12 +4,19 @@
 is the Python API. The names load on first use, so the worker supervisor
 (``batchgen.worker.loop``) starts without importing torch; ``EngineConfig``
 itself lives in the torch-free ``batchgen.worker.engine_config``.
+
+Importing it sets ``OMP_WAIT_POLICY=PASSIVE`` where torch's OpenMP is not
+loaded yet and no wait policy is set (``cpu_threads.py``: spinning threads
+cost many times their work on a busy machine, and OpenMP reads the policy
+only when it loads): import ``batchgen.worker`` before torch.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from batchgen.worker.cpu_threads import quiet_openmp_waits
 
 if TYPE_CHECKING:
     from batchgen.worker.engine import (
@@ -24,6 +31,8 @@ if TYPE_CHECKING:
         SamplingParams,
         StructuredOutput,
     )
+
+quiet_openmp_waits()
 
 __all__ = [
     "Engine",

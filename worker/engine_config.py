@@ -40,7 +40,11 @@ class EngineConfig:
     the draws of requests without their own. ``model_impl``: "native" runs
     batchgen's own model code, "transformers" the checkpoint's transformers
     modules with batchgen's paged attention, "auto" native when batchgen has
-    the architecture, else transformers."""
+    the architecture, else transformers. ``threads``: torch's CPU threads (and
+    the C decode attention's) in this process; default: no more than torch is
+    set to use (``OMP_NUM_THREADS``) and no more than the CPUs the process
+    may really use, its affinity mask and cgroup quota (``cpu_threads.py``).
+    Set on CPU, and on CUDA only when given."""
 
     device: str | None = None
     dtype: str | None = None
@@ -56,6 +60,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True
     seed: int | None = None
     model_impl: str = "auto"
+    threads: int | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> EngineConfig:
         # before the generated __init__, whose TypeError names no alternative
@@ -72,7 +77,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):
             _positive(name, getattr(self, name))
-        for name in ("num_kv_blocks", "max_num_batched_tokens", "max_model_len", "kv_cache_bytes"):
+        for name in (
+            "num_kv_blocks", "max_num_batched_tokens", "max_model_len", "kv_cache_bytes", "threads"
+        ):  # fmt: skip
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         for name in ("enable_prefix_caching", "use_cuda_graphs"):

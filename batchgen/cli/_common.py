@@ -34,6 +34,15 @@ def model_impl_option(func: Callable[..., Any]) -> Callable[..., Any]:
     )(func)  # fmt: skip
 
 
+def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--threads", type=int, default=None,
+        help="CPU threads of each engine process (torch's and the decode attention's). "
+        "Default: the CPUs this process may use (its affinity mask and cgroup CPU quota, not "
+        "the host's core count), shared among worker --workers; OMP_NUM_THREADS caps it.",
+    )(func)  # fmt: skip
+
+
 def _hide_password(_ctx: click.Context, _param: click.Parameter, url: str | None) -> str | None:
     """Others can read our command line (ps) for as long as a worker runs: blank the password."""
     if url:

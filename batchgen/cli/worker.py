@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import click
 
-from batchgen.cli._common import connect, handles_errors, model_impl_option, redis_option
+from batchgen.cli._common import (
+    connect,
+    handles_errors,
+    model_impl_option,
+    redis_option,
+    threads_option,
+)
 
 
 @click.command("worker")
@@ -31,6 +38,7 @@ from batchgen.cli._common import connect, handles_errors, model_impl_option, red
 )
 @click.option("--max-model-len", type=int, default=None, help="Cap the context length.")
 @model_impl_option
+@threads_option
 @click.option(
     "--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port."
 )
@@ -45,7 +53,7 @@ from batchgen.cli._common import connect, handles_errors, model_impl_option, red
 def worker(
     model: str, gpus: str | None, device: str | None, workers: int | None, burst: bool,
     max_num_seqs: int, num_kv_blocks: int | None, max_model_len: int | None, model_impl: str,
-    metrics_port: int | None, claim_timeout: float, max_attempts: int, drain_timeout: float,
+    threads: int | None, metrics_port: int | None, claim_timeout: float, max_attempts: int, drain_timeout: float,
     redis_url: str | None,
 ) -> None:  # fmt: skip
     """Pull MODEL's requests from Redis, generate, and write Parquet rows.
@@ -66,12 +74,13 @@ def worker(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")  # fmt: skip
-    plan = plan_children(gpus, device, workers)
     engine = EngineConfig(
-        device=plan[0]["device"], max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
-        max_model_len=max_model_len, model_impl=model_impl,
+        device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
+        max_model_len=max_model_len, model_impl=model_impl, threads=threads,
     )  # fmt: skip
     check_checkpoint(model)  # a typo or a hub id: one line now, not five failed children
+    plan = plan_children(gpus, device, workers, threads)
+    engine = replace(engine, device=plan[0]["device"])
     conn, _, target = connect(redis_url)
     base = LoopConfig(
         model=model, redis_url=target.url, prefix=prefix_from_env(), burst=burst,

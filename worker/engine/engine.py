@@ -110,7 +110,8 @@ class Engine:
         The keyword arguments are ``EngineConfig``'s fields (device, dtype,
         block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, max_model_len, kv_cache_bytes,
-        gpu_memory_utilization, use_triton, use_cuda_graphs, seed); see it for
+        gpu_memory_utilization, use_triton, use_cuda_graphs, seed, model_impl,
+        threads); see it for
         what each does. An unknown name is a TypeError, a bad value an
         ``InvalidEngineConfig`` (a ValueError).
         """

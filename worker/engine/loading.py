@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch
 from batchgen.jobs.schema.errors import ModelNotLoadable
 from batchgen.jobs.schema.model_files import check_checkpoint
 from batchgen.kernels import select_ops
+from batchgen.worker.cpu_threads import choose_threads, usable_cpus, wait_policy_missed
 from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
 from batchgen.worker.engine.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from batchgen.worker.engine.model_runner import ModelRunner
@@ -27,6 +30,7 @@ from batchgen.worker.models.implementation import choose_implementation
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+log = logging.getLogger(__name__)
 _DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
@@ -39,6 +43,7 @@ class EngineLimits:
     max_num_batched_tokens: int
     block_size: int
     num_kv_blocks: int
+    threads: int  # torch's CPU threads, as the engine set them
 
 
 @dataclass(slots=True)
@@ -68,6 +73,32 @@ def pick_dtype(dtype: str | None, device: torch.device, saved: str | None) -> to
     if saved in ("float16", "bfloat16"):
         return _DTYPES[saved]
     return torch.bfloat16
+
+
+def set_threads(asked: int | None, device: torch.device) -> int:
+    """Sets torch's CPU threads for the engine (``cpu_threads.choose_threads``):
+    on CPU, and on CUDA only when asked. Returns the count."""
+    current = torch.get_num_threads()
+    if device.type != "cpu" and asked is None:
+        return current
+    usable = usable_cpus()
+    threads = choose_threads(asked, current, usable)
+    if threads != current:
+        torch.set_num_threads(threads)
+    log.info("%d CPU threads (%d usable CPUs)", threads, usable)
+    if threads > 1 and wait_policy_missed():
+        _warn_spinning()
+    return threads
+
+
+@functools.cache
+def _warn_spinning() -> None:
+    log.warning(
+        "torch's OpenMP was loaded before batchgen could set OMP_WAIT_POLICY=PASSIVE: its "
+        "threads spin while they wait, which slows each step many times over when other "
+        "work runs on this machine; set OMP_WAIT_POLICY=PASSIVE in the environment, or "
+        "import batchgen.worker before torch"
+    )
 
 
 def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -105,6 +136,7 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
         )
     max_model_len = _max_model_len(config, limit)
     dev = pick_device(config.device)
+    threads = set_threads(config.threads, dev)
     torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(root))
@@ -163,6 +195,7 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
         max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
+        threads=threads,
     )
     # a cached prefix would skip the tokens a recurrent state is made of
     keeps_state = isinstance(model, HfCausalLM) and model.config.keeps_state

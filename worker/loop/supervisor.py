@@ -37,6 +37,7 @@ from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import GROUP, Keys, queue_name
 from batchgen.jobs.schema.errors import UsageError
+from batchgen.worker.cpu_threads import WAIT_VARIABLES, usable_cpus
 from batchgen.worker.loop.finalizer import FinalizerProcess
 from batchgen.worker.loop.loop_config import (
     ENGINE_FAILED_EXIT,
@@ -245,9 +246,12 @@ class Supervisor:
 
 
 def plan_children(
-    gpus: str | None, device: str | None, workers: int | None
+    gpus: str | None, device: str | None, workers: int | None, threads: int | None = None
 ) -> list[dict[str, Any]]:
-    """Per child: its env overrides and device."""
+    """Per child: its env overrides and device. A CPU child's OpenMP gets its
+    thread count (``threads``, else the usable CPUs shared among the children,
+    unless OMP_NUM_THREADS is set) and a wait policy that does not spin, both
+    before its torch loads (``cpu_threads.py``)."""
     if gpus is not None:
         if workers is not None:
             raise UsageError("--workers is for CPU workers; --gpus starts one worker per GPU")
@@ -264,6 +268,11 @@ def plan_children(
     if n < 1:
         raise UsageError("--workers must be at least 1")
     env: dict[str, str] = {}
-    if (device or "cpu") == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    if (device or "cpu") == "cpu":
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        elif "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // n))
+        if not any(name in os.environ for name in WAIT_VARIABLES):
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
     return [{"env": dict(env), "device": device} for _ in range(n)]
