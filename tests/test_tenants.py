@@ -110,7 +110,9 @@ def test_status_shows_class_deadline_and_usage(redis_url, tmp_path):
     row = Row(index=d.index, finish_reason=FinishReason.STOP, prompt_tokens=9, cached_tokens=4,
               completion_tokens=5)  # fmt: skip
     (tmp_path / "out-d" / "parts").mkdir(exist_ok=True)
-    commit(conn, QK, [PartCommit("d", "parts/x.parquet", [row], [d.entry_id], 0, [250_000])])
+    commit(
+        conn, QK, [PartCommit("d", "parts/x.parquet", [row], [d.entry_id], 0, engine_us=[250_000])]
+    )
     status = json.loads(cli("status", "d", "--json", "--redis", redis_url).output)
     assert (status["tenant"], status["priority"]) == ("ops", 7)
     assert status["usage"] == {"input_tokens": 9, "cached_input_tokens": 4, "output_tokens": 5,
