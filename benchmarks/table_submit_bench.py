@@ -105,7 +105,7 @@ def submit_once(
     its validator processes (sampled every 50 ms), their CPU seconds, its stdout)."""
     args = [sys.executable, "-m", "batchgen", "submit", str(folder), "--model", "bench",
             "--output", str(out), "--template", TEMPLATE, "--id-column", "doc_id",
-            "--redis", url, "--json"]  # fmt: skip
+            "--sampling-columns", "max_tokens", "--redis", url, "--json"]  # fmt: skip
     if keep:
         args += ["--keep-columns", keep]
     start = time.perf_counter()

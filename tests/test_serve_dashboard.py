@@ -74,6 +74,7 @@ def test_dashboard_shows_a_job_progress_to_100_percent(stack, browser, toy_model
     cookie = page.send("Network.getCookies")["cookies"][0]
     assert (cookie["name"], cookie["httpOnly"], cookie["sameSite"]) == (
         "batchgen_session", True, "Strict")  # fmt: skip
+    assert KEY not in cookie["value"]  # a session token, never the key
 
     client = OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0)
     rows = [{"custom_id": f"d{i}", "method": "POST", "url": "/v1/completions",
