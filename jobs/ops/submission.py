@@ -292,6 +292,7 @@ def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> 
             x for name, value in record.to_hash().items() if name != "state" for x in (name, value)
         ]
         created = CREATE(conn, job=jk.job, active=qk.active, job_id=job_id, fields=fields)
+        conn.sadd(keys.tenants, record.tenant)  # tenant list shows it, settings or not
     except BaseException:
         if not conn.exists(jk.job):
             tenants.release(conn, keys, record.tenant, job_id)

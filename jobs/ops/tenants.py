@@ -111,7 +111,6 @@ def reserve(conn: redis.Redis, keys: Keys, record: JobRecord) -> None:
     ok, which, held = RESERVE(conn, settings=tk.settings, jobs=tk.jobs, job_id=record.id,
                               tokens=record.est_input_tokens, now=int(time.time()))  # fmt: skip
     if ok:
-        conn.sadd(keys.tenants, record.tenant)  # listed while it holds a share, settings or not
         return
     tenant = load(conn, keys, record.tenant)
     who = f"tenant {record.tenant!r}" if record.tenant else "jobs without a tenant"
