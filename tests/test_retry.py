@@ -475,13 +475,15 @@ def test_a_table_job_is_read_again_with_its_own_flags(world: World) -> None:
     path = world.tmp / "docs.parquet"
     pq.write_table(pa.table({"doc": ["d0", "d1", "d2"], "title": ["a", "b", "c"],
                              "max_tokens": [3, None, 5]}), path)  # fmt: skip
-    flags = ["--template", "Title: {title}\\nEnd", "--id-column", "doc", "--keep-columns", "doc"]
+    flags = ["--template", "Title: {title}\\nEnd", "--id-column", "doc", "--keep-columns", "doc",
+             "--sampling-columns", "max_tokens"]
     out = world.cli("submit", str(path), "--model", "table-model", "--job-id", "tbl",
                     "--output", str(world.output("tbl")), *flags)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert world.record("tbl").table  # the flags, kept for the retry
     qk = KEYS.queue_for_model("table-model")
     submitted = [(i, r) for i, _, r in backlog.queued(world.conn, qk, "tbl")]
+    assert [json.loads(r)["s"].get("max_tokens") for _, r in submitted] == [3, 16, 5]
     assert json.loads(submitted[0][1])["p"] == "Title: a\nEnd"
     assert world.cli("cancel", "tbl").returncode == 0
     assert world.cli("finalize", "tbl").returncode == 0
