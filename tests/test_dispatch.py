@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 import redis
+from click.testing import CliRunner
 
+from batchgen.cli import main
 from batchgen.jobs.consumer.queue import read_new
 from batchgen.jobs.ops import deadlines, tenants
 from batchgen.jobs.ops.backlog import prefix_group
@@ -148,6 +150,15 @@ def test_expire_cancels_at_the_deadline_and_keeps_running_without_it(redis_url, 
     view = deadlines.deadline_view(lenient, now + 11)
     assert view is not None and view["state"] == "late"
     assert deadlines.describe(view).endswith("keeps running (submitted without --expire)")
+    conn.hset(QK.job("lenient").job, "deadline", repr(time.time() - 1))  # late by the clock
+    shown = CliRunner().invoke(main, ["status", "lenient", "--redis", redis_url])
+    assert shown.exit_code == 0 and shown.stderr == (
+        "batchgen: warning: job lenient is past its deadline and keeps running (it was "
+        "submitted without --expire); `batchgen cancel lenient` stops it, its finished rows "
+        "kept\n"
+    )
+    shown = CliRunner().invoke(main, ["status", "strict", "--redis", redis_url])
+    assert shown.exit_code == 0 and shown.stderr == ""
 
 
 def test_each_worker_takes_its_own_prefix_groups_first_and_steals_when_they_are_empty(

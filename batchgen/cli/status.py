@@ -107,11 +107,18 @@ def status(job_id: str | None, watch: bool, as_json: bool, redis_url: str | None
     conn, keys, _ = connect(redis_url)
     if job_id:
         check_job_id(job_id)
+    warned = False
     while True:
         if job_id:
             s = job_status(conn, keys, job_id)
             text = json.dumps(s.to_dict()) if as_json else _render(s)
             finished = s.record.state.terminal
+            late = s.to_dict()["deadline"]
+            if late and late["state"] == "late" and not late["expire"] and not warned:
+                warned = True
+                click.echo(f"batchgen: warning: job {job_id} is past its deadline and keeps "
+                           "running (it was submitted without --expire); `batchgen cancel "
+                           f"{job_id}` stops it, its finished rows kept", err=True)  # fmt: skip
         else:
             statuses = all_statuses(conn, keys)
             text = json.dumps([x.to_dict() for x in statuses]) if as_json else _table(statuses)
