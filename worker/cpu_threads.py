@@ -91,9 +91,9 @@ def _quota_in(folder: Path) -> float | None:
             quota, period = (folder / "cpu.max").read_text().split()[:2]
             return None if quota == "max" else int(quota) / int(period)
         if (folder / "cpu.cfs_quota_us").is_file():  # v1: -1 for none
-            quota_us = int((folder / "cpu.cfs_quota_us").read_text())
-            period_us = int((folder / "cpu.cfs_period_us").read_text())
-            return None if quota_us < 0 else quota_us / period_us
+            micros = int((folder / "cpu.cfs_quota_us").read_text())
+            per = int((folder / "cpu.cfs_period_us").read_text())
+            return None if micros < 0 else micros / per
     except (OSError, ValueError):
         pass
     return None
