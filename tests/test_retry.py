@@ -475,8 +475,16 @@ def test_a_table_job_is_read_again_with_its_own_flags(world: World) -> None:
     path = world.tmp / "docs.parquet"
     pq.write_table(pa.table({"doc": ["d0", "d1", "d2"], "title": ["a", "b", "c"],
                              "max_tokens": [3, None, 5]}), path)  # fmt: skip
-    flags = ["--template", "Title: {title}\\nEnd", "--id-column", "doc", "--keep-columns", "doc",
-             "--sampling-columns", "max_tokens"]
+    flags = [
+        "--template",
+        "Title: {title}\\nEnd",
+        "--id-column",
+        "doc",
+        "--keep-columns",
+        "doc",
+        "--sampling-columns",
+        "max_tokens",
+    ]
     out = world.cli("submit", str(path), "--model", "table-model", "--job-id", "tbl",
                     "--output", str(world.output("tbl")), *flags)  # fmt: skip
     assert out.returncode == 0, out.stderr
