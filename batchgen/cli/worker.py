@@ -78,8 +78,8 @@ def worker(
         device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len, model_impl=model_impl, threads=threads,
     )  # fmt: skip
-    check_checkpoint(model)  # a typo or a hub id: one line now, not five failed children
     plan = plan_children(gpus, device, workers, threads)
+    check_checkpoint(model)  # a typo or a hub id: one line now, not five failed children
     engine = replace(engine, device=plan[0]["device"])
     conn, _, target = connect(redis_url)
     base = LoopConfig(

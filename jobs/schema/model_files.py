@@ -28,6 +28,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.mo
 def check_checkpoint(model: str | os.PathLike[str]) -> Path:
     """The checkpoint directory ``model`` names; ModelNotLoadable (one line: what is
     wrong and what to do) when it is not one batchgen could load."""
+    path = check_config(model)
+    check_files(model, path)
+    return path
+
+
+def check_config(model: str | os.PathLike[str]) -> Path:
+    """The directory ``model`` names, when it holds a readable ``config.json`` (the
+    engine reads it, and refuses what the config alone rules out, before the files)."""
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelNotLoadable(_missing(str(model), path))
@@ -45,13 +53,17 @@ def check_checkpoint(model: str | os.PathLike[str]) -> Path:
         raise ModelNotLoadable(f"cannot read {config}: {exc}") from None
     if not isinstance(value, dict):
         raise ModelNotLoadable(f"{config} is not a JSON object")
+    return path
+
+
+def check_files(model: str | os.PathLike[str], path: Path) -> None:
+    """A tokenizer and safetensors weights in checkpoint directory ``path``."""
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ModelNotLoadable(
             f"{model} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save it beside the "
             "weights with tokenizer.save_pretrained(dir)"
         )
     weight_files(path)
-    return path
 
 
 def weight_files(path: Path) -> list[Path]:

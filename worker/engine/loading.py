@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchgen.jobs.schema.errors import ModelNotLoadable
-from batchgen.jobs.schema.model_files import check_checkpoint
+from batchgen.jobs.schema.model_files import check_config, check_files
 from batchgen.kernels import select_ops
 from batchgen.worker.cpu_threads import choose_threads, usable_cpus, wait_policy_missed
 from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
@@ -123,7 +123,7 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     from transformers import AutoTokenizer
 
     try:
-        root = check_checkpoint(path)  # its files, before any of them is read
+        root = check_config(path)
     except ModelNotLoadable as exc:
         raise UnsupportedModelError(str(exc)) from None
     hf = read_hf_config(root)
@@ -138,6 +138,18 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     dev = pick_device(config.device)
     threads = set_threads(config.threads, dev)
     torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
+    ops = select_ops(dev, config.use_triton)
+    if impl.native is not None:  # the kernels' limits, known from the config alone
+        a = impl.native.attention
+        problem = ops.attention_limits(a.num_heads, a.num_kv_heads, a.head_dim)
+        if problem is not None:
+            raise UnsupportedModelError(
+                f"{impl.native.family} on the {ops.name} kernels: {problem}"
+            )
+    try:
+        check_files(path, root)  # the tokenizer and weights are there, before either is read
+    except ModelNotLoadable as exc:
+        raise UnsupportedModelError(str(exc)) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(root))
     except (OSError, ValueError) as exc:
@@ -145,15 +157,8 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     max_num_batched_tokens = config.max_num_batched_tokens or (4096 if dev.type == "cuda" else 2048)
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
 
-    ops = select_ops(dev, config.use_triton)
     model: CausalLM
     if impl.native is not None:
-        a = impl.native.attention
-        problem = ops.attention_limits(a.num_heads, a.num_kv_heads, a.head_dim)
-        if problem is not None:
-            raise UnsupportedModelError(
-                f"{impl.native.family} on the {ops.name} kernels: {problem}"
-            )
         model = build_model(root, impl.native, dev, torch_dtype, ops, max_model_len)
     else:
         try:
