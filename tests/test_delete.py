@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import redis
 from click.testing import CliRunner
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from batchgen.cli import main
 from batchgen.jobs.consumer.queue import dead_letter, read_new
@@ -159,3 +161,18 @@ def test_a_retention_that_makes_no_sense_is_a_usage_error(redis_url, tmp_path, b
                  "--retention", bad, "--redis", redis_url)  # fmt: skip
     assert result.exit_code == 2 and "--retention" in result.output
     assert rconn(redis_url).dbsize() == 0
+
+
+def test_delete_forgets_a_finalize_task_rq_moved_to_its_failed_registry(redis_url, tmp_path):
+    """A finalize whose rq worker was killed is moved to rq's failed registry, and that entry
+    outlives the task's own hash: delete takes it too (the soak found one left)."""
+    conn = rconn(redis_url)
+    finished_job(conn, tmp_path, "abandoned")
+    queue = tasks.finalize_queue(conn, KEYS, QK.tag)
+    job = Job.fetch(KEYS.finalize_task_id("abandoned"), connection=conn, serializer=JSONSerializer)
+    queue.finished_job_registry.remove(job)
+    queue.failed_job_registry.add(job, ttl=3600, exc_string="killed")
+    conn.delete(job.key)  # its hash expired before the registry's entry
+    assert [k for k in mentions(conn, "abandoned") if k.startswith("rq:failed:")]
+    assert cli("delete", "abandoned", "--redis", redis_url).exit_code == 0
+    assert mentions(conn, "abandoned") == []

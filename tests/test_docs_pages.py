@@ -327,7 +327,7 @@ def test_a_fresh_setup_says_where_the_user_waits_and_pip_is_never_silent(tmp_pat
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy(REPO / name, tmp_path / name)
     dry = subprocess.run(["make", "-n", "demo"], cwd=tmp_path, capture_output=True, text=True,
-                         check=True).stdout.splitlines()  # fmt: skip
+                         env=shell_env(tmp_path / "home"), check=True).stdout.splitlines()  # fmt: skip
     said = [line.split('"')[1] for line in dry if line.startswith('echo "make: ')]
     assert said == [
         "make: installing torch and batchgen's packages into .venv: the one slow step,",

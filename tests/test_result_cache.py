@@ -136,7 +136,9 @@ def test_a_second_job_generates_only_its_new_prompts(conn, engines, model, tmp_p
     assert job.cache == str(cache_dir) and job.done == 8
     assert job.completion_tokens == sum(second["completion_tokens"])
     stats = ResultCache(conn, KEYS, str(cache_dir)).stats()
-    assert (stats.entries, stats.files, stats.hits, stats.misses) == (12, 2, 4, 12)
+    assert (stats.entries, stats.hits, stats.misses) == (12, 4, 12)
+    # a file per commit that stored rows: at least one per job, as many as the folder holds
+    assert stats.files == len(cache_files(cache_dir)) >= 2
     assert stats.bytes == sum(p.stat().st_size for p in cache_files(cache_dir))
 
 

@@ -21,13 +21,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
+from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from batchgen.jobs.intake.kept import KEPT
 from batchgen.jobs.ops import tenants
 from batchgen.jobs.ops.cancellation import cancel
+from batchgen.jobs.ops.finalize_tasks import finalize_queue
 from batchgen.jobs.ops.job_record import JobRecord, queue_of_job
 from batchgen.jobs.ops.result import MANIFEST, RESULT
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys, text
@@ -68,9 +71,7 @@ def delete(
             if outputs and record is not None:
                 report.files = _delete_outputs(record)
             report.entries += delete_entries(conn, qk, job_id)
-            task = keys.finalize_task_id(job_id)
-            with contextlib.suppress(NoSuchJobError):
-                Job.fetch(task, connection=conn, serializer=JSONSerializer).delete()
+            _forget_task(conn, finalize_queue(conn, keys, qk.tag), keys.finalize_task_id(job_id))
             pipe = conn.pipeline(transaction=True)
             pipe.delete(*[k for k in jk.all() if k != jk.finalizer])  # the lease goes on exit
             pipe.srem(qk.active, job_id)
@@ -86,6 +87,21 @@ def delete(
         tenants.release(conn, keys, record.tenant, job_id)
     conn.hdel(keys.jobs, job_id)  # last: it is how a re-run finds what is left
     return report
+
+
+def _forget_task(conn: redis.Redis, queue: Queue, task: str) -> None:
+    """The job's finalize task and every rq registry that names it: a task whose worker
+    was killed is moved to the failed registry by rq's cleanup, and that entry outlives
+    the task's own hash (its failure TTL), so deleting the task alone can leave it."""
+    with contextlib.suppress(NoSuchJobError):
+        Job.fetch(task, connection=conn, serializer=JSONSerializer).delete()
+    # (rq 3's started registry tracks executions and cannot remove by id; a running
+    # finalize holds the job's lease, which delete takes first)
+    for registry in (queue.failed_job_registry, queue.finished_job_registry,
+                     queue.canceled_job_registry, queue.deferred_job_registry,
+                     queue.scheduled_job_registry):  # fmt: skip
+        registry.remove(task)
+    conn.delete(Result.get_key(task))  # its results stream, which outlives the hash too
 
 
 def delete_entries(conn: redis.Redis, qk: QueueKeys, job_id: str) -> int:

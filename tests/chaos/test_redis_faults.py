@@ -221,8 +221,12 @@ def test_an_evicting_server_is_refused_by_worker_and_submit(private_redis, tmp_p
     conn = private_redis_conn(private_redis)
     conn.config_set("maxmemory-policy", "allkeys-lru")
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
-    for args in (["worker", "--model", "m", "--device", "cpu"],
-                 ["submit", str(src), "--model", "m", "--output", str(tmp_path / "out")]):  # fmt: skip
+    model = tmp_path / "m"  # what the model check before connecting looks for (never loaded)
+    model.mkdir()
+    for name, data in (("config.json", "{}"), ("tokenizer.json", "{}"), ("model.safetensors", "")):
+        (model / name).write_text(data)
+    for args in (["worker", "--model", str(model), "--device", "cpu"],
+                 ["submit", str(src), "--model", str(model), "--output", str(tmp_path / "out")]):  # fmt: skip
         result = CliRunner().invoke(main, [*args, "--redis", private_redis.url])
         assert result.exit_code == 1
         assert result.output == (
