@@ -79,7 +79,9 @@ def test_dashboard_shows_a_job_progress_to_100_percent(stack, browser, toy_model
     client = OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0)
     rows = [{"custom_id": f"d{i}", "method": "POST", "url": "/v1/completions",
              "body": {"model": str(toy_model("llama")), "prompt": f"count to {i}",
-                      "max_tokens": 24}} for i in range(40)]  # fmt: skip
+                      "max_tokens": 64}} for i in range(40)]  # fmt: skip
+    # (long enough, about 2,500 tokens at 2 at a time, that rows are committed in several
+    # parts: at 24 tokens an idle machine finished it between two refreshes)
     path = tmp_path / "dash.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with path.open("rb") as f:

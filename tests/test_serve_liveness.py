@@ -46,10 +46,11 @@ def rows(model: str, n: int, prefix: str, max_tokens: int = 4) -> bytes:
     return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
-def create(c: OpenAI, data: bytes) -> Any:
+def create(c: OpenAI, data: bytes, priority: int = 0) -> Any:
     file = c.files.create(file=("in.jsonl", data), purpose="batch")
     return c.batches.create(input_file_id=file.id, endpoint="/v1/completions",
-                            completion_window="24h")  # fmt: skip
+                            completion_window="24h",
+                            metadata={"priority": str(priority)})  # fmt: skip
 
 
 def status_of(c: OpenAI, batch_id: str) -> str:
@@ -143,7 +144,9 @@ def test_an_input_file_deleted_mid_run_never_sticks_a_batch(fleet, tmp_path):
         stack.serve("--api-key", KEY)
         c = client(stack)
         runs = create(c, rows(model, 24, "run", max_tokens=24))
-        stops = create(c, rows(model, 24, "stop", max_tokens=24))
+        # a lower class with long answers: the worker takes its requests only once "run"'s
+        # are all in flight, and cannot finish them before the cancel below
+        stops = create(c, rows(model, 24, "stop", max_tokens=400), priority=-1)
         wait_for(lambda: counts(c, runs.id).completed > 0, 120,
                  "the first rows")  # fmt: skip
         for batch in (runs, stops):
