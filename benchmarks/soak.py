@@ -61,6 +61,9 @@ class SoakConfig:
     max_attempts: int = 20  # kills must never dead-letter an innocent request
     kill_gap: tuple[float, float] = (0.04, 0.10)  # share of all rows between two kills
     kill_until: float = 0.9  # no kills once this share of all rows is in
+    # ... and one anyway once this long passed without one: rows are committed in bursts
+    # (three jobs share the workers), which can leap over several gaps at once
+    kill_every_s: float = 4.0
     broken_for_s: float = 15.0
     timeout_s: float = 900.0
 

@@ -92,7 +92,7 @@ class Storm:
 
     def run_until_done(self) -> None:
         deadline = time.monotonic() + self.config.timeout_s
-        rows_at_kill = 0
+        rows_at_kill, killed_at = 0, time.monotonic()
         while True:
             assert time.monotonic() < deadline, f"not done in {self.config.timeout_s}s"
             time.sleep(0.1)
@@ -119,9 +119,10 @@ class Storm:
                 continue
             self._storage(jobs["broken"])
             self._finalizer()
-            due = rows - rows_at_kill >= self.next_kill
+            due = (rows - rows_at_kill >= self.next_kill
+                   or time.monotonic() - killed_at >= self.config.kill_every_s)  # fmt: skip
             if due and rows < self.config.kill_until * self.total and self._kill_one():
-                rows_at_kill, self.next_kill = rows, self._gap()
+                rows_at_kill, self.next_kill, killed_at = rows, self._gap(), time.monotonic()
 
     def _engines(self) -> dict[int, str]:
         return {pid: cmd for pid, cmd in children(self.supervisor).items()
