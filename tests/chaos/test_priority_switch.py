@@ -5,7 +5,8 @@ its requests as their slots free up, with low-class requests still in flight (th
 engine's admission decides what comes in next; nothing in flight is thrown away).
 kill -9 lands on a worker holding requests of both jobs, and on another as it goes
 back to the low class; reclaimed requests run elsewhere. Both outputs hold exactly
-one row per line, equal to a fault-free run, and the high class finishes first.
+one row per line, equal to a fault-free run, and the high class was dispatched
+while low-class requests still waited.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def test_kill_9_while_workers_switch_between_classes_leaves_one_row_per_line(cha
 
     # and the way back: once the high class is all dispatched, one goes back to low and dies
     wait_until(lambda: chaos.record("high").backlog == 0, 120, "the high class dispatched")
+    low_waiting = chaos.record("low").backlog  # what the high class went ahead of
     wait_until(partial(holds, chaos, survivor.name, "low"), 120, f"{survivor.name} back on low")
     survivor.kill(signal.SIGKILL)
     assert survivor.wait(10) == -signal.SIGKILL
@@ -68,8 +70,10 @@ def test_kill_9_while_workers_switch_between_classes_leaves_one_row_per_line(cha
 
     assert chaos.finalized("high", timeout=240) == "completed"
     assert chaos.finalized("low", timeout=240) == "completed"
-    high, low = chaos.record("high"), chaos.record("low")
-    assert high.finished_at < low.finished_at
+    # the high class went first: all of it was dispatched while low-class requests still
+    # waited (which one finishes first depends on where the kills landed: a killed
+    # worker's requests wait out the claim timeout)
+    assert low_waiting > 0
     assert_exactly_once(chaos.result("high"), high_lines, reference(high_lines))
     assert_exactly_once(chaos.result("low"), low_lines, reference(low_lines))
     assert_nothing_left(chaos, "high", high_out)
