@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from batchgen.jobs.ops import backlog
-from batchgen.jobs.ops import submission as submit_mod
+from batchgen.jobs.ops import backlog, chunk_append
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.submission import submit
@@ -108,8 +107,8 @@ def test_resubmit_with_other_input_or_model_is_refused(redis_url, tmp_path):
 def test_crashed_submit_resumes_where_it_stopped(redis_url, tmp_path, monkeypatch):
     conn = rconn(redis_url)
     path = write_prompts(tmp_path / "p.jsonl", 95)
-    monkeypatch.setattr(submit_mod, "CHUNK_ENTRIES", 10)
-    real_send, calls = submit_mod._ChunkSender.send, list[int]()
+    monkeypatch.setattr(chunk_append, "CHUNK_ENTRIES", 10)
+    real_send, calls = chunk_append._ChunkSender.send, list[int]()
 
     def dying_send(self, start, chunk):
         if len(calls) == 3:
@@ -117,12 +116,12 @@ def test_crashed_submit_resumes_where_it_stopped(redis_url, tmp_path, monkeypatc
         calls.append(1)
         return real_send(self, start, chunk)
 
-    monkeypatch.setattr(submit_mod._ChunkSender, "send", dying_send)
+    monkeypatch.setattr(chunk_append._ChunkSender, "send", dying_send)
     with pytest.raises(KeyboardInterrupt):
         run(conn, path)
     assert load_job(conn, KEYS, "job1").enqueued == 30
     assert stream_indices(conn) == list(range(30))
-    monkeypatch.setattr(submit_mod._ChunkSender, "send", real_send)
+    monkeypatch.setattr(chunk_append._ChunkSender, "send", real_send)
     result = run(conn, path)
     assert (result.resumed, result.enqueued_now) == (True, 65)
     assert stream_indices(conn) == list(range(95))
@@ -132,7 +131,7 @@ def test_crashed_submit_resumes_where_it_stopped(redis_url, tmp_path, monkeypatc
 def test_a_racing_submit_cannot_append_a_chunk_twice(redis_url, tmp_path):
     conn = rconn(redis_url)
     run(conn, write_prompts(tmp_path / "p.jsonl", 3))
-    sender = submit_mod._ChunkSender(conn, KEYS.queue_for_model("m"), "job1", 3)
+    sender = chunk_append._ChunkSender(conn, KEYS.queue_for_model("m"), "job1", 3)
     sender.send(0, [b"{}"])  # a second submitter that read enqueued=0 before the first ran
     with pytest.raises(JobConflict, match=r"being submitted by another process too \(it has 3"):
         sender.finish()
@@ -167,7 +166,7 @@ def test_queue_full_is_a_clear_error_and_leaves_only_whole_chunks(
     private_redis: RedisServer, tmp_path, monkeypatch
 ):
     conn = rconn(private_redis.url)
-    monkeypatch.setattr(submit_mod, "CHUNK_ENTRIES", 100)
+    monkeypatch.setattr(chunk_append, "CHUNK_ENTRIES", 100)
     path = write_prompts(tmp_path / "p.jsonl", 3000, pad=300)  # ~1 MB of entries
     used = int(conn.info("memory")["used_memory"])
     conn.config_set("maxmemory", used + 400_000)

@@ -51,12 +51,13 @@ from batchgen.jobs.intake.validate import SpoolDir, Validation
 from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.backlog import BACKLOG_PUSH
 from batchgen.jobs.ops.carryover import PART_ROWS, carry_over, retried_mask
+from batchgen.jobs.ops.chunk_append import CHUNK_BYTES, CHUNK_ENTRIES
 from batchgen.jobs.ops.deletion import delete_entries
 from batchgen.jobs.ops.finalization import FinalizeSettings, finalize
 from batchgen.jobs.ops.job_record import JobRecord, load_job, queue_of_job
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.ops.modelinfo import vocab_size
-from batchgen.jobs.ops.submission import CHUNK_BYTES, CHUNK_ENTRIES, validate_input
+from batchgen.jobs.ops.submission import validate_input
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 from batchgen.jobs.redis.lease import Lease, LeaseHeld
 from batchgen.jobs.redis.sentinel import replicated

@@ -29,8 +29,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,12 +45,15 @@ from batchgen.jobs.intake.table_spec import TableSpec
 from batchgen.jobs.intake.tables import validate_table
 from batchgen.jobs.intake.validate import SpoolDir, Validation, validate_file
 from batchgen.jobs.ops import backlog, retention, tenants
-from batchgen.jobs.ops.backlog import BACKLOG_PUSH
+from batchgen.jobs.ops.chunk_append import (
+    enqueue_chunks,
+    enqueued_after_outage,
+)
 from batchgen.jobs.ops.job_record import JobRecord
-from batchgen.jobs.ops.lifecycle import CREATE, JobState, script
+from batchgen.jobs.ops.lifecycle import CREATE, JobState
 from batchgen.jobs.ops.modelinfo import fingerprint, vocab_size
 from batchgen.jobs.ops.schedule import Schedule
-from batchgen.jobs.redis.connection import describe_connection_error, is_oom, queue_full
+from batchgen.jobs.redis.connection import describe_connection_error
 from batchgen.jobs.redis.keys import Keys, QueueKeys, queue_name, queue_tag, text
 from batchgen.jobs.redis.sentinel import replicated
 from batchgen.jobs.redis.stream import ensure_group
@@ -59,36 +61,6 @@ from batchgen.jobs.schema.errors import InvalidInput, JobConflict, RedisUnavaila
 from batchgen.jobs.storage.names import check_job_id
 from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.jobs.storage.ownership import claim, new_token
-
-CHUNK_ENTRIES = 2000
-CHUNK_BYTES = 4 << 20
-
-APPEND_CHUNK = script(
-    "append chunk",
-    keys=[
-        ("job", "the job record"),
-        ("ready", "the model's jobs with a backlog"),
-        ("*backlogs", "the job's backlog lists"),
-    ],
-    args=[
-        ("job_id", ""),
-        ("events", "the model's events channel: 'work' wakes idle workers"),
-        ("start", "entries the job had when this chunk was packed"),
-        ("*items", "the chunk's requests: prefix group, backlog item, ..."),
-    ],
-    body="""
-local v = redis.call('HMGET', job, 'enqueued', 'state')
-if not v[1] then return {-1, ''} end
-if v[2] == S.CANCELLING or v[2] == S.CANCELLED then return {-2, v[2]} end
-local first = tonumber(start)
-if tonumber(v[1]) ~= first then return {tonumber(v[1]), ''} end
-push_backlog(job, job_id, ready, events, backlogs, items)
-local enqueued = first + #items / 2
-redis.call('HSET', job, 'enqueued', enqueued)
-return {enqueued, ''}
-""",
-    prelude=BACKLOG_PUSH,
-)
 
 
 @dataclass(slots=True)
@@ -185,14 +157,14 @@ def submit(
         position = start
         while True:
             try:
-                position += _enqueue(
+                position += enqueue_chunks(
                     conn, qk, job_id, checked.entries(), position, checked.total, progress
                 )
                 break
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if isinstance(exc, redis.AuthenticationError):
                     raise
-                after = _enqueued_after_outage(conn, qk, job_id, wait_s) if wait_s > 0 else None
+                after = enqueued_after_outage(conn, qk, job_id, wait_s) if wait_s > 0 else None
                 if after is None:
                     raise RedisUnavailable(
                         f"{describe_connection_error(exc)}; job {job_id!r} is partly enqueued "
@@ -235,31 +207,6 @@ def _estimate(record: JobRecord, checked: Validation[Any], defaults: dict[str, A
     record.est_input_tokens = sum(map(backlog.estimate_input_tokens, checked.entries()))
     output = int(defaults.get("max_tokens") or 16)
     record.cost = max(record.est_input_tokens / max(record.total, 1) + output, 1.0)
-
-
-def _enqueued_after_outage(
-    conn: redis.Redis, qk: QueueKeys, job_id: str, wait_s: float
-) -> int | None:
-    """Wait (with backoff, up to ``wait_s``) for Redis to answer again; the job's
-    ``enqueued`` then (chunks are appended whole or not at all, so go on from
-    there), or None if Redis stayed away."""
-    deadline = time.monotonic() + wait_s
-    delay = 0.1
-    while True:
-        try:
-            raw = conn.hget(qk.job(job_id).job, "enqueued")
-        except (redis.ConnectionError, redis.TimeoutError):
-            if time.monotonic() + delay > deadline:
-                return None
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
-            continue
-        if raw is None:
-            raise JobConflict(
-                f"job {job_id!r} disappeared from Redis while submitting (Redis restarted "
-                "without its data?); submit the file again"
-            )
-        return int(raw)
 
 
 def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> tuple[bool, int]:
@@ -328,103 +275,3 @@ def _resume(existing: JobRecord, record: JobRecord) -> tuple[bool, int]:
         )
     claim(OutputDir.open(existing.output), job_id, existing.output_token)
     return True, existing.enqueued
-
-
-def _enqueue(
-    conn: redis.Redis,
-    qk: QueueKeys,
-    job_id: str,
-    entries: Iterator[bytes],
-    start: int,
-    total: int,
-    progress: Callable[[int, int], None] | None,
-) -> int:
-    for _ in range(start):  # skip what an earlier submit already appended
-        next(entries)
-    sender = _ChunkSender(conn, qk, job_id, total)
-    position, chunk, size = start, list[bytes](), 0
-    try:
-        for entry in entries:
-            chunk.append(entry)
-            size += len(entry) + 1
-            if len(chunk) >= CHUNK_ENTRIES or size >= CHUNK_BYTES:
-                sender.send(position, chunk)
-                position += len(chunk)
-                chunk, size = [], 0
-                if progress:
-                    progress(position, total)
-        if chunk:
-            sender.send(position, chunk)
-            position += len(chunk)
-        sender.finish()
-    finally:
-        sender.close()
-    if progress:
-        progress(position, total)
-    return position - start
-
-
-class _ChunkSender:
-    """Chunk scripts on one connection, ``WINDOW`` in flight: Redis runs one chunk
-    while this process packs the next. Replies are checked in order; a chunk
-    sent after a failed one finds ``enqueued`` unchanged and appends nothing."""
-
-    WINDOW = 2
-
-    def __init__(self, conn: redis.Redis, qk: QueueKeys, job_id: str, total: int) -> None:
-        self.sha = APPEND_CHUNK.load(conn)
-        self.pool = conn.connection_pool
-        self.connection = self.pool.get_connection()
-        self.qk, self.job = qk, qk.job(job_id)
-        self.job_id = job_id
-        self.total = total
-        self.in_flight: deque[tuple[int, int]] = deque()
-        self.broken = False
-
-    def send(self, start: int, chunk: list[bytes]) -> None:
-        keys, args = APPEND_CHUNK.flatten(
-            {"job": self.job.job, "ready": self.qk.ready, "backlogs": self.job.backlogs,
-             "job_id": self.job_id, "events": self.qk.events, "start": start,
-             "items": backlog.items(enumerate(chunk, start))}
-        )  # fmt: skip
-        packed = self.connection.pack_command("EVALSHA", self.sha, len(keys), *keys, *args)
-        self.connection.send_packed_command(packed, check_health=False)
-        self.in_flight.append((start, len(chunk)))
-        if len(self.in_flight) > self.WINDOW:
-            self._receive()
-
-    def finish(self) -> None:
-        while self.in_flight:
-            self._receive()
-
-    def close(self) -> None:
-        if self.broken or self.in_flight:
-            self.connection.disconnect()  # unread replies must not reach the next user
-        self.pool.release(self.connection)
-
-    def _receive(self) -> None:
-        start, n = self.in_flight.popleft()
-        try:
-            enqueued, state = self.connection.read_response()
-        except redis.ResponseError as exc:
-            self.broken = True
-            if is_oom(exc):
-                raise queue_full(
-                    start, self.total,
-                    f"re-run the same submit with --job-id {self.job_id} to enqueue the rest",
-                ) from exc  # fmt: skip
-            raise
-        except BaseException:
-            self.broken = True
-            raise
-        if enqueued == start + n:
-            return
-        self.broken = True
-        if enqueued == -1:
-            raise JobConflict(f"job {self.job_id!r} disappeared from Redis while submitting")
-        if enqueued == -2:
-            raise JobConflict(f"job {self.job_id!r} was cancelled while submitting ({text(state)})")
-        raise JobConflict(
-            f"job {self.job_id!r} is being submitted by another process too "
-            f"(it has {enqueued} requests, this one expected {start}); let that one finish"
-        )

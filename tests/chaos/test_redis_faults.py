@@ -17,8 +17,7 @@ from click.testing import CliRunner
 from batchgen.cli import main
 from batchgen.jobs.consumer.queue import HandBack, hand_back, read_new
 from batchgen.jobs.crashpoints import CRASH_EXIT_CODE
-from batchgen.jobs.ops import backlog
-from batchgen.jobs.ops import submission as submit_mod
+from batchgen.jobs.ops import backlog, chunk_append
 from batchgen.jobs.ops.result import LOST
 from batchgen.jobs.redis.keys import GROUP
 from batchgen.jobs.redis.redis_server import RedisServer
@@ -118,7 +117,7 @@ class KillAfterChunks:
         self.server, self.n, self.restart_after_s = server, n, restart_after_s
         self.sent = 0
         self.thread: threading.Thread | None = None
-        self.original = submit_mod._ChunkSender.send
+        self.original = chunk_append._ChunkSender.send
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         def send(sender, start: int, chunk: list[bytes]) -> None:
@@ -130,7 +129,7 @@ class KillAfterChunks:
                     self.thread.start()
             self.original(sender, start, chunk)
 
-        monkeypatch.setattr(submit_mod._ChunkSender, "send", send)
+        monkeypatch.setattr(chunk_append._ChunkSender, "send", send)
 
 
 @pytest.fixture
@@ -153,7 +152,7 @@ def test_submit_across_a_redis_crash_enqueues_every_line_once(
     goes on where the job's counter says. Not back: one line that says how to
     resume, whole chunks only, and the re-run enqueues exactly the rest."""
     private_redis = fsync_always
-    monkeypatch.setattr(submit_mod, "CHUNK_ENTRIES", 100)
+    monkeypatch.setattr(chunk_append, "CHUNK_ENTRIES", 100)
     monkeypatch.setenv("BATCHGEN_REDIS_WAIT", "10" if comes_back else "0.5")
     kill = KillAfterChunks(private_redis, 5, 0.5 if comes_back else None)
     kill.install(monkeypatch)
@@ -177,7 +176,7 @@ def test_submit_across_a_redis_crash_enqueues_every_line_once(
         enqueued = chaos.record("big").enqueued
         assert enqueued % 100 == 0 and 0 < enqueued < 2000
         assert stream_indices(chaos, "big") == list(range(enqueued))  # nothing half-added
-        monkeypatch.setattr(submit_mod._ChunkSender, "send", kill.original)
+        monkeypatch.setattr(chunk_append._ChunkSender, "send", kill.original)
         result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert (result.exit_code, result.output) == (0, "big\n")
     assert stream_indices(chaos, "big") == list(range(2000))  # every line once
@@ -241,7 +240,7 @@ def test_redis_out_of_memory_on_submit_is_queue_full_with_whole_chunks(
     private_redis, tmp_path, monkeypatch
 ):
     conn = private_redis_conn(private_redis)
-    monkeypatch.setattr(submit_mod, "CHUNK_ENTRIES", 100)
+    monkeypatch.setattr(chunk_append, "CHUNK_ENTRIES", 100)
     lines = [{"prompt": f"line {i} " + "x" * 300} for i in range(3000)]  # ~1 MB of entries
     src = write_jsonl(tmp_path / "p.jsonl", lines)
     args = ["submit", str(src), "--model", "m", "--job-id", "full", "--output",

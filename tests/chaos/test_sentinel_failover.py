@@ -21,8 +21,7 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.ops import backlog
-from batchgen.jobs.ops import submission as submit_mod
+from batchgen.jobs.ops import backlog, chunk_append
 from batchgen.jobs.redis import sentinel
 from batchgen.jobs.redis.connection import connect
 from batchgen.jobs.redis.redis_server import RedisServer, find_redis_server, free_port
@@ -198,9 +197,9 @@ def test_a_submit_in_flight_when_the_primary_dies_enqueues_every_line_once(
     """SIGKILL of the primary between two of a submit's chunks: the submit waits for
     the promoted replica, re-reads the job's counter there (chunks the replica never
     got are appended again, none twice) and finishes: every line once, in order."""
-    monkeypatch.setattr(submit_mod, "CHUNK_ENTRIES", 100)
+    monkeypatch.setattr(chunk_append, "CHUNK_ENTRIES", 100)
     monkeypatch.setenv("BATCHGEN_REDIS_WAIT", "30")
-    original, sent = submit_mod._ChunkSender.send, []
+    original, sent = chunk_append._ChunkSender.send, []
 
     def send(sender, start: int, chunk: list[bytes]) -> None:
         sent.append(start)
@@ -208,7 +207,7 @@ def test_a_submit_in_flight_when_the_primary_dies_enqueues_every_line_once(
             sentinels.primary.kill()
         original(sender, start, chunk)
 
-    monkeypatch.setattr(submit_mod._ChunkSender, "send", send)
+    monkeypatch.setattr(chunk_append._ChunkSender, "send", send)
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"line {i}"} for i in range(2000)])
     args = ["submit", str(src), "--model", "m", "--job-id", "big", "--output",
             str(tmp_path / "out"), "--redis", sentinels.url]  # fmt: skip
