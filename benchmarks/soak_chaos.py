@@ -120,7 +120,8 @@ class Storm:
             self._storage(jobs["broken"])
             self._finalizer()
             due = (rows - rows_at_kill >= self.next_kill
-                   or time.monotonic() - killed_at >= self.config.kill_every_s)  # fmt: skip
+                   or (rows > rows_at_kill  # progress since: never kill a stalled fleet
+                       and time.monotonic() - killed_at >= self.config.kill_every_s))  # fmt: skip
             if due and rows < self.config.kill_until * self.total and self._kill_one():
                 rows_at_kill, self.next_kill, killed_at = rows, self._gap(), time.monotonic()
 
