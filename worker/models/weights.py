@@ -1,18 +1,34 @@
 """A projection's tensors in the layout the forward uses, and its one matmul.
 
 Projections are stored input-major, (in, out), the transpose of HF's
-nn.Linear (out, in): on the CPU, MKL's products with few rows, which is what
-a decode step is, run 10-30% faster with the weight in that layout than as a
+nn.Linear (out, in): MKL's products with few rows, which is what a decode
+step is, run 10-30% faster with the weight in that layout than as a
 transposed operand. Projections that read the same input are fused into one
 matrix (q/k/v, gate/up) when read.
+
+On the CPU, an fp32 projection is packed at its first call into oneDNN's
+blocked layout (``torch.ops.mkldnn``, what torch.compile's CPU freezing
+uses) and multiplied from there: torch.mm copies the whole weight into
+MKL's panel layout on every call, which at decode's few rows takes as long
+as the arithmetic; packed once, the product takes 0.1-0.8x the time
+(``benchmarks/linear_bench.py``). Below ``PACK_MIN_FLOATS`` a oneDNN call's
+fixed cost (~15 us) outweighs the copy and torch.mm stays. A row's result does not depend on the
+other rows of the call nor on the thread count. The dense weight is then
+dropped (a ``meta`` tensor keeps its shape): the packed copy is the only
+one. Where oneDNN cannot pack (a torch without it, another CPU), the
+projection stays with torch.mm.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -20,13 +36,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
+@functools.cache
+def _onednn() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+# Weights smaller than this many floats stay with torch.mm (256 x 256: oneDNN 1.4-3x slower)
+PACK_MIN_FLOATS = 1 << 17
+_refused: list[str] = []  # why oneDNN could not pack a weight, once it could not
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether a projection with this (in, out) weight is packed for oneDNN at first call."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.numel() >= PACK_MIN_FLOATS
+        and bool(torch.backends.mkldnn.enabled)
+        and _onednn()
+        and not _refused
+    )
+
+
 @dataclass(slots=True)
 class Linear:
-    weight: torch.Tensor  # (in, out)
+    weight: torch.Tensor  # (in, out); once packed, a meta tensor of that shape
     bias: torch.Tensor | None = None  # (out,)
+    packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None and x.dtype == torch.float32 and packable(self.weight):
+            self._pack()
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
+
+    def _pack(self) -> None:
+        try:  # oneDNN's layout for (out, in) weights; the row count is only a hint
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.t(), 16)
+        except RuntimeError as exc:  # this CPU or build: torch.mm from now on, said once
+            _refused.append(str(exc))
+            log.warning("oneDNN could not pack a projection (%s); using torch.mm", exc)
+            return
+        self.packed = packed
+        self.weight = self.weight.to("meta")
 
     @property
     def out_features(self) -> int:
