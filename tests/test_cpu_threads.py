@@ -90,14 +90,15 @@ def test_the_engine_takes_its_thread_count_from_the_mask_and_quota_it_is_given(
         torch.set_num_threads(before)
 
 
-def test_importing_batchgen_worker_before_torch_makes_openmp_wait_passively():
+def test_importing_batchgen_worker_before_torch_makes_openmp_spin_briefly():
     """OpenMP reads its wait policy once, when torch loads it: batchgen.worker sets it first,
     leaves a policy the user set alone, and knows when it came too late."""
     code = (
         "import os, sys\n"
         "if sys.argv[1] == 'torch': import torch\n"
         "from batchgen.worker import cpu_threads as t\n"
-        "print(os.environ.get('OMP_WAIT_POLICY'), t.wait_policy_missed())\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'),\n"
+        "      t.wait_policy_missed())\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in cpu_threads.WAIT_VARIABLES}
 
@@ -106,7 +107,7 @@ def test_importing_batchgen_worker_before_torch_makes_openmp_wait_passively():
                              capture_output=True, text=True, check=True)  # fmt: skip
         return out.stdout.strip()
 
-    assert run("batchgen") == "PASSIVE False"
-    assert run("torch") == "None True"
-    assert run("torch", GOMP_SPINCOUNT="1000") == "None False"
-    assert run("batchgen", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE False"
+    assert run("batchgen") == "None 10000 False"
+    assert run("torch") == "None None True"
+    assert run("torch", GOMP_SPINCOUNT="1000") == "None 1000 False"
+    assert run("batchgen", OMP_WAIT_POLICY="ACTIVE") == "ACTIVE None False"

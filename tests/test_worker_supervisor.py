@@ -48,7 +48,7 @@ def test_cpu_workers_share_the_cpus_they_may_use_and_wait_without_spinning(monke
     monkeypatch.setattr("os.cpu_count", lambda: 64)  # the host's cores: not this process's
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     plan = plan_children(None, "cpu", 4)
-    env = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "10000"}
     assert plan == [{"env": env, "device": "cpu"}] * 4
     assert plan_children(None, "cpu", 4, threads=3)[0]["env"]["OMP_NUM_THREADS"] == "3"
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # the user's choice stands

@@ -5,10 +5,11 @@ is the Python API. The names load on first use, so the worker supervisor
 (``batchgen.worker.loop``) starts without importing torch; ``EngineConfig``
 itself lives in the torch-free ``batchgen.worker.engine_config``.
 
-Importing it sets ``OMP_WAIT_POLICY=PASSIVE`` where torch's OpenMP is not
-loaded yet and no wait policy is set (``cpu_threads.py``: spinning threads
-cost many times their work on a busy machine, and OpenMP reads the policy
-only when it loads): import ``batchgen.worker`` before torch.
+Importing it sets a short OpenMP spin (``GOMP_SPINCOUNT=10000``) where
+torch's OpenMP is not loaded yet and no wait policy is set
+(``cpu_threads.py``: long-spinning threads cost many times their work on a
+busy machine, and OpenMP reads the policy only when it loads): import
+``batchgen.worker`` before torch.
 """
 
 from __future__ import annotations

@@ -10,30 +10,44 @@ host's cores: in a container with a 2-CPU quota on a 64-core host they start
 stopped. Rounded down for the same reason: of 2 threads under a 1.5-CPU
 quota, one is stopped for part of every period and the region waits for it.
 
-How they wait: torch's OpenMP threads (libgomp) spin for about 3 ms after
-each parallel region before they sleep. With other work on the machine the
-spinning threads take the CPUs the work they wait for needs; measured here a
-tiny model's decode ran 10x slower. ``OMP_WAIT_POLICY=PASSIVE`` makes them
-sleep at once, but libgomp reads it only once, when it loads (with torch), so
-``quiet_openmp_waits()`` sets it when ``batchgen.worker`` is imported, if
-OpenMP is not loaded yet and neither it nor ``GOMP_SPINCOUNT`` is set. Where
-torch was loaded first it is too late: the engine says so in its log.
+How they wait: torch's OpenMP threads (libgomp) spin after each parallel
+region before they sleep, 300,000 turns by default. With other work on the
+machine the spinning threads take the CPUs the work they wait for needs;
+measured here a tiny model's decode ran 10x slower. Not spinning at all
+(``OMP_WAIT_POLICY=PASSIVE``) costs a wake-up per parallel region instead:
+on an idle 2-CPU machine two passive threads decoded no faster than one.
+So ``quiet_openmp_waits()`` sets a short spin (``SPIN_ENV``) when
+``batchgen.worker`` is imported, if OpenMP is not loaded yet (libgomp reads
+it only once, when it loads with torch) and the user set no policy; where
+torch was loaded first it is too late: the engine says so in its log. And
+``ContentionWatch`` takes the engine down to one thread, which neither
+spins nor waits for another, while its main thread waits for a CPU (other
+processes want them), and back once they are gone.
 
 Torch-free: the worker supervisor uses it to size its children.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 SELF_CGROUP = Path("/proc/self/cgroup")  # this process's cgroup in each hierarchy
 # Either one set before OpenMP loads decides how its threads wait; batchgen then leaves both alone
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# What batchgen sets where neither is: libgomp's spin before a waiting thread sleeps, in
+# turns (its default 300,000). Measured (tiny toy model, 2 threads, idle 2-CPU machine):
+# 1,000 turns decoded at the passive speed, 3,000-300,000 some 20% faster.
+SPIN_ENV = {"GOMP_SPINCOUNT": "10000"}
+SCHEDSTAT = Path("/proc/thread-self/schedstat")  # run time, runqueue wait (ns), timeslices
 _OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
 
 # Whether OpenMP was loaded before the first call of quiet_openmp_waits could set a
@@ -109,7 +123,7 @@ def choose_threads(asked: int | None, current: int, usable: int) -> int:
 
 
 def quiet_openmp_waits() -> None:
-    """Makes OpenMP's threads sleep while they wait (``OMP_WAIT_POLICY=PASSIVE``)
+    """Makes OpenMP's threads spin only briefly before they sleep (``SPIN_ENV``)
     if OpenMP has not read its environment yet and nobody set a policy. Once
     per process: the first call decides."""
     global _missed
@@ -119,11 +133,11 @@ def quiet_openmp_waits() -> None:
             if _openmp_loaded():
                 _missed = True
             else:
-                os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+                os.environ.update(SPIN_ENV)
 
 
 def wait_policy_missed() -> bool:
-    """Whether OpenMP was loaded before any wait policy was set: its threads spin."""
+    """Whether OpenMP was loaded before any wait policy was set: its threads spin long."""
     return bool(_missed)
 
 
@@ -133,3 +147,88 @@ def _openmp_loaded() -> bool:
     except OSError:
         return "torch" in sys.modules
     return any(name in maps for name in _OPENMP_LIBRARIES)
+
+
+def runqueue_wait_s(path: Path = SCHEDSTAT) -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a CPU (the
+    kernel's schedstat), or None where the kernel does not say."""
+    try:
+        return int(path.read_text().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ContentionWatch:
+    """Drops the engine to one thread while other processes compete for its CPUs.
+
+    ``check()`` is called at every step by the thread that runs them. Every ``window_s``
+    it compares how long that thread waited for a CPU with the time passed:
+    at ``BUSY`` or more the engine goes down to one thread (measured here:
+    idle, two threads waited under 1% of the time; beside two busy
+    processes on 2 CPUs, 30-45%); once down, at ``QUIET`` or less and not
+    before ``hold_s`` passed, back up to ``threads``. Each drop doubles the
+    hold (up to ``MAX_HOLD_S``) so that a neighbour that takes one CPU of
+    two does not make it swing every second; a minute at full count resets it.
+    """
+
+    BUSY = 0.15
+    QUIET = 0.05
+    FIRST_HOLD_S = 2.0
+    MAX_HOLD_S = 64.0
+
+    def __init__(
+        self,
+        threads: int,
+        set_threads: Callable[[int], None],
+        window_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        waited: Callable[[], float | None] = runqueue_wait_s,
+    ) -> None:
+        self.threads = threads
+        self.current = threads
+        self._set_threads = set_threads
+        self._window_s = window_s
+        self._clock = clock
+        self._waited = waited
+        self._hold_s = self.FIRST_HOLD_S
+        self._hold_until = 0.0
+        self._raised_at = clock()
+        self._start = 0.0
+        self._start_wait: float | None = None  # the window's start; None before the first check
+        self._off = False  # no schedstat here: the count stays as set
+        self.switches = 0
+
+    def check(self) -> None:
+        if self._off:
+            return
+        now = self._clock()
+        if self._start_wait is not None and now - self._start < self._window_s:
+            return
+        wait = self._waited()
+        if wait is None:
+            self._off = True
+            return
+        if self._start_wait is None:  # the first step: the stepping thread's own counter
+            self._start, self._start_wait = now, wait
+            return
+        elapsed = now - self._start
+        share = (wait - self._start_wait) / elapsed
+        self._start, self._start_wait = now, wait
+        if self.current > 1 and share >= self.BUSY:
+            if now - self._raised_at >= 60.0:
+                self._hold_s = self.FIRST_HOLD_S
+            self._switch(1, elapsed, share)
+            self._hold_until = now + self._hold_s
+            self._hold_s = min(2 * self._hold_s, self.MAX_HOLD_S)
+        elif self.current == 1 < self.threads and share <= self.QUIET and now >= self._hold_until:
+            self._switch(self.threads, elapsed, share)
+            self._raised_at = now
+
+    def _switch(self, threads: int, elapsed: float, share: float) -> None:
+        log.info(
+            "the engine's thread waited for a CPU %.0f%% of the last %.1f s: %d CPU thread(s)",
+            100 * share, elapsed, threads,
+        )  # fmt: skip
+        self.current = threads
+        self.switches += 1
+        self._set_threads(threads)

@@ -44,7 +44,8 @@ class EngineConfig:
     the C decode attention's) in this process; default: no more than torch is
     set to use (``OMP_NUM_THREADS``) and no more than the CPUs the process
     may really use, its affinity mask and cgroup quota (``cpu_threads.py``).
-    Set on CPU, and on CUDA only when given."""
+    Set on CPU, and on CUDA only when given. On CPU the engine runs on one
+    thread while other processes compete for the CPUs (``ContentionWatch``)."""
 
     device: str | None = None
     dtype: str | None = None

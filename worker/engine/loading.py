@@ -15,7 +15,12 @@ import torch
 from batchgen.jobs.schema.errors import ModelNotLoadable
 from batchgen.jobs.schema.model_files import check_config, check_files
 from batchgen.kernels import select_ops
-from batchgen.worker.cpu_threads import choose_threads, usable_cpus, wait_policy_missed
+from batchgen.worker.cpu_threads import (
+    ContentionWatch,
+    choose_threads,
+    usable_cpus,
+    wait_policy_missed,
+)
 from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
 from batchgen.worker.engine.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from batchgen.worker.engine.model_runner import ModelRunner
@@ -94,10 +99,10 @@ def set_threads(asked: int | None, device: torch.device) -> int:
 @functools.cache
 def _warn_spinning() -> None:
     log.warning(
-        "torch's OpenMP was loaded before batchgen could set OMP_WAIT_POLICY=PASSIVE: its "
-        "threads spin while they wait, which slows each step many times over when other "
-        "work runs on this machine; set OMP_WAIT_POLICY=PASSIVE in the environment, or "
-        "import batchgen.worker before torch"
+        "torch's OpenMP was loaded before batchgen could set GOMP_SPINCOUNT=10000: its "
+        "threads spin long while they wait, which slows each step many times over when "
+        "other work runs on this machine; set GOMP_SPINCOUNT=10000 (or "
+        "OMP_WAIT_POLICY=PASSIVE) in the environment, or import batchgen.worker before torch"
     )
 
 
@@ -191,9 +196,16 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
             model, kv_caches, min(max_num_seqs, 256), max_model_len, block_size, dev
         )
         graphs.capture()
-    runner = ModelRunner(
-        model, kv_caches, block_size, Sampler(eos, config.seed), dev, graphs, load_pooling(root)
+    # on CPU, one thread while other processes want the CPUs (cpu_threads.py)
+    contention = (
+        ContentionWatch(threads, torch.set_num_threads)
+        if dev.type == "cpu" and threads > 1
+        else None
     )
+    runner = ModelRunner(
+        model, kv_caches, block_size, Sampler(eos, config.seed), dev, graphs, load_pooling(root),
+        contention,
+    )  # fmt: skip
     limits = EngineLimits(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from batchgen.kernels import AttentionBatch
+from batchgen.worker.cpu_threads import ContentionWatch
 from batchgen.worker.engine.constrained import TokenMasks
 from batchgen.worker.engine.pooling import EmbedSpan, Pooling, pool_step
 from batchgen.worker.engine.request import Request
@@ -63,8 +64,10 @@ class ModelRunner:
         device: torch.device,
         graphs: DecodeGraphs | None = None,
         pooling: Pooling | None = None,
+        contention: ContentionWatch | None = None,
     ) -> None:
         self.model = model
+        self.contention = contention  # CPU: fewer threads while others want the CPUs
         self.pooling = pooling or Pooling()
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -173,6 +176,8 @@ class ModelRunner:
     def run(self, plan: SchedulerPlan) -> tuple[list[Request], SampleResult]:
         """Runs one step; returns the requests that get a token and what they got.
         Embedding requests get none: their rows are pooled (``pool_step``)."""
+        if self.contention is not None:
+            self.contention.check()
         inputs = self.prepare(plan)
         pending = self.masks.start(inputs.sampling)  # filled while the model runs
         if self.graphs is not None and not plan.prefills and self.graphs.can_run(len(plan.decodes)):

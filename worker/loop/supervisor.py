@@ -37,7 +37,7 @@ from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import GROUP, Keys, queue_name
 from batchgen.jobs.schema.errors import UsageError
-from batchgen.worker.cpu_threads import WAIT_VARIABLES, usable_cpus
+from batchgen.worker.cpu_threads import SPIN_ENV, WAIT_VARIABLES, usable_cpus
 from batchgen.worker.loop.finalizer import FinalizerProcess
 from batchgen.worker.loop.loop_config import (
     ENGINE_FAILED_EXIT,
@@ -250,8 +250,8 @@ def plan_children(
 ) -> list[dict[str, Any]]:
     """Per child: its env overrides and device. A CPU child's OpenMP gets its
     thread count (``threads``, else the usable CPUs shared among the children,
-    unless OMP_NUM_THREADS is set) and a wait policy that does not spin, both
-    before its torch loads (``cpu_threads.py``)."""
+    unless OMP_NUM_THREADS is set) and a short spin before its threads sleep
+    (``SPIN_ENV``), both before its torch loads (``cpu_threads.py``)."""
     if gpus is not None:
         if workers is not None:
             raise UsageError("--workers is for CPU workers; --gpus starts one worker per GPU")
@@ -274,5 +274,5 @@ def plan_children(
         elif "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // n))
         if not any(name in os.environ for name in WAIT_VARIABLES):
-            env["OMP_WAIT_POLICY"] = "PASSIVE"
+            env.update(SPIN_ENV)
     return [{"env": dict(env), "device": device} for _ in range(n)]
