@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels import reference
 from batchgen.kernels.batch import AttentionBatch, AttentionKind, StepAttention
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import decode as cpu_decode
@@ -47,9 +46,9 @@ CPU_OPS = KernelOps(
     name="cpu",
     rms_norm=cpu_elementwise.rms_norm,
     fused_add_rms_norm=cpu_elementwise.fused_add_rms_norm,
-    silu_and_mul=reference.silu_and_mul,
+    silu_and_mul=cpu_elementwise.silu_and_mul,
     apply_rotary=cpu_elementwise.apply_rotary,
-    store_kv=reference.store_kv,
+    store_kv=cpu_elementwise.store_kv,
     paged_decode_attention=cpu_decode.paged_decode_attention,
     paged_prefill_attention=cpu_attention.paged_prefill_attention,
     attention=cpu_attention.CpuAttention,

@@ -374,3 +374,35 @@ def test_other_dtypes_and_layouts_take_the_reference():
     half = cpu_elementwise.rms_norm(x[0].bfloat16(), w.bfloat16(), 1e-6)
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half, ref.rms_norm(x[0].bfloat16(), w.bfloat16(), 1e-6))
+
+
+def test_silu_and_mul_in_c_equals_the_reference(monkeypatch):
+    if cpu_native.load() is None:
+        pytest.skip("no C kernel on this machine")
+    gen = torch.Generator().manual_seed(13)
+    wide = torch.randn(6, 3 * 2 * 37, generator=gen) * 6  # rows at a stride; 37: a tail past 8s
+    x = wide[:, : 2 * 37]
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # e^-g at the floats' ends
+    expected = ref.silu_and_mul(x)
+    _reference_forbidden(monkeypatch, "silu_and_mul")
+    got = cpu_elementwise.silu_and_mul(x)
+    assert got.shape == (6, 37) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+
+
+def test_store_kv_in_c_writes_what_the_reference_writes(monkeypatch):
+    if cpu_native.load() is None:
+        pytest.skip("no C kernel on this machine")
+    gen = torch.Generator().manual_seed(14)
+    qkv = torch.randn(4, 3, 2, 8, generator=gen)  # q, k, v of 4 tokens, as a view of one tensor
+    key, value = qkv[:, 1], qkv[:, 2]
+    slots = torch.tensor([9, ref.PAD_SLOT_ID, 2, 11])
+    caches = [torch.zeros(3, 4, 2, 8) for _ in range(4)]
+    ref.store_kv(key, value, caches[0], caches[1], slots)
+    _reference_forbidden(monkeypatch, "store_kv")
+    cpu_elementwise.store_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    for bad in (12, -2):
+        with pytest.raises(IndexError, match="outside the cache's 12 slots"):
+            cpu_elementwise.store_kv(key, value, caches[2], caches[3], torch.tensor([0, 1, bad, 3]))
+    assert torch.equal(caches[2], caches[0])  # a refused step writes nothing

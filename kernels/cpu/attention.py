@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from batchgen.kernels.batch import AttentionBatch, AttentionKind
 from batchgen.kernels.cpu.decode import plan_decode
+from batchgen.kernels.cpu.elementwise import store_kv
 from batchgen.kernels.cpu.sinks import attention_with_sinks
-from batchgen.kernels.reference import store_kv
 
 
 class CpuAttention:

@@ -1,10 +1,11 @@
-"""The CPU path's RMSNorm (with and without the residual add) and rotary.
+"""The CPU path's RMSNorm (with and without the residual add), rotary,
+SiLU-and-multiply and K/V store.
 
 Same signatures and semantics as ``reference.py``, which they fall back to
-for what the C functions of ``cpu_native.py`` do not take (not fp32, rows
-without one stride, no compiler). At decode batch sizes a layer's norms and
-rotary are a dozen torch ops or more, each costing its dispatch; here each is
-one call.
+for what the C functions of ``native.py`` do not take (not fp32, rows
+without one stride, no compiler). At decode batch sizes a layer's norms,
+rotary, activation and cache writes are twenty torch ops or more, each
+costing its dispatch; here each is one call.
 """
 
 from __future__ import annotations
@@ -94,4 +95,60 @@ def _rotary_layout(
         and cos.is_contiguous()
         and sin.is_contiguous()
         and cos.shape == sin.shape == (cos.shape[0], head_dim // 2)
+    )
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    native = load() if _fp32_rows(x) and x.shape[1] % 2 == 0 else None
+    if native is None:
+        return reference.silu_and_mul(x)
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, inter)
+    native.silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), rows, inter)
+    return out
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if not _kv_layout(key, value, k_cache, v_cache, slot_mapping) or (native := load()) is None:
+        return reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    slots = k_cache.shape[0] * k_cache.shape[1]
+    status = native.store_kv_f32(
+        key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
+        value.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+        num_tokens, num_kv_heads, head_dim, slots,
+    )  # fmt: skip
+    if status != 0:
+        raise IndexError(f"store_kv: a slot is outside the cache's {slots} slots")
+
+
+def _kv_layout(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> bool:
+    """fp32 CPU key/value (T, Hk, D), unit stride in D; contiguous caches (blocks,
+    block_size, Hk, D); int64 contiguous slots (T,)."""
+    return (
+        all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (key, value, k_cache))
+        and key.dim() == 3
+        and key.shape == value.shape
+        and key.stride(2) == value.stride(2) == 1
+        and k_cache.dim() == 4
+        and k_cache.shape == v_cache.shape
+        and k_cache.shape[2:] == key.shape[1:]
+        and v_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and slots.shape == (key.shape[0],)
     )

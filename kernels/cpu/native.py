@@ -12,9 +12,10 @@
   started per call cost ~30 us each, and on a busy machine wait to be
   scheduled); a row is done by one thread, so results do not depend on the
   thread count, and a helper not yet scheduled takes no row and is not waited for;
-- RMSNorm with an optional residual add, and neox rotary: one pass each
-  where torch takes five to twelve small ops, whose dispatch, not their
-  arithmetic, is what they cost at decode batch sizes.
+- RMSNorm with an optional residual add, neox rotary, SiLU-and-multiply and
+  the K/V store into their cache slots: one pass each where torch takes two
+  to twelve small ops, whose dispatch, not their arithmetic, is what they
+  cost at decode batch sizes.
 
 fp32 throughout; the callers (``cpu_decode.py``, ``cpu_elementwise.py``)
 check what the C code trusts. The library is compiled once per process with
@@ -45,6 +46,7 @@ SOURCE = r"""
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* q (S, H, D) with row/head strides, unit stride in D; k/v caches contiguous
    (num_blocks, BS, HK, D); tables (S, >= ceil(ctx / BS)) int32 rows; lens (S,)
@@ -285,6 +287,74 @@ int rotary_f32(
     }
     return 0;
 }
+
+/* out[t, i] = silu(g) * u with g = x[t, i], u = x[t, N + i], silu(g) = g / (1 + e^-g);
+   x rows at x_stride, out (T, N) contiguous. e^-g eight at a time: -g = k ln2 + r,
+   |r| <= ln2 / 2, e^r by Cephes' expf polynomial (within 2 ulp), 2^k in the exponent
+   bits; -g is clamped to [-87, 88], where e^-g is 0 or inf to a float anyway. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+static inline v8 exp8(v8 x)
+{
+    const v8 lo = {-87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f};
+    const v8 hi = {88.f, 88.f, 88.f, 88.f, 88.f, 88.f, 88.f, 88.f};
+    x = (v8)(((i8)x & ~(i8)(x < lo)) | ((i8)lo & (i8)(x < lo)));
+    x = (v8)(((i8)x & ~(i8)(x > hi)) | ((i8)hi & (i8)(x > hi)));
+    const float round = 12582912.f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const v8 k = (x * 1.44269504088896341f + round) - round;
+    v8 r = x - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    v8 p = 1.9875691500E-4f * r + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * (r * r) + r + 1.f;
+    const i8 two_k = (__builtin_convertvector(k, i8) + 127) << 23;
+    return p * (v8)two_k;
+}
+
+void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t T, int64_t N)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * x_stride, *u = g + N;
+        float *o = out + t * N;
+        int64_t i = 0;
+        for (; i + 8 <= N; i += 8) {
+            v8 gv, uv;
+            memcpy(&gv, g + i, sizeof gv);
+            memcpy(&uv, u + i, sizeof uv);
+            const v8 ov = gv / (1.f + exp8(-gv)) * uv;
+            memcpy(o + i, &ov, sizeof ov);
+        }
+        for (; i < N; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* k_cache[slot[t]] = key[t], v_cache[slot[t]] = value[t]: caches contiguous (num_slots,
+   HK, D); key/value rows at their token/head strides, unit stride in D; a slot of -1
+   (padding) is skipped. Returns 1, having written nothing, when a slot is outside
+   [-1, num_slots). */
+int store_kv_f32(
+    const float *key, int64_t k_stride_t, int64_t k_stride_h,
+    const float *value, int64_t v_stride_t, int64_t v_stride_h,
+    float *k_cache, float *v_cache, const int64_t *slots, int64_t T, int64_t HK, int64_t D,
+    int64_t num_slots)
+{
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < -1 || slots[t] >= num_slots) return 1;
+    const size_t bytes = sizeof(float) * (size_t)D;
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        float *kc = k_cache + slots[t] * HK * D, *vc = v_cache + slots[t] * HK * D;
+        for (int64_t h = 0; h < HK; h++) {
+            memcpy(kc + h * D, key + t * k_stride_t + h * k_stride_h, bytes);
+            memcpy(vc + h * D, value + t * v_stride_t + h * v_stride_h, bytes);
+        }
+    }
+    return 0;
+}
 """
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -297,6 +367,11 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "add_rms_norm_f32": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "rotary_f32": (
         [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64],
+        ctypes.c_int,
+    ),
+    "silu_and_mul_f32": ([_PTR, _I64, _PTR, _I64, _I64], None),
+    "store_kv_f32": (
+        [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
         ctypes.c_int,
     ),
 }  # fmt: skip
@@ -323,6 +398,8 @@ class Native:
     paged_decode_attention_f32: Any
     add_rms_norm_f32: Any
     rotary_f32: Any
+    silu_and_mul_f32: Any
+    store_kv_f32: Any
 
 
 @functools.cache
