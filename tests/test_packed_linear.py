@@ -22,13 +22,14 @@ def _linear(rows_in: int = 256, out: int = 520, bias: bool = True) -> tuple[Line
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_product_equals_torch_and_drops_the_dense_copy(bias: bool) -> None:
     layer, weight = _linear(bias=bias)
-    x = torch.randn(7, 256)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
     expected = torch.nn.functional.linear(x, weight, layer.bias)
     out = layer(x)
     assert layer.packed is not None and layer.weight.is_meta
     assert layer.weight.shape == (256, 520) and layer.out_features == 520
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)  # from the packed copy
+    # outputs ~16 in size (256 products of unit normals): fp32 sums in another order
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(layer(x), out)  # again, from the packed copy
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads() -> None:

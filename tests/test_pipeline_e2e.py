@@ -221,7 +221,9 @@ def test_cancel_mid_job(model, workers, env, redis_url, tmp_path):
 def test_a_worker_killed_mid_job_and_a_new_one_give_exactly_one_row_per_line(
     model, reference, workers, env, redis_url, tmp_path
 ):
-    lines = [{"prompt": f"Tell the tale of number {i}", "max_tokens": 48} for i in range(40)]
+    # long enough that the first committed rows come well before the last: with 48 tokens
+    # a line the CPU engine had done all 40 before the kill landed
+    lines = [{"prompt": f"Tell the tale of number {i}", "max_tokens": 300} for i in range(40)]
     submit(env, model, write_jsonl(tmp_path / "p.jsonl", lines), "killed", tmp_path)
     first = workers(model, "--max-num-seqs", "4", "--claim-timeout", "3")
     conn: Any = redis.Redis.from_url(redis_url)

@@ -23,7 +23,9 @@ def cancel_seen(chaos: Chaos, names: list[str], job_id: str) -> dict[str, int] |
 
 
 def test_after_cancel_nothing_starts_in_flight_stops_within_a_step_no_orphans(chaos, reference):
-    lines = prompt_lines(40, "cx", max_tokens=(24, 48))
+    # long enough that the CLI's cancel (a process start) lands mid-job: with 24-48 tokens
+    # a line the CPU engine had made all 40 before it did
+    lines = prompt_lines(40, "cx", max_tokens=(300, 400))
     out = chaos.submit("cx", lines)
     names = ["w0", "w1"]
     for name in names:  # polling once in 10 minutes: the published cancel must do it
