@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchgen.worker.models import weights
 from batchgen.worker.models.weights import PACK_MIN_FLOATS, Linear, fuse, packable
 
 pytestmark = pytest.mark.skipif(
@@ -65,3 +66,17 @@ def test_no_packing_where_onednn_is_switched_off_or_the_dtype_is_not_fp32() -> N
 def test_empty_input_gives_empty_output() -> None:
     layer, _ = _linear()
     assert layer(torch.randn(0, 256)).shape == (0, 520)
+
+
+def test_where_onednn_refuses_to_pack_every_projection_stays_with_torch_mm(monkeypatch):
+    def refuse(*args: object) -> None:
+        raise RuntimeError("no primitive for this CPU")
+
+    monkeypatch.setattr(weights, "_refused", [])
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    layer, _ = _linear()
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(layer(x), torch.addmm(layer.bias, x, layer.weight))  # the torch.mm path
+    assert layer.packed is None and not layer.weight.is_meta
+    assert weights._refused == ["no primitive for this CPU"]
+    assert not packable(torch.zeros(256, 512))  # the next projection does not try again

@@ -196,7 +196,6 @@ class ContentionWatch:
         self._start = 0.0
         self._start_wait: float | None = None  # the window's start; None before the first check
         self._off = False  # no schedstat here: the count stays as set
-        self.switches = 0
 
     def check(self) -> None:
         if self._off:
@@ -230,5 +229,4 @@ class ContentionWatch:
             100 * share, elapsed, threads,
         )  # fmt: skip
         self.current = threads
-        self.switches += 1
         self._set_threads(threads)

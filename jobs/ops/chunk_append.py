@@ -1,6 +1,7 @@
-"""Appending a job's entries to its backlogs in whole chunks (submit and retry): one
-script a chunk, pipelined, appended only if the job's ``enqueued`` still equals the
-chunk's start; after an outage, going on from ``enqueued``."""
+"""Appending a submitted job's entries to its backlogs in whole chunks: one script a
+chunk, pipelined, appended only if the job's ``enqueued`` still equals the chunk's
+start; after an outage, going on from ``enqueued``. Retry appends in chunks of the
+same size with its own script (``rerun.py``: a retry cursor, not ``enqueued``)."""
 
 from __future__ import annotations
 

@@ -11,12 +11,13 @@ blocked layout (``torch.ops.mkldnn``, what torch.compile's CPU freezing
 uses) and multiplied from there: torch.mm copies the whole weight into
 MKL's panel layout on every call, which at decode's few rows takes as long
 as the arithmetic; packed once, the product takes 0.1-0.8x the time
-(``benchmarks/linear_bench.py``). Below ``PACK_MIN_FLOATS`` a oneDNN call's
-fixed cost (~15 us) outweighs the copy and torch.mm stays. A row's result does not depend on the
-other rows of the call nor on the thread count. The dense weight is then
-dropped (a ``meta`` tensor keeps its shape): the packed copy is the only
-one. Where oneDNN cannot pack (a torch without it, another CPU), the
-projection stays with torch.mm.
+(``benchmarks/linear_bench.py``). Below ``PACK_MIN_FLOATS`` a oneDNN
+call's fixed cost (~15 us) outweighs the copy and torch.mm stays. A row's
+result does not depend on the other rows of the call nor on the thread
+count. The dense weight is then dropped (a ``meta`` tensor keeps its
+shape): the packed copy is the only one. Whether to pack is decided once,
+at the first call; where oneDNN cannot pack (a torch without it, another
+CPU) that projection and every later one stay with torch.mm.
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ class Linear:
     weight: torch.Tensor  # (in, out); once packed, a meta tensor of that shape
     bias: torch.Tensor | None = None  # (out,)
     packed: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    decided: bool = field(default=False, repr=False, compare=False)  # packed or not, for good
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None and x.dtype == torch.float32 and packable(self.weight):
-            self._pack()
+        if not self.decided:
+            self.decided = True
+            if packable(self.weight):
+                self._pack()
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
