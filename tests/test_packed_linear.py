@@ -76,6 +76,7 @@ def test_where_onednn_refuses_to_pack_every_projection_stays_with_torch_mm(monke
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
     layer, _ = _linear()
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
+    assert layer.bias is not None
     assert torch.equal(layer(x), torch.addmm(layer.bias, x, layer.weight))  # the torch.mm path
     assert layer.packed is None and not layer.weight.is_meta
     assert weights._refused == ["no primitive for this CPU"]
