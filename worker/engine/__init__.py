@@ -1,7 +1,8 @@
 """The generation engine: continuous batching over a paged KV cache."""
 
 from batchgen.jobs.schema.constraints import StructuredOutput
-from batchgen.worker.engine.engine import Engine, EngineStats
+from batchgen.worker.engine.engine import Engine
+from batchgen.worker.engine.outputs import EngineStats
 from batchgen.worker.engine.request import FinishReason, RequestOutput, RequestRejected, Sample
 from batchgen.worker.engine.sampling_params import SamplingParams
 from batchgen.worker.engine_config import EngineConfig, InvalidEngineConfig

@@ -14,7 +14,6 @@ import functools
 import itertools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 from batchgen.worker.engine.admission import Capacity, check_fits
@@ -24,7 +23,7 @@ from batchgen.worker.engine.detokenizer import StopStringMatcher
 from batchgen.worker.engine.kv_window import SlidingRelease
 from batchgen.worker.engine.loading import EngineLimits, build_engine
 from batchgen.worker.engine.model_runner import ModelRunner
-from batchgen.worker.engine.outputs import build_output
+from batchgen.worker.engine.outputs import EngineStats, build_output
 from batchgen.worker.engine.request import (
     EmbedTask,
     FinishReason,
@@ -39,19 +38,6 @@ from batchgen.worker.engine.stopping import stop_reason
 from batchgen.worker.engine_config import EngineConfig
 
 _EMBED_PARAMS = SamplingParams(max_tokens=1)  # an embedding request's (never sampled)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_steps: int
-    prompt_tokens: int  # prompt tokens of admitted requests
-    generation_tokens: int
-    num_preemptions: int
-    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens
-    kv_usage: float  # used blocks / all blocks
-    num_running: int
-    num_waiting: int
-    cuda_graph_replays: int  # decode steps replayed from a captured CUDA graph
 
 
 class Engine:

@@ -1,10 +1,25 @@
-"""What the engine hands back for a finished (or aborted) request."""
+"""What the engine hands back: a finished (or aborted) request's output, and its
+counters (``Engine.stats()``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from batchgen.worker.engine.request import FinishReason, Request, RequestOutput, Sample
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int
+    prompt_tokens: int  # prompt tokens of admitted requests
+    generation_tokens: int
+    num_preemptions: int
+    prefix_cache_hit_rate: float  # cached prompt tokens / prompt tokens
+    kv_usage: float  # used blocks / all blocks
+    num_running: int
+    num_waiting: int
+    cuda_graph_replays: int  # decode steps replayed from a captured CUDA graph
 
 
 def build_output(request_id: str, samples: list[Request], tokenizer: Any) -> RequestOutput:
