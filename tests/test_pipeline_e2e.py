@@ -244,13 +244,14 @@ def test_a_worker_killed_mid_job_and_a_new_one_give_exactly_one_row_per_line(
 def test_sigterm_hands_back_and_the_next_worker_resumes(
     model, reference, workers, env, redis_url, tmp_path
 ):
-    lines = [{"prompt": f"Once upon a time {i}", "max_tokens": 200} for i in range(4)]
+    # 1000 tokens a line: at 200 the CPU engine had finished them all before the SIGTERM
+    lines = [{"prompt": f"Once upon a time {i}", "max_tokens": 1000} for i in range(4)]
     submit(env, model, write_jsonl(tmp_path / "p.jsonl", lines), "handback", tmp_path)
     first = workers(model, "--max-num-seqs", "4")
     conn: Any = redis.Redis.from_url(redis_url)
     qk = KEYS.queue_for_model(str(model))
     wait_for(lambda: conn.xpending(qk.stream, GROUP)["pending"] > 0, 300, "requests in flight")
-    time.sleep(1.0)  # let them generate some tokens (200 take a few seconds)
+    time.sleep(1.0)  # let them generate some tokens (1000 take several seconds)
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 0
     resumed = [json.loads(f[b"x"]) for _, f in conn.xrange(qk.stream) if b"x" in f]

@@ -263,7 +263,9 @@ def test_the_dashboard_json_endpoints(stack, client, tmp_path):
         with urllib.request.urlopen(request, timeout=10) as reply:
             return json.loads(reply.read())
 
-    rows = lines(str(stack.model), 60, max_tokens=48, prefix="api")
+    # long enough to be under way at the cancel below: at 48 tokens a row the CPU engine had
+    # finished all 60 while the tok/s samples were awaited
+    rows = lines(str(stack.model), 60, max_tokens=400, prefix="api")
     batch = client.batches.create(input_file_id=upload(client, tmp_path, rows, "api.jsonl").id,
                                   endpoint="/v1/chat/completions", completion_window="24h")  # fmt: skip
     while client.batches.retrieve(batch.id).request_counts.completed == 0:
