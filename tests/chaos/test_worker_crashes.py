@@ -50,7 +50,7 @@ def committed_parts(chaos: Chaos, job_id: str) -> set[str]:
 
 
 def test_kill_9_mid_decode_and_at_every_crash_point_leaves_one_row_per_line(chaos, reference):
-    lines = prompt_lines(24, "crash", max_tokens=(8, 24))
+    lines = prompt_lines(24, "crash", max_tokens=(48, 96))  # long enough to be caught mid-decode
     out = chaos.submit("crash", lines)
     settings = {"max_num_seqs": 4, "max_attempts": 20}  # dead-lettering is another test
 
