@@ -52,6 +52,19 @@ class Browser:
         self.log.close()
 
 
+class CdpError(AssertionError):
+    """The browser answered a command with an error."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(error)
+        self.message = str(error.get("message", ""))
+
+    @property
+    def navigated(self) -> bool:
+        """The page the command ran in was replaced (a form submitted, a link followed)."""
+        return "navigated or closed" in self.message or "context was destroyed" in self.message
+
+
 class Page:
     def __init__(self, ws: ClientConnection) -> None:
         self.ws = ws
@@ -64,7 +77,8 @@ class Page:
         while True:
             message = json.loads(self.ws.recv(timeout=60))
             if message.get("id") == wanted:
-                assert "error" not in message, message["error"]
+                if "error" in message:
+                    raise CdpError(message["error"])
                 return message.get("result", {})
             if message.get("method") == "Page.javascriptDialogOpening":
                 # the page waits on the dialog (and a click that opened it on the page):
@@ -85,11 +99,20 @@ class Page:
         return result["result"].get("value")
 
     def wait_for(self, expression: str, timeout: float = 30) -> Any:
+        """Polls ``expression`` until it is truthy; an evaluation the page's own navigation
+        cut short (a form it submitted, a reload) counts as not yet."""
         deadline = time.monotonic() + timeout
-        while not (value := self.evaluate(expression)):
+        while True:
+            try:
+                value = self.evaluate(expression)
+            except CdpError as exc:
+                if not exc.navigated:
+                    raise
+                value = None
+            if value:
+                return value
             assert time.monotonic() < deadline, f"timed out waiting for {expression}"
             time.sleep(0.1)
-        return value
 
     def click(self, selector: str, hold_s: float = 0.1) -> None:
         """Click the element as a person does: the mouse moves onto its middle, presses,

@@ -53,7 +53,7 @@ def counts_of(text: str) -> list[str]:
 
 
 def test_counts_add_up_while_workers_come_and_go(shell):
-    submit(shell, "c", 8, 160)
+    submit(shell, "c", 8, 640)  # a row takes seconds: the SIGTERM lands mid-job
     text = shell.ok("status", "c")
     assert counts_of(text) == ["rows       done 0, failed 0, cancelled 0",
                                "requests   in flight 0, queued 8"]  # fmt: skip
