@@ -31,7 +31,10 @@ PARTS = {
 }
 BATCH_BUCKETS = (("1-7", 1, 7), ("8-16", 8, 16), ("17-32", 17, 32), ("33-64", 33, 64),
                  ("65+", 65, 1 << 30))  # fmt: skip
-OPS = ("aten::mm", "aten::index_select", "aten::_scaled_dot_product_flash_attention_for_cpu")
+# the packed fp32 projections (worker/models/weights.py), the rest of the products, the
+# prefill attention (SDPA; with GQA or a mask torch takes its math path)
+OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::scaled_dot_product_attention",
+       "aten::index_select")  # fmt: skip
 
 
 def _label(owner: Any, name: str, label: str) -> None:
@@ -69,6 +72,8 @@ def main() -> None:
     wl = WORKLOADS[args.workload](args.num_requests, vocab)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.max_tokens]
     engine.generate(wl.prompts[:4], params[:4])  # warm-up
+    if engine.block_manager.enable_prefix_caching:
+        engine.block_manager.cached.clear()  # no hits from the warm-up, as engine_bench.py
     for label, (module, cls, name) in PARTS.items():
         mod = importlib.import_module(module)
         _label(getattr(mod, cls) if cls else mod, name, label)
