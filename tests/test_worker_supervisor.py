@@ -117,6 +117,37 @@ def test_a_child_that_served_is_restarted_soon_and_never_given_up_on(redis_url):
     assert crash(served=False) == 1
 
 
+def test_a_killed_childs_heartbeat_is_retired_at_once(redis_url):
+    """A child killed -9 never retires its heartbeat: the supervisor does, once it has
+    read from it that the child served. Until then status counted the dead worker's
+    requests and a deleted job stayed named in it for the heartbeat's TTL."""
+    conn: Any = redis.Redis.from_url(redis_url)
+    keys = Keys("bg")
+    sup = Supervisor(conn, LoopConfig(model="m"), [], None)
+    child = Child(0, sup.base, {})
+    sup.children = [child]
+    child.names.append("killed-w0")
+    heartbeat.beat(conn, keys, "killed-w0", {"name": "killed-w0", "in_flight": {"gone": 3}}, 60)
+    heartbeat.beat(conn, keys, "alive-w1", {"name": "alive-w1", "in_flight": {"gone": 2}}, 60)
+    child.process = subprocess.Popen([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"])
+    child.process.wait()
+    child.started = time.monotonic() - 60
+    assert sup._reap() == 0
+    # it served (its heartbeat said so before it went): restarted soon, no backoff
+    assert child.restart_at - time.monotonic() == pytest.approx(RESTART_DELAY_S, abs=1.0)
+    assert conn.get(keys.worker("killed-w0")) is None
+    assert conn.zscore(keys.workers, "killed-w0") is None
+    assert [w["name"] for w in heartbeat.live_workers(conn, keys)] == ["alive-w1"]
+
+    # killed while the supervisor itself stops (its last loop never reaped it): the same
+    child.names.append("killed-w0-again")
+    heartbeat.beat(conn, keys, "killed-w0-again", {"name": "killed-w0-again"}, 60)
+    child.process = subprocess.Popen([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"])
+    child.process.wait()
+    sup._terminate()
+    assert [w["name"] for w in heartbeat.live_workers(conn, keys)] == ["alive-w1"]
+
+
 def test_status_and_submit_never_import_torch():
     code = (
         "import sys\n"

@@ -188,7 +188,9 @@ class Supervisor:
             if rc == MODEL_REFUSED_EXIT:  # it said why; every restart would fail alike
                 return 2
             lived = now - child.started
-            if rc == ENGINE_FAILED_EXIT or self._served(child):  # it served: go on
+            served = rc == ENGINE_FAILED_EXIT or self._served(child)
+            self._retire(child)  # it cannot beat again: gone from status now, not at its TTL
+            if served:  # it served: go on
                 child.fast_failures = 0
                 delay = RESTART_DELAY_S
             else:
@@ -219,6 +221,12 @@ class Supervisor:
         except (redis.ConnectionError, redis.TimeoutError):
             return False
 
+    def _retire(self, child: Child) -> None:
+        """The heartbeat of a child that died without retiring it (killed, crashed):
+        it names the jobs it held, which status would count and delete would leave."""
+        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+            heartbeat.retire(self.conn, self.keys, child.names[-1])
+
     def _finalize(self) -> bool:
         """Start a finalizer if finalize tasks wait and none runs; whether tasks wait."""
         try:
@@ -231,18 +239,20 @@ class Supervisor:
         return queued
 
     def _terminate(self) -> None:
-        live = [c.process for c in self.children if c.process is not None]
-        for proc in live:
+        live = [(c, c.process) for c in self.children if c.process is not None]
+        for _, proc in live:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.base.drain_timeout_s + 10
-        for proc in live:
+        for child, proc in live:
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 log.warning("worker pid %d did not exit in time; killing it", proc.pid)
                 proc.kill()
                 proc.wait()
+            if proc.returncode != 0:  # killed or crashed: it retired nothing
+                self._retire(child)
 
 
 def plan_children(
