@@ -4,7 +4,9 @@
 - RMSNorm with an optional residual add, neox rotary, SiLU-and-multiply and
   the K/V store into their cache slots (here): one pass each where torch
   takes two to twelve small ops, whose dispatch, not their arithmetic, is
-  what they cost at decode batch sizes.
+  what they cost at decode batch sizes;
+- ``exp8``, e^x eight floats at a time, which the attention's softmax and
+  SiLU share (``VECTOR_SOURCE``, compiled ahead of both).
 
 fp32 throughout; the callers (``decode_native.py``, ``elementwise.py``)
 check what the C code trusts. The library is compiled once per process with
