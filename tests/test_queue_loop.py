@@ -440,7 +440,7 @@ def test_the_loop_rides_out_a_redis_restart(private_redis, tmp_path):
     loop = make_loop(conn, engine, flush_interval_s=0.0)
     loop.tick()
     assert len(engine.running) == 4
-    private_redis.kill()  # SIGKILL; the AOF (everysec) is on the same dir
+    private_redis.kill()  # SIGKILL; its AOF (fsynced before each reply) is on the same dir
     deadline = time.monotonic() + 1.5
     while time.monotonic() < deadline:
         loop.tick()  # must not raise: rows wait in the sink, reads back off

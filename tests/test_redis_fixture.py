@@ -26,6 +26,7 @@ def test_private_server_keeps_aof_data_through_kill_and_restart(private_redis: R
     assert client.get("k") == b"v"
     assert client.xlen("s") == 1000
     assert client.config_get("appendonly") == {"appendonly": "yes"}
+    assert client.config_get("appendfsync") == {"appendfsync": "always"}
     assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
 
 

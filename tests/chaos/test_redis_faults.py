@@ -65,7 +65,7 @@ def test_redis_killed_mid_job_and_restarted_on_its_aof_loses_nothing(chaos_priva
     # must wait for it (BATCHGEN_REDIS_WAIT, 10 s); without waiting they exit 1.
     time.sleep(max(0.0, 2.0 - (time.monotonic() - down_since)))
     assert status.alive() and late.alive()
-    chaos.server.start()  # same dir: the AOF (appendfsync everysec) is replayed
+    chaos.server.start()  # same dir: its AOF (fsynced before each reply) is replayed
     assert status.wait(60) == 0, status.tail()
     reported = json.loads(status.tail().strip().splitlines()[-1])
     assert (reported["job_id"], reported["total"]) == ("aof", 24)
@@ -134,26 +134,13 @@ class KillAfterChunks:
         monkeypatch.setattr(chunk_append._ChunkSender, "send", send)
 
 
-@pytest.fixture
-def fsync_always(tmp_path):
-    """A server that fsyncs its AOF before every reply. With everysec, a write may be
-    postponed while an fsync is slow (a loaded disk), and a SIGKILL then loses up to two
-    seconds of acknowledged writes, the job record included: Redis's documented window,
-    not what this test is about."""
-    server = RedisServer(tmp_path / "redis", extra_args=("--appendfsync", "always"))
-    server.start()
-    yield server
-    server.kill()
-
-
 @pytest.mark.parametrize("comes_back", [True, False])
 def test_submit_across_a_redis_crash_enqueues_every_line_once(
-    fsync_always, tmp_path, monkeypatch, comes_back
+    private_redis, tmp_path, monkeypatch, comes_back
 ):
     """The server is killed mid-file. Back within BATCHGEN_REDIS_WAIT: the submit
     goes on where the job's counter says. Not back: one line that says how to
     resume, whole chunks only, and the re-run enqueues exactly the rest."""
-    private_redis = fsync_always
     monkeypatch.setattr(chunk_append, "CHUNK_ENTRIES", 100)
     monkeypatch.setenv("BATCHGEN_REDIS_WAIT", "10" if comes_back else "0.5")
     kill = KillAfterChunks(private_redis, 5, 0.5 if comes_back else None)
