@@ -21,6 +21,7 @@ from batchgen.worker import Engine, SamplingParams
 from tests.hf_reference import first_divergence_is_tie, hf_greedy, hf_logits
 
 LOGIT_ATOL = 2e-4  # fp32; logits are O(10)
+CHUNK = 24  # the prefill chunk of assert_matches_hf's engine (tokens a step)
 PROMPT_LENGTHS = (1, 6, 17, 40, 75)
 
 
@@ -67,21 +68,26 @@ def assert_matches_hf(
     tight_blocks: int = 6,
     atol: float = LOGIT_ATOL,
     cached_prefix: int = 64,
+    recurrent: bool = False,
     **engine_kwargs: object,
 ) -> None:
     """tight_blocks: a pool that holds the longest sequence alone (fewer where a
     model whose every layer slides hands blocks back as it goes). atol: on the
     logits (looser where chunking itself reorders sums: a recurrent state carried
     across chunks). cached_prefix: the tokens a prefix-cache hit skips (0 where
-    the model turns prefix caching off)."""
+    the model turns prefix caching off). recurrent: a model with a recurrent state
+    (linear attention), whose prompt logits are compared with transformers' run in
+    the engine's chunks (chunks reorder the state's sums: against one whole pass
+    the logits differ by up to 1.2e-3 on the Qwen3-Next toy)."""
     # chunks of 24 tokens over blocks of 16: boundaries inside and across blocks
     engine = Engine.from_pretrained(
-        path, num_kv_blocks=96, max_num_batched_tokens=24, **engine_kwargs
+        path, num_kv_blocks=96, max_num_batched_tokens=CHUNK, **engine_kwargs
     )
     (tokens,) = random_prompts(vocab, (90,), seed=11)
     logits, first = engine_prompt_logits(engine, tokens)
     assert first == 0
-    torch.testing.assert_close(logits, hf_logits(path, tokens), atol=atol, rtol=0)
+    reference = hf_logits(path, tokens, chunk=CHUNK if recurrent else None)
+    torch.testing.assert_close(logits, reference, atol=atol, rtol=0)
 
     prompts = random_prompts(vocab, PROMPT_LENGTHS, seed=12)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -21,10 +21,24 @@ def hf_model(path: Path):
     return model
 
 
-def hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
-    """(len, vocab) logits of one forward over token_ids."""
+def hf_logits(path: Path, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """(len, vocab) logits of one forward over token_ids, or of forwards over
+    ``chunk`` tokens at a time through transformers' own cache (a recurrent
+    model's chunked prefill: the same sums in the same order as batchgen's)."""
+    from transformers import DynamicCache
+
+    model = hf_model(path)
+    ids = torch.tensor([token_ids])
     with torch.no_grad():
-        return hf_model(path)(torch.tensor([token_ids])).logits[0].float()
+        if chunk is None:
+            return model(ids).logits[0].float()
+        cache = DynamicCache(config=model.config)
+        parts = [
+            model(ids[:, s : s + chunk], past_key_values=cache, use_cache=True,
+                  position_ids=torch.arange(s, min(s + chunk, ids.shape[1]))[None]).logits[0]
+            for s in range(0, ids.shape[1], chunk)
+        ]  # fmt: skip
+        return torch.cat(parts).float()
 
 
 def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int, stop_at_eos: bool) -> list[int]:

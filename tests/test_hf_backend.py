@@ -56,15 +56,16 @@ def test_the_backend_runs_it_exactly(zoo_model, name):
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
 def test_hybrid_deltanet_models_run_exactly_with_a_state_per_sequence(zoo_model, name):
     """Gated DeltaNet layers carry a state per sequence across chunked prefill, batch mates
-    and preemption (recomputed from position 0); prefix caching is off for them. Chunks of
-    24 instead of one whole-prompt pass reorder the delta rule's sums: logits agree to 5e-4
-    (to 2e-5 when the prompt is computed whole)."""
+    and preemption (recomputed from position 0); prefix caching is off for them. The prompt
+    logits, computed in chunks of 24, equal transformers' over the same chunks (measured
+    4e-6); chunks reorder the delta rule's sums, so against one whole pass they differ by
+    up to 1.2e-3 (Qwen3-Next), and with the state lost between chunks by 14."""
     path = zoo_model(name)
     engine = Engine.from_pretrained(path, num_kv_blocks=4)
     model = engine.runner.model
     assert isinstance(model, HfCausalLM) and model.config.keeps_state
     assert not engine.block_manager.enable_prefix_caching
-    assert_matches_hf(path, VOCAB, atol=5e-4, cached_prefix=0)
+    assert_matches_hf(path, VOCAB, cached_prefix=0, recurrent=True)
 
 
 def test_a_hybrid_handed_back_midway_resumes_exactly(zoo_model):
