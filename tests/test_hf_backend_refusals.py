@@ -262,7 +262,8 @@ def test_a_deltanet_mixer_gets_its_state_under_the_name_its_forward_takes(zoo_mo
             mixers[0].forward(torch.randn(1, 5, model.config.hidden_size))
     finally:
         SEGMENTS.reset(token)
-    state = cache.get_recurrent_state(mixers[0].layer_idx, state_idx=0)
+    layer: int = getattr(mixers[0], "layer_idx")  # noqa: B009 (an nn.Module attribute)
+    state = cache.get_recurrent_state(layer, state_idx=0)
     assert state is not None and state.abs().sum() > 0
 
     def elsewhere(self, hidden_states, state=None, attention_mask=None):
