@@ -43,11 +43,13 @@ class Shell:
     def status(self, job_id: str) -> dict[str, Any]:
         return json.loads(self.ok("status", job_id, "--json"))
 
-    def start(self, *args: str, log: str = "worker.log") -> subprocess.Popen[bytes]:
+    def start(
+        self, *args: str, log: str = "worker.log", extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         """A long-running command (a worker), its output in ``cwd/log``."""
         with open(self.cwd / log, "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "batchgen", *args], cwd=self.cwd,
-                                    env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                    env={**self.env, **(extra_env or {})}, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # fmt: skip
         self.started.append(proc)
         return proc

@@ -24,6 +24,7 @@ import redis
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.redis.keys import GROUP, Keys
+from tests.hooks import hook_env
 
 KEYS = Keys("bg")
 N_PROMPTS = 200
@@ -107,11 +108,15 @@ def env(redis_url: str, tmp_path: Path) -> dict[str, str]:
 def workers(env: dict[str, str], tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
     started: list[subprocess.Popen] = []
 
-    def start(model: Path, *args: str) -> subprocess.Popen:
+    def start(model: Path, *args: str, step_s: float | None = None) -> subprocess.Popen:
+        """``batchgen worker --model MODEL ARGS``, its engine steps paced to ``step_s``
+        at least if given (tests.hooks)."""
         log = open(tmp_path / f"worker-{len(started)}.log", "wb")  # noqa: SIM115
+        paced = hook_env(step_s=step_s) if step_s else {}
         proc = subprocess.Popen(
             [sys.executable, "-m", "batchgen", "worker", "--model", str(model), "--device", "cpu",
-             *args], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+             *args], env={**env, **paced}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
         )  # fmt: skip
         started.append(proc)
         return proc
@@ -200,10 +205,12 @@ def test_too_long_prompts_are_error_rows(model, workers, env, tmp_path):
 
 
 def test_cancel_mid_job(model, workers, env, redis_url, tmp_path):
-    # 800 tokens a line: cancelled well before most finish (at 200, 28 of 40 had)
-    lines = [{"prompt": f"story {i}", "max_tokens": 800} for i in range(40)]
+    # paced (a step >= 30 ms, a row >= 2 s, the job >= 20 s on 4 slots): cancelled well
+    # before most finish however fast the machine (in tokens alone, each faster engine
+    # had finished most before the cancel)
+    lines = [{"prompt": f"story {i}", "max_tokens": 64} for i in range(40)]
     submit(env, model, write_jsonl(tmp_path / "p.jsonl", lines), "cancelme", tmp_path)
-    workers(model, "--max-num-seqs", "4")
+    workers(model, "--max-num-seqs", "4", step_s=0.03)
     conn: Any = redis.Redis.from_url(env["BATCHGEN_REDIS_URL"])
     wait_for(lambda: load_job(conn, KEYS, "cancelme").done >= 2, 300, "two rows")
     out = batchgen(env, "cancel", "cancelme")
@@ -222,11 +229,12 @@ def test_cancel_mid_job(model, workers, env, redis_url, tmp_path):
 def test_a_worker_killed_mid_job_and_a_new_one_give_exactly_one_row_per_line(
     model, reference, workers, env, redis_url, tmp_path
 ):
-    # long enough that the first committed rows come well before the last: with 48 tokens
-    # a line the CPU engine had done all 40 before the kill landed
-    lines = [{"prompt": f"Tell the tale of number {i}", "max_tokens": 300} for i in range(40)]
+    # paced (a step >= 30 ms, a row >= 1.4 s, the job >= 14 s on 4 slots): the first
+    # committed rows come well before the last however fast the machine (in tokens
+    # alone, 48 a line, the CPU engine had done all 40 before the kill landed)
+    lines = [{"prompt": f"Tell the tale of number {i}", "max_tokens": 48} for i in range(40)]
     submit(env, model, write_jsonl(tmp_path / "p.jsonl", lines), "killed", tmp_path)
-    first = workers(model, "--max-num-seqs", "4", "--claim-timeout", "3")
+    first = workers(model, "--max-num-seqs", "4", "--claim-timeout", "3", step_s=0.03)
     conn: Any = redis.Redis.from_url(redis_url)
     wait_for(lambda: load_job(conn, KEYS, "killed").done >= 4, 300, "some rows")
     os.killpg(first.pid, signal.SIGKILL)  # supervisor and engine process, mid-decode
@@ -245,14 +253,15 @@ def test_a_worker_killed_mid_job_and_a_new_one_give_exactly_one_row_per_line(
 def test_sigterm_hands_back_and_the_next_worker_resumes(
     model, reference, workers, env, redis_url, tmp_path
 ):
-    # 1000 tokens a line: at 200 the CPU engine had finished them all before the SIGTERM
-    lines = [{"prompt": f"Once upon a time {i}", "max_tokens": 1000} for i in range(4)]
+    # paced (a step >= 30 ms, a row >= 6 s): under way at the SIGTERM however fast the
+    # machine (in tokens alone, 200 a line, the CPU engine had finished them all first)
+    lines = [{"prompt": f"Once upon a time {i}", "max_tokens": 200} for i in range(4)]
     submit(env, model, write_jsonl(tmp_path / "p.jsonl", lines), "handback", tmp_path)
-    first = workers(model, "--max-num-seqs", "4")
+    first = workers(model, "--max-num-seqs", "4", step_s=0.03)
     conn: Any = redis.Redis.from_url(redis_url)
     qk = KEYS.queue_for_model(str(model))
     wait_for(lambda: conn.xpending(qk.stream, GROUP)["pending"] > 0, 300, "requests in flight")
-    time.sleep(1.0)  # let them generate some tokens (1000 take several seconds)
+    time.sleep(1.0)  # let them generate some tokens (200 take 6 s at least)
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 0
     resumed = [json.loads(f[b"x"]) for _, f in conn.xrange(qk.stream) if b"x" in f]

@@ -40,9 +40,10 @@ from batchgen.jobs.schema.errors import OutputError
 from batchgen.jobs.schema.rows import ADDED_LATER, SCHEMA, FinishReason, Row, to_table
 from batchgen.jobs.storage.output_store import OutputDir
 from tests.chaos.harness import wait_until
+from tests.hooks import hook_env
+from tests.hooks.sitecustomize import POISON_ENV, STEP_ENV
 
 KEYS = Keys("bg")
-HOOKS = Path(__file__).parent / "chaos" / "hooks"  # sitecustomize: the poison-request hook
 SMALL_CONTEXT = 64
 LONG = " ".join(f"word{i} the long river" for i in range(12))  # ~115 tokens
 
@@ -130,7 +131,7 @@ def world(toy_model, tmp_path_factory) -> Iterator[World]:
     server.start()
     env = {**os.environ, "BATCHGEN_REDIS_URL": server.url, "BATCHGEN_HOME": str(tmp / "home"),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    for name in ("BATCHGEN_TEST_CRASH_AT", "BATCHGEN_CHAOS_POISON", "BATCHGEN_PREFIX"):
+    for name in ("BATCHGEN_TEST_CRASH_AT", POISON_ENV, STEP_ENV, "BATCHGEN_PREFIX"):
         env.pop(name, None)
     w = World(server.url, toy_model("llama"), tmp, env)
     try:
@@ -171,8 +172,7 @@ def first(world: World) -> World:
     world.submit("cx", CX)
     assert world.cli("cancel", "cx").returncode == 0
     world.submit("waiting", CX, model="a-model-no-worker-serves")
-    poison = {"PYTHONPATH": os.pathsep.join(filter(None, (str(HOOKS), os.environ.get("PYTHONPATH")))),
-              "BATCHGEN_CHAOS_POISON": json.dumps({"ENGINEBOOM": "raise"})}  # fmt: skip
+    poison = hook_env(poison={"ENGINEBOOM": "raise"})
     world.burst_worker("--max-model-len", str(SMALL_CONTEXT), "--max-attempts", "1", **poison)
     assert world.record("main").state == JobState.COMPLETED
     assert world.record("cx").state == JobState.CANCELLED

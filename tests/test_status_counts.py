@@ -21,6 +21,7 @@ from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.status_report import JobStatus
 from batchgen.jobs.redis.keys import Keys
 from tests.cli_session import Shell, shells, wait_for, write_jsonl
+from tests.hooks import hook_env
 
 UNSERVED = "eta        - (no live worker serves the model)\n"
 
@@ -53,14 +54,17 @@ def counts_of(text: str) -> list[str]:
 
 
 def test_counts_add_up_while_workers_come_and_go(shell):
-    submit(shell, "c", 8, 640)  # a row takes seconds: the SIGTERM lands mid-job
+    # paced (a step >= 30 ms, a row >= 1.9 s, one at a time): the SIGTERM lands mid-job
+    # however fast the machine (in tokens alone, each faster engine finished it first)
+    submit(shell, "c", 8, 64)
     text = shell.ok("status", "c")
     assert counts_of(text) == ["rows       done 0, failed 0, cancelled 0",
                                "requests   in flight 0, queued 8"]  # fmt: skip
     assert UNSERVED in text  # nothing will move until a worker starts
     assert shell.status("c")["eta_s"] is None and shell.status("c")["unserved"] is True
 
-    worker = shell.start("worker", "--model", "tiny", "--device", "cpu", "--max-num-seqs", "1")
+    worker = shell.start("worker", "--model", "tiny", "--device", "cpu", "--max-num-seqs", "1",
+                         extra_env=hook_env(step_s=0.03))  # fmt: skip
     wait_for(lambda: shell.status("c")["done"] >= 1, "a first row")
     worker.send_signal(signal.SIGTERM)  # gone mid-job: it hands back what it holds
     assert worker.wait(timeout=120) == 0

@@ -32,9 +32,10 @@ from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.worker.engine_config import EngineConfig
 from batchgen.worker.loop.loop_config import LoopConfig
 from tests.chaos.reference import Reference
+from tests.hooks import hook_env
+from tests.hooks.sitecustomize import POISON_ENV, STEP_ENV
 
 KEYS = Keys("bg")
-HOOKS = Path(__file__).parent / "hooks"  # sitecustomize with the poison-request hook
 OK_REASONS = ("stop", "length")
 
 # Short timings so faults play out in seconds: an entry idle 1 s belongs to a
@@ -169,7 +170,7 @@ class Chaos:
         env = {**os.environ, "BATCHGEN_REDIS_URL": self.redis_url,
                "BATCHGEN_HOME": str(self.tmp / "home"), "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1"}  # fmt: skip
-        for name in ("BATCHGEN_TEST_CRASH_AT", "BATCHGEN_CHAOS_POISON", "BATCHGEN_PREFIX"):
+        for name in ("BATCHGEN_TEST_CRASH_AT", POISON_ENV, STEP_ENV, "BATCHGEN_PREFIX"):
             env.pop(name, None)
         env.update(extra)
         return env
@@ -188,7 +189,7 @@ class Chaos:
 
     def loop_worker(
         self, name: str, *, crash_at: str | None = None, poison: dict[str, str] | None = None,
-        **config: Any,
+        step_s: float | None = None, **config: Any,
     ) -> Proc:  # fmt: skip
         """One engine process, ``python -m batchgen.worker.loop`` (what a supervisor starts)."""
         settings = {**FAST, "device": "cpu", **config}
@@ -199,20 +200,20 @@ class Chaos:
             model=str(self.model), name=name, redis_url=self.redis_url, engine=engine, **loop
         )
         extra = {"BATCHGEN_TEST_CRASH_AT": crash_at} if crash_at else {}
-        if poison:
-            extra |= self.poison_env(poison)
+        if poison or step_s:
+            extra |= hook_env(poison=poison, step_s=step_s)
         cmd = [sys.executable, "-m", "batchgen.worker.loop"]  # its config on stdin
         return self._spawn(name, cmd, self.env(**extra), stdin=json.dumps(cfg.to_dict()).encode())
 
-    def worker_cli(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
-        """``batchgen worker --model M --device cpu ARGS`` (the supervisor and its children)."""
+    def worker_cli(
+        self, name: str, *args: str, env: dict[str, str] | None = None, step_s: float | None = None
+    ) -> Proc:
+        """``batchgen worker --model M --device cpu ARGS`` (the supervisor and its children),
+        its engine steps paced to ``step_s`` at least if given."""
         cmd = [sys.executable, "-m", "batchgen", "worker", "--model", str(self.model),
                "--device", "cpu", *args]  # fmt: skip
-        return self._spawn(name, cmd, env or self.env())
-
-    def poison_env(self, poison: dict[str, str]) -> dict[str, str]:
-        path = os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH")) if p)
-        return {"PYTHONPATH": path, "BATCHGEN_CHAOS_POISON": json.dumps(poison)}
+        paced = hook_env(step_s=step_s) if step_s else {}
+        return self._spawn(name, cmd, {**(env or self.env()), **paced})
 
     def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120):
         """Run ``batchgen ARGS`` to completion; the CompletedProcess (text)."""

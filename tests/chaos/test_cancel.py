@@ -23,13 +23,14 @@ def cancel_seen(chaos: Chaos, names: list[str], job_id: str) -> dict[str, int] |
 
 
 def test_after_cancel_nothing_starts_in_flight_stops_within_a_step_no_orphans(chaos, reference):
-    # long enough that the CLI's cancel (a process start) lands mid-job: with 24-48 tokens
-    # a line the CPU engine had made all 40 before it did
-    lines = prompt_lines(40, "cx", max_tokens=(300, 400))
+    # paced (a step >= 30 ms, a row >= 2 s, the job >= 10 s on 8 slots) so that the
+    # CLI's cancel (a process start) lands mid-job however fast the machine: sized in
+    # tokens alone, each faster engine had made all 40 before it did
+    lines = prompt_lines(40, "cx", max_tokens=(64, 96))
     out = chaos.submit("cx", lines)
     names = ["w0", "w1"]
     for name in names:  # polling once in 10 minutes: the published cancel must do it
-        chaos.loop_worker(name, max_num_seqs=4, cancel_poll_s=600.0)
+        chaos.loop_worker(name, max_num_seqs=4, cancel_poll_s=600.0, step_s=0.03)
     wait_until(lambda: chaos.record("cx").done >= 4, 180, "the first rows")
     result = chaos.cli("cancel", "cx")
     assert result.returncode == 0 and result.stdout == "cx cancelling (a worker finalizes it)\n"

@@ -72,7 +72,9 @@ def s3(endpoint: str) -> pafs.S3FileSystem:
 def test_input_and_output_on_s3_survive_the_store_going_away(
     chaos: Chaos, reference, store: Store, fault: str
 ):
-    lines = prompt_lines(48, "s3", max_tokens=(96, 160))
+    # paced (a step >= 30 ms, a row >= 0.7 s, the job >= 17 s on 2 slots): the store
+    # goes away mid-job however fast the machine
+    lines = prompt_lines(48, "s3", max_tokens=(24, 32))
     with s3(store.endpoint).open_output_stream(f"{BUCKET}/in/prompts.jsonl") as out:
         out.write("".join(json.dumps(line) + "\n" for line in lines).encode())
     output = f"s3://{BUCKET}/out/s3job"
@@ -82,7 +84,7 @@ def test_input_and_output_on_s3_survive_the_store_going_away(
     assert chaos.record("s3job").source == f"s3://{BUCKET}/in/prompts.jsonl"
     # the fault-free run first: made while the workers run, it let them past row 40
     ref = reference(lines)
-    workers = [chaos.loop_worker(name, max_num_seqs=1) for name in ("w1", "w2")]
+    workers = [chaos.loop_worker(name, max_num_seqs=1, step_s=0.03) for name in ("w1", "w2")]
     wait_until(lambda: chaos.record("s3job").done >= 2, 120, "some committed rows")
 
     dest = chaos.tmp / "partial.parquet"

@@ -47,11 +47,11 @@ def test_redis_killed_mid_job_and_restarted_on_its_aof_loses_nothing(chaos_priva
     after the restart, and both jobs complete with exactly the fault-free rows."""
     chaos = chaos_private
     assert chaos.server is not None
-    # a few seconds of work: with (48, 96) the CPU engine got near the end between two
-    # commits (every 2 s)
-    lines = prompt_lines(24, "aof", max_tokens=(160, 224))
+    # paced (a step >= 20 ms, a row >= 1 s, the job >= 12 s on 2 slots): the first
+    # commits (every 2 s) come well before the end however fast the machine
+    lines = prompt_lines(24, "aof", max_tokens=(48, 64))
     out = chaos.submit("aof", lines)  # acknowledged (exit 0) before the crash
-    worker = chaos.worker_cli("sup", "--claim-timeout", "2", "--max-num-seqs", "2")
+    worker = chaos.worker_cli("sup", "--claim-timeout", "2", "--max-num-seqs", "2", step_s=0.02)
     wait_until(lambda: chaos.record("aof").done >= 2, 120, "some committed rows")
     chaos.server.kill()
     down_since = time.monotonic()
@@ -89,8 +89,8 @@ def test_redis_that_lost_its_data_makes_the_job_an_error_never_completed(model, 
     server.start()
     chaos = Chaos(server.url, model, tmp_path, server=server)
     try:
-        chaos.submit("gone", prompt_lines(24, "gone", max_tokens=(160, 224)))  # as above
-        worker = chaos.worker_cli("sup", "--burst", "--max-num-seqs", "2")
+        chaos.submit("gone", prompt_lines(24, "gone", max_tokens=(48, 64)))  # as above
+        worker = chaos.worker_cli("sup", "--burst", "--max-num-seqs", "2", step_s=0.02)
         wait_until(lambda: chaos.record("gone").done >= 2, 120, "some committed rows")
         assert chaos.record("gone").done < 20  # mid-job
         server.kill()

@@ -154,12 +154,13 @@ def test_sigkill_of_the_primary_mid_job_fails_over_and_loses_nothing(
 ):
     chaos = SentinelChaos(sentinels.url, model, tmp_path)
     try:
-        # long enough that the first commit (every 2 s) cannot hold the whole job: with
-        # (32, 64) a fast machine finished all 16 rows before the first flush
-        lines = prompt_lines(16, "sent", max_tokens=(192, 256))
+        # paced (a step >= 20 ms, a row >= 1 s, the job >= 8 s on 2 slots): the first
+        # commit (every 2 s) cannot hold the whole job however fast the machine (sized
+        # in tokens alone, a fast machine finished all 16 rows before the first flush)
+        lines = prompt_lines(16, "sent", max_tokens=(48, 64))
         out = chaos.submit("sent", lines)
         assert sentinels.master_port() == sentinels.primary.port
-        worker = chaos.worker_cli("sup", "--claim-timeout", "2", "--max-num-seqs", "2")
+        worker = chaos.worker_cli("sup", "--claim-timeout", "2", "--max-num-seqs", "2", step_s=0.02)
         wait_until(lambda: chaos.record("sent").done >= 2, 120, "some committed rows")
         assert chaos.record("sent").done < 16  # mid-job
         sentinels.primary.kill()

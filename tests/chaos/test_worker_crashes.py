@@ -29,6 +29,7 @@ from tests.chaos.harness import (
     wait_until,
     write_jsonl,
 )
+from tests.hooks import hook_env
 
 CRASH_POINTS = ["before_part_write", "mid_part_write", "after_publish", "after_commit"]
 
@@ -50,12 +51,14 @@ def committed_parts(chaos: Chaos, job_id: str) -> set[str]:
 
 
 def test_kill_9_mid_decode_and_at_every_crash_point_leaves_one_row_per_line(chaos, reference):
-    lines = prompt_lines(24, "crash", max_tokens=(48, 96))  # long enough to be caught mid-decode
+    lines = prompt_lines(24, "crash", max_tokens=(24, 48))
     out = chaos.submit("crash", lines)
     settings = {"max_num_seqs": 4, "max_attempts": 20}  # dead-lettering is another test
 
     for k in range(2):  # kill -9 while it decodes, twice
-        worker = chaos.loop_worker(f"killed{k}", **settings)
+        # paced (a step >= 30 ms, a row >= 0.7 s): still decoding at a heartbeat, however
+        # fast the machine (unpaced, one finished every line between two heartbeats)
+        worker = chaos.loop_worker(f"killed{k}", step_s=0.03, **settings)
         wait_until(partial(decoding, chaos, worker.name), 120, f"{worker.name} to decode")
         worker.kill(signal.SIGKILL)
         assert worker.wait(10) == -signal.SIGKILL
@@ -154,7 +157,7 @@ def test_a_request_that_kills_its_worker_every_time_is_dead_lettered_alone(chaos
     lines = prompt_lines(8, "poison", max_tokens=(4, 12))
     lines[2]["prompt"] = "POISONPILL " + lines[2]["prompt"]
     out = chaos.submit("poison", lines)
-    env = chaos.env(**chaos.poison_env({"POISONPILL": "kill"}))
+    env = chaos.env(**hook_env(poison={"POISONPILL": "kill"}))
     worker = chaos.worker_cli("sup", "--burst", "--claim-timeout", "1", "--max-attempts", "3",
                               env=env)  # fmt: skip
     assert worker.wait(300) == 0, worker.tail()
@@ -185,7 +188,7 @@ def test_an_exception_or_oom_in_an_engine_step_hands_back_and_isolates_the_culpr
     lines[1]["prompt"] = "ENGINEBOOM " + lines[1]["prompt"]
     lines[5]["prompt"] = "OOMBOOM " + lines[5]["prompt"]
     out = chaos.submit("boom", lines)
-    env = chaos.env(**chaos.poison_env({"ENGINEBOOM": "raise", "OOMBOOM": "oom"}))
+    env = chaos.env(**hook_env(poison={"ENGINEBOOM": "raise", "OOMBOOM": "oom"}))
     worker = chaos.worker_cli("sup", "--burst", "--max-attempts", "2", env=env)
     assert worker.wait(300) == 0, worker.tail()  # no hang: the burst worker ends by itself
     dead = "dead-lettered: delivered 3 times (max_attempts 2); the worker running it stopped "
@@ -213,7 +216,7 @@ def test_batchgen_run_starts_a_fresh_engine_after_a_failure_and_finishes(chaos, 
     lines[3]["prompt"] = "ENGINEBOOM " + lines[3]["prompt"]
     src = write_jsonl(chaos.tmp / "run.jsonl", lines)
     dest = chaos.tmp / "run.parquet"
-    env = chaos.env(**chaos.poison_env({"ENGINEBOOM": "raise"}))
+    env = chaos.env(**hook_env(poison={"ENGINEBOOM": "raise"}))
     out = chaos.cli("run", str(src), "--model", str(chaos.model), "-o", str(dest), "--device",
                     "cpu", "--job-id", "run", "--job-output", str(chaos.output("run")), env=env,
                     timeout=300)  # fmt: skip
