@@ -34,7 +34,7 @@ def hf_logits(path: Path, token_ids: list[int], chunk: int | None = None) -> tor
             return model(ids).logits[0].float()
         cache = DynamicCache(config=model.config)
         parts = [
-            model(ids[:, s : s + chunk], past_key_values=cache, use_cache=True,
+            model(ids[:, s : s + chunk], cache=cache, use_cache=True,
                   position_ids=torch.arange(s, min(s + chunk, ids.shape[1]))[None]).logits[0]
             for s in range(0, ids.shape[1], chunk)
         ]  # fmt: skip
