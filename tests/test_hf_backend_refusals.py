@@ -227,48 +227,24 @@ def test_the_probe_plans_each_layer_by_its_arguments():
     assert layout.layers[second].kind == AttentionKind(scale=0.5, window=16)
 
 
-def _renamed(mixer: torch.nn.Module, forward) -> None:
-    """``mixer`` with its class's forward replaced, under the same class name."""
-    cls = type(mixer)
-    mixer.__class__ = type(cls.__name__, (cls,), {"forward": forward})
+def test_a_deltanet_mixer_that_takes_no_cache_argument_is_refused(zoo_model):
+    """transformers before 5.24 called the mixer's cache argument ``cache_params``; handed
+    ``cache``, such a forward swallowed it in **kwargs and every chunk started from a zero
+    state (logits off by 14, no error). A forward without ``cache`` is refused instead."""
+    from transformers import AutoModelForCausalLM
 
-
-def test_a_deltanet_mixer_gets_its_state_under_the_name_its_forward_takes(zoo_model):
-    """transformers before 5.24 called the mixer's cache argument ``cache_params``; passed
-    as ``cache`` it went into **kwargs and every chunk started from a zero state (logits
-    off by 14). A forward that takes neither name is refused, not run stateless."""
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    from batchgen.worker.models.hf_backend.recurrent import (
-        SEGMENTS,
-        Segment,
-        keep_state_per_sequence,
-    )
+    from batchgen.worker.models.hf_backend.recurrent import keep_state_per_sequence
 
     model = AutoModelForCausalLM.from_pretrained(zoo_model("qwen3_next"), dtype=torch.float32)
     mixers = [m for m in model.modules() if type(m).__name__ == "Qwen3NextGatedDeltaNet"]
-    real = type(mixers[0]).forward
+    cls = type(mixers[0])
+    real = cls.forward
 
     def before_5_24(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
         return real(self, hidden_states, cache=cache_params, attention_mask=attention_mask)
 
-    for mixer in mixers:
-        _renamed(mixer, before_5_24)
-    assert keep_state_per_sequence(model.base_model) == len(mixers)
-    cache = DynamicCache(config=model.config)
-    token = SEGMENTS.set([Segment(0, 5, cache)])
-    try:
-        with torch.no_grad():
-            mixers[0].forward(torch.randn(1, 5, model.config.hidden_size))
-    finally:
-        SEGMENTS.reset(token)
-    layer: int = getattr(mixers[0], "layer_idx")  # noqa: B009 (an nn.Module attribute)
-    state = cache.get_recurrent_state(layer, state_idx=0)
-    assert state is not None and state.abs().sum() > 0
-
-    def elsewhere(self, hidden_states, state=None, attention_mask=None):
-        return hidden_states
-
-    _renamed(mixers[1], elsewhere)
-    with pytest.raises(UnsupportedModelError, match=r"takes none of cache, cache_params"):
+    # the real mixer under its own class name, with the signature 5.23 gave it
+    mixers[1].__class__ = type(cls.__name__, (cls,), {"forward": before_5_24})
+    with pytest.raises(UnsupportedModelError, match=r"Qwen3NextGatedDeltaNet.forward in "
+                       r"transformers .* takes no cache argument.*cache_params"):  # fmt: skip
         keep_state_per_sequence(model.base_model)

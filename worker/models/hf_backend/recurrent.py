@@ -36,7 +36,9 @@ from batchgen.worker.models.model_config import UnsupportedModelError
 
 # the transformers modules whose state this file keeps (their forward takes
 # hidden_states, cache, attention_mask, and reads and writes the cache's
-# conv and recurrent states at their layer_idx)
+# conv and recurrent states at their layer_idx; before 5.24 the cache argument
+# was cache_params, and passed as ``cache`` it vanished into **kwargs: every
+# chunk started from a zero state, silently)
 STATEFUL_MIXERS = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 
 
@@ -84,47 +86,33 @@ class SequenceStates:
         return segments
 
 
-# what a mixer's forward calls its cache argument: ``cache`` from transformers 5.24,
-# ``cache_params`` before. Passed under a name the forward does not take, the cache
-# would vanish into its **kwargs and every chunk would start from a zero state.
-CACHE_ARGUMENTS = ("cache", "cache_params")
-
-
 def keep_state_per_sequence(base_model: torch.nn.Module) -> int:
     """Wraps every stateful mixer of ``base_model``; returns how many there are.
 
-    Raises UnsupportedModelError for a mixer whose forward takes no cache argument
-    batchgen knows (a transformers release that renamed it again)."""
+    Raises UnsupportedModelError for a mixer whose forward takes no ``cache``
+    argument (transformers before 5.24, or a release that renamed it again)."""
     wrapped = 0
     for module in base_model.modules():
         if type(module).__name__ in STATEFUL_MIXERS:
-            cache_argument = _cache_argument(module)
-            module.forward = functools.partial(_per_sequence, module.forward, cache_argument)
+            taken = inspect.signature(module.forward).parameters
+            if "cache" not in taken:
+                import transformers
+
+                raise UnsupportedModelError(
+                    f"{type(module).__name__}.forward in transformers {transformers.__version__} "
+                    "takes no cache argument: batchgen cannot hand it each sequence's state "
+                    f"(its arguments: {', '.join(taken)}; transformers 5.24 or later takes it)"
+                )
+            module.forward = functools.partial(_per_sequence, module.forward)
             wrapped += 1
     return wrapped
 
 
-def _cache_argument(module: torch.nn.Module) -> str:
-    taken = inspect.signature(module.forward).parameters
-    for name in CACHE_ARGUMENTS:
-        if name in taken:
-            return name
-    import transformers
-
-    raise UnsupportedModelError(
-        f"{type(module).__name__}.forward in transformers {transformers.__version__} takes "
-        f"none of {', '.join(CACHE_ARGUMENTS)}: batchgen cannot hand it each sequence's "
-        "state (its arguments: " + ", ".join(taken) + ")"
-    )
-
-
-def _per_sequence(
-    forward: Any, cache_argument: str, hidden_states: torch.Tensor, *_: Any, **__: Any
-) -> torch.Tensor:
+def _per_sequence(forward: Any, hidden_states: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
     """The wrapped forward: each sequence's tokens through the module with its own state."""
     segments = SEGMENTS.get()
     if segments is None:  # the probe: one stateless pass over its tokens
-        return forward(hidden_states=hidden_states, attention_mask=None, **{cache_argument: None})
-    parts = [forward(hidden_states=hidden_states[:, s.start : s.end], attention_mask=None,
-                     **{cache_argument: s.cache}) for s in segments]  # fmt: skip
+        return forward(hidden_states=hidden_states, cache=None, attention_mask=None)
+    parts = [forward(hidden_states=hidden_states[:, s.start : s.end], cache=s.cache,
+                     attention_mask=None) for s in segments]  # fmt: skip
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
