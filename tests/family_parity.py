@@ -66,15 +66,12 @@ def assert_matches_hf(
     vocab: int,
     max_tokens: int = 8,
     tight_blocks: int = 6,
-    atol: float = LOGIT_ATOL,
     cached_prefix: int = 64,
     recurrent: bool = False,
     **engine_kwargs: object,
 ) -> None:
     """tight_blocks: a pool that holds the longest sequence alone (fewer where a
-    model whose every layer slides hands blocks back as it goes). atol: on the
-    logits (looser where chunking itself reorders sums: a recurrent state carried
-    across chunks). cached_prefix: the tokens a prefix-cache hit skips (0 where
+    model whose every layer slides hands blocks back as it goes). cached_prefix: the tokens a prefix-cache hit skips (0 where
     the model turns prefix caching off). recurrent: a model with a recurrent state
     (linear attention), whose prompt logits are compared with transformers' run in
     the engine's chunks (chunks reorder the state's sums: against one whole pass
@@ -87,7 +84,7 @@ def assert_matches_hf(
     logits, first = engine_prompt_logits(engine, tokens)
     assert first == 0
     reference = hf_logits(path, tokens, chunk=CHUNK if recurrent else None)
-    torch.testing.assert_close(logits, reference, atol=atol, rtol=0)
+    torch.testing.assert_close(logits, reference, atol=LOGIT_ATOL, rtol=0)
 
     prompts = random_prompts(vocab, PROMPT_LENGTHS, seed=12)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
