@@ -49,8 +49,8 @@ class Shell:
         """A long-running command (a worker), its output in ``cwd/log``."""
         with open(self.cwd / log, "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "batchgen", *args], cwd=self.cwd,
-                                    env={**self.env, **(extra_env or {})}, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
+                                    env={**self.env, **(extra_env or {})}, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         self.started.append(proc)
         return proc
 

@@ -200,8 +200,7 @@ class Chaos:
             model=str(self.model), name=name, redis_url=self.redis_url, engine=engine, **loop
         )
         extra = {"BATCHGEN_TEST_CRASH_AT": crash_at} if crash_at else {}
-        if poison or step_s:
-            extra |= hook_env(poison=poison, step_s=step_s)
+        extra |= hook_env(poison=poison, step_s=step_s)
         cmd = [sys.executable, "-m", "batchgen.worker.loop"]  # its config on stdin
         return self._spawn(name, cmd, self.env(**extra), stdin=json.dumps(cfg.to_dict()).encode())
 
@@ -212,8 +211,7 @@ class Chaos:
         its engine steps paced to ``step_s`` at least if given."""
         cmd = [sys.executable, "-m", "batchgen", "worker", "--model", str(self.model),
                "--device", "cpu", *args]  # fmt: skip
-        paced = hook_env(step_s=step_s) if step_s else {}
-        return self._spawn(name, cmd, {**(env or self.env()), **paced})
+        return self._spawn(name, cmd, {**(env or self.env()), **hook_env(step_s=step_s)})
 
     def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120):
         """Run ``batchgen ARGS`` to completion; the CompletedProcess (text)."""

@@ -23,7 +23,7 @@ def cancel_seen(chaos: Chaos, names: list[str], job_id: str) -> dict[str, int] |
 
 
 def test_after_cancel_nothing_starts_in_flight_stops_within_a_step_no_orphans(chaos, reference):
-    # paced (a step >= 30 ms, a row >= 2 s, the job >= 10 s on 8 slots) so that the
+    # paced (a step >= 30 ms, a row >= 1.9 s, the job >= 10 s on 8 slots) so that the
     # CLI's cancel (a process start) lands mid-job however fast the machine: sized in
     # tokens alone, each faster engine had made all 40 before it did
     lines = prompt_lines(40, "cx", max_tokens=(64, 96))

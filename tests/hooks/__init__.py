@@ -16,7 +16,10 @@ def hook_env(
     *, poison: dict[str, str] | None = None, step_s: float | None = None
 ) -> dict[str, str]:
     """Variables to add to a worker's environment: ``poison`` requests (marker ->
-    "kill" | "raise" | "oom") and/or ``step_s``, the least seconds of an engine step."""
+    "kill" | "raise" | "oom") and/or ``step_s``, the least seconds of an engine step.
+    Neither given: none (the worker runs without the hooks)."""
+    if not poison and not step_s:
+        return {}
     env = {"PYTHONPATH": os.pathsep.join(filter(None, (str(HOOKS), os.environ.get("PYTHONPATH"))))}
     if poison:
         env[POISON_ENV] = json.dumps(poison)
