@@ -1,14 +1,19 @@
 """Packaging: the top-level folders ``worker/``, ``kernels/`` and ``jobs/`` install as
-``batchgen.worker``, ``batchgen.kernels`` and ``batchgen.jobs`` (metadata: pyproject.toml)."""
+``batchgen.worker``, ``batchgen.kernels`` and ``batchgen.jobs`` (batchgen/parts.py says
+why they hold no ``__init__.py``; metadata: pyproject.toml)."""
 
-from setuptools import find_packages, setup
+import runpy
 
-PARTS = {"batchgen.worker": "worker", "batchgen.kernels": "kernels", "batchgen.jobs": "jobs"}
+from setuptools import find_namespace_packages, setup
 
-packages = find_packages(include=["batchgen", "batchgen.*"])
+PARTS = runpy.run_path("batchgen/parts.py")["PARTS"]
+
+packages = find_namespace_packages(include=["batchgen", "batchgen.*"], exclude=["*__pycache__*"])
 package_dir = {"batchgen": "batchgen"}
-for name, folder in PARTS.items():
+for folder in PARTS:
+    name = f"batchgen.{folder}"
     package_dir[name] = folder
-    packages += [name] + [f"{name}.{sub}" for sub in find_packages(folder)]
+    subpackages = find_namespace_packages(folder, exclude=["*__pycache__*"])
+    packages += [name] + [f"{name}.{sub}" for sub in subpackages]
 
 setup(packages=packages, package_dir=package_dir)

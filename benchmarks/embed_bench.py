@@ -76,7 +76,7 @@ def best_of(repeats: int, fn: Any) -> tuple[float, Any]:
 def run_batchgen(path: Path, inputs: list[list[int]], repeats: int) -> tuple[float, Any]:
     import torch
 
-    from batchgen.worker import Engine
+    from batchgen import Engine
 
     # no prefix cache: a repeat would otherwise find last-token inputs' blocks cached
     engine = Engine.from_pretrained(path, num_kv_blocks=2048, enable_prefix_caching=False)

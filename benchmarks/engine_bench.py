@@ -17,7 +17,7 @@ off, and batchgen's per-step CPU overhead with the model taken out. Every
 system runs in its own process (peak RSS is its own) under
 torch.inference_mode, with the environment this benchmark was started with:
 it sets no thread count or OpenMP variable, so each system threads as its
-user would get it (batchgen's processes import batchgen.worker before torch,
+user would get it (batchgen's processes import batchgen before torch,
 as its worker does, and choose their own: worker/cpu_threads.py; HF runs
 torch's defaults). ``--load N`` runs N CPU hogs (busy loops, one process
 each) for the whole comparison, the same for every system: a machine that
@@ -48,7 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 # what every system runs with: the environment as started, before anything of batchgen's
-# is imported here (batchgen.worker sets OMP_WAIT_POLICY for its own process)
+# is imported here (batchgen sets GOMP_SPINCOUNT for its own process)
 CHILD_ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 HOG = "while True: pass"
 
@@ -60,7 +60,7 @@ VOCAB = {"tiny": 8192, "small": 32000}
 def child(args: argparse.Namespace) -> None:
     """Runs one system on one workload in this process; prints one JSON line."""
     if args.peer.startswith("batchgen"):
-        importlib.import_module("batchgen.worker")  # before torch, as batchgen's worker does
+        importlib.import_module("batchgen")  # before torch: its OpenMP spin, as the worker has
     import torch
 
     from benchmarks.peers import PEERS
@@ -132,10 +132,10 @@ def run_step_overhead(model: Path) -> dict:
 def step_overhead(model: Path, batch: int = 64) -> dict:
     """Mean time of engine.step() with the model forward and logits replaced by
     constant tensors: scheduling, input preparation, sampling and bookkeeping."""
-    importlib.import_module("batchgen.worker")  # before torch, as batchgen's worker does
+    importlib.import_module("batchgen")  # before torch: its OpenMP spin, as the worker has
     import torch
 
-    from batchgen.worker import Engine, SamplingParams
+    from batchgen import Engine, SamplingParams
     from benchmarks.workloads import decode_heavy
 
     engine = Engine.from_pretrained(model, num_kv_blocks=4096)

@@ -58,11 +58,11 @@ def main() -> None:
 
     import importlib
 
-    importlib.import_module("batchgen.worker")  # before torch, as batchgen's worker does
+    importlib.import_module("batchgen")  # before torch: its OpenMP spin, as the worker has
     import torch
     from torch.profiler import profile
 
-    from batchgen.worker import Engine, SamplingParams
+    from batchgen import Engine, SamplingParams
     from batchgen.worker.engine.model_runner import ModelRunner
     from benchmarks.workloads import WORKLOADS
 

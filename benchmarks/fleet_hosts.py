@@ -36,7 +36,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="batchgen-fleet-") as folder:
         tmp = Path(folder)
         model = write_toy_checkpoint(tmp / "model", arch="llama", size="tiny")
-        from batchgen.worker import Engine
+        from batchgen import Engine
 
         expected = fault_free(Engine.from_pretrained(model, device="cpu"), model, lines)
         with fleet(tmp, model, workers) as chaos:

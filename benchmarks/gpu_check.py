@@ -4,8 +4,8 @@
     python benchmarks/gpu_check.py --dry-run              # CPU, Triton interpreter, tiny shapes
 
 Needs only torch, triton, transformers and safetensors: the repository root is
-put on sys.path, and its ``batchgen/`` folder (symlinks to ``kernels/``,
-``worker/``, ``jobs/``) makes ``import batchgen.kernels`` work uninstalled.
+put on sys.path, and batchgen (``batchgen/parts.py``) then finds ``kernels/``,
+``worker/`` and ``jobs/`` beside it, so ``import batchgen.kernels`` works uninstalled.
 Prints a short table on stderr and the JSON result on stdout. Sections:
 
 1. correctness: every Triton op against its reference on the device (bf16,

@@ -13,7 +13,7 @@ from benchmarks.gpu_bench import DRY_RUN, TARGET_SPEEDUP, Bench
 
 def engine(b: Bench) -> dict[str, Any]:
     try:
-        from batchgen.worker import Engine  # noqa: F401  (the engine issue's entry point)
+        from batchgen import Engine  # noqa: F401  (the engine issue's entry point)
     except ImportError as exc:
         return {"engine": "not available on this branch", "reason": repr(exc)}
     from batchgen.toy import write_toy_checkpoint
@@ -83,7 +83,7 @@ def engine_throughput(
     kernels and CUDA-graph decode on a GPU (the references on the dry run)."""
     import torch
 
-    from batchgen.worker import Engine, SamplingParams
+    from batchgen import Engine, SamplingParams
 
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()  # the HF peer's weights and cache are gone by now

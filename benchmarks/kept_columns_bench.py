@@ -43,7 +43,7 @@ CHUNK = 2000
 
 
 def kept_table(n: int) -> pa.Table:
-    base = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
+    base = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)
     return pa.table({
         "doc_id": pa.array(range(n), pa.int64()),
         "score": pa.array([i / 7 for i in range(n)], pa.float64()),

@@ -18,7 +18,7 @@ from benchmarks.workloads import Workload
 
 def run_batchgen(path: Path, wl: Workload, **engine_kwargs: Any) -> dict[str, Any]:
     """Also times the run's matmuls alone (benchmarks/matmul_floor.py), after the run."""
-    from batchgen.worker import Engine, SamplingParams
+    from batchgen import Engine, SamplingParams
     from batchgen.worker.models.hf_backend import HfCausalLM
     from benchmarks.matmul_floor import matmul_floor_s, record_step_shapes
 

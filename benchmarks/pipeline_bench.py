@@ -208,8 +208,8 @@ class TimedEngine:
 def bench_tiny(conn: redis.Redis, tmp: Path, requests: int) -> dict[str, float]:
     import torch
 
+    from batchgen import Engine, RequestRejected, SamplingParams
     from batchgen.toy import write_toy_checkpoint
-    from batchgen.worker import Engine, RequestRejected, SamplingParams
 
     torch.set_num_threads(1)
     model = write_toy_checkpoint(tmp / "tiny", arch="llama", size="tiny")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 def run(model: Path, release: bool, num_seqs: int, prompt_len: int, new_tokens: int) -> dict:
     import torch
 
-    from batchgen.worker import Engine, SamplingParams
+    from batchgen import Engine, SamplingParams
     from batchgen.worker.engine.kv_cache import bytes_per_block
 
     pool = num_seqs * -(-(prompt_len + new_tokens) // 16)  # enough to hold everything

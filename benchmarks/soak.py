@@ -169,7 +169,7 @@ def fault_free(model: Path) -> Any:
     (one thread, as the workers run)."""
     import torch
 
-    from batchgen.worker import Engine, SamplingParams
+    from batchgen import Engine, SamplingParams
 
     torch.set_num_threads(1)
     engine = Engine.from_pretrained(model, device="cpu")

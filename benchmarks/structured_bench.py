@@ -13,7 +13,7 @@ both ways, their ratio, the time llguidance spent filling masks (on its thread,
 overlapped with the model) and the part of it the step waited for after the
 model had run, each as a share of the constrained run's wall time. Each size
 runs in its own process on a warm engine (one untimed round first), which
-imports batchgen.worker before torch, as the worker does: its OpenMP threads
+imports batchgen before torch, as the worker does: its OpenMP threads
 then sleep while they wait (worker/cpu_threads.py) instead of spinning
 against llguidance's mask threads.
 ``--rounds N`` repeats everything and reports each round. Prints JSON, then a
@@ -67,11 +67,11 @@ def _prompts(n: int) -> list[str]:
 
 
 def child(size: str, n: int) -> dict:
-    importlib.import_module("batchgen.worker")  # before torch, as the worker does
+    importlib.import_module("batchgen")  # before torch: its OpenMP spin, as the worker has
     import torch
 
+    from batchgen import Engine, SamplingParams, StructuredOutput
     from batchgen.toy import write_toy_checkpoint
-    from batchgen.worker import Engine, SamplingParams, StructuredOutput
 
     with tempfile.TemporaryDirectory(prefix="bg-structured-bench-") as tmp:
         model = write_toy_checkpoint(Path(tmp), arch="llama", size=size)

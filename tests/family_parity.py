@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.worker import Engine, SamplingParams
+from batchgen import Engine, SamplingParams
 from tests.hf_reference import first_divergence_is_tie, hf_greedy, hf_logits
 
 LOGIT_ATOL = 2e-4  # fp32; logits are O(10)

@@ -126,7 +126,7 @@ def test_a_real_neighbour_on_the_same_cpu_takes_the_engine_down_to_one_thread():
 def test_the_cpu_engine_watches_and_a_one_thread_engine_does_not(toy_model):
     import torch
 
-    from batchgen.worker import Engine
+    from batchgen import Engine
 
     before = torch.get_num_threads()
     try:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import openmp_waits
 from batchgen.worker import cpu_threads
 from batchgen.worker.cpu_threads import choose_threads, cpu_quota, usable_cpus
 
@@ -68,7 +69,7 @@ def test_the_thread_count_asked_for_wins_else_the_fewer_of_torchs_and_the_usable
 def test_the_engine_takes_its_thread_count_from_the_mask_and_quota_it_is_given(
     toy_model, tmp_path, monkeypatch
 ):
-    from batchgen.worker import Engine
+    from batchgen import Engine
     from batchgen.worker.engine.loading import set_threads
 
     root, self_cgroup = _cgroup(tmp_path, "0::/pod\n", {"pod/cpu.max": "300000 100000\n"})
@@ -90,17 +91,18 @@ def test_the_engine_takes_its_thread_count_from_the_mask_and_quota_it_is_given(
         torch.set_num_threads(before)
 
 
-def test_importing_batchgen_worker_before_torch_makes_openmp_spin_briefly():
-    """OpenMP reads its wait policy once, when torch loads it: batchgen.worker sets it first,
+def test_importing_batchgen_before_torch_makes_openmp_spin_briefly():
+    """OpenMP reads its wait policy once, when torch loads it: batchgen sets it first,
     leaves a policy the user set alone, and knows when it came too late."""
     code = (
         "import os, sys\n"
         "if sys.argv[1] == 'torch': import torch\n"
-        "from batchgen.worker import cpu_threads as t\n"
+        "import batchgen\n"
+        "from batchgen import openmp_waits as t\n"
         "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'),\n"
         "      t.wait_policy_missed())\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in cpu_threads.WAIT_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in openmp_waits.WAIT_VARIABLES}
 
     def run(order: str, **extra: str) -> str:
         out = subprocess.run([sys.executable, "-c", code, order], env={**env, **extra},

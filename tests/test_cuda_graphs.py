@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from batchgen.kernels import AttentionBatch
-from batchgen.worker import Engine, SamplingParams
+from batchgen import Engine, SamplingParams
+from batchgen.kernels.batch import AttentionBatch
 from batchgen.worker.engine.cuda_graphs import graph_batch_sizes
 from batchgen.worker.engine.model_runner import ModelRunner
 

@@ -81,9 +81,10 @@ def test_every_page_is_in_the_readme_table_and_short():
 
 
 def package_folders() -> set[str]:
-    return {str(init.parent.relative_to(REPO)) for root in PACKAGE_ROOTS
-            for init in (REPO / root).rglob("__init__.py")
-            if "__pycache__" not in init.parts}  # fmt: skip
+    """Every folder with an ``__init__.py``, and the three parts, which hold none."""
+    return set(PACKAGE_ROOTS) | {str(init.parent.relative_to(REPO)) for root in PACKAGE_ROOTS
+                                 for init in (REPO / root).rglob("__init__.py")
+                                 if "__pycache__" not in init.parts}  # fmt: skip
 
 
 def architecture_table() -> list[tuple[str, str]]:

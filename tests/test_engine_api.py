@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from batchgen.worker import Engine, RequestRejected, SamplingParams
+from batchgen import Engine, RequestRejected, SamplingParams
 from batchgen.worker.models import UnsupportedModelError
 
 

@@ -14,7 +14,7 @@ from batchgen.worker.loop.loop_config import LoopConfig
 
 
 def test_from_pretrained_takes_the_config_fields_by_name(toy_model):
-    from batchgen.worker import Engine
+    from batchgen import Engine
 
     engine = Engine.from_pretrained(
         toy_model("llama"), device="cpu", block_size=32, num_kv_blocks=40, max_num_seqs=3,

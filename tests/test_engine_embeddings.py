@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchgen import Engine, RequestRejected, SamplingParams
 from batchgen.toy import ARCHS
-from batchgen.worker import Engine, RequestRejected, SamplingParams
 from tests.hf_reference import hf_last_hidden_state
 
 ATOL = 1e-4  # fp32; hidden states are O(1)

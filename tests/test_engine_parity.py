@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from batchgen.worker import Engine, SamplingParams
+from batchgen import Engine, SamplingParams
 from tests.family_parity import engine_prompt_logits
 from tests.hf_reference import first_divergence_is_tie, hf_greedy, hf_logits
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from batchgen.worker import Engine, SamplingParams
+from batchgen import Engine, SamplingParams
 from batchgen.worker.engine.request import Request
 from batchgen.worker.engine.scheduler import pick_victim
 

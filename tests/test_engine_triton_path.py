@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from batchgen.worker import Engine, SamplingParams
+from batchgen import Engine, SamplingParams
 from tests.family_parity import engine_prompt_logits
 
 

@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
+from batchgen import Engine, SamplingParams
 from batchgen.jobs.schema.constraints import StructuredOutput
-from batchgen.worker import Engine, SamplingParams
 from batchgen.worker.models import UnsupportedModelError
 from batchgen.worker.models.hf_backend import HfCausalLM
 from tests.family_parity import (

@@ -7,7 +7,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from batchgen.worker import Engine, SamplingParams
+from batchgen import Engine, SamplingParams
 from tests.test_pipeline_e2e import batchgen, download, submit, write_jsonl
 from tests.test_pipeline_e2e import env as env  # fixtures
 from tests.test_pipeline_e2e import workers as workers

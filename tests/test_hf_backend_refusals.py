@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from batchgen.worker import Engine
+from batchgen import Engine
 from batchgen.worker.models import UnsupportedModelError
 
 TINY: dict[str, Any] = dict(
@@ -216,7 +216,7 @@ def test_the_probe_refuses_what_the_paged_kernels_would_not_honour(layers, messa
 
 
 def test_the_probe_plans_each_layer_by_its_arguments():
-    from batchgen.kernels import AttentionKind
+    from batchgen.kernels.batch import AttentionKind
     from batchgen.worker.models.hf_backend.probe import probe_layout
 
     first, second = _Attention(softcap=30.0), _Attention(sliding_window=16)

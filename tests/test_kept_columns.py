@@ -22,7 +22,7 @@ from tests.test_pipeline_e2e import batchgen, submit
 from tests.test_pipeline_e2e import env as env  # fixtures
 from tests.test_pipeline_e2e import workers as workers
 
-UTC = dt.timezone.utc
+UTC = dt.UTC
 
 
 def table() -> pa.Table:

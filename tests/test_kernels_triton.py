@@ -23,8 +23,10 @@ import math
 import pytest
 import torch
 
-from batchgen.kernels import CPU_OPS, PAD_SLOT_ID, dense, select_ops
+from batchgen.kernels import dense
 from batchgen.kernels import reference as ref
+from batchgen.kernels.ops import CPU_OPS, select_ops
+from batchgen.kernels.reference import PAD_SLOT_ID
 
 pytest.importorskip("triton")
 

@@ -65,7 +65,7 @@ def test_real_mla_sizes_on_the_triton_kernels_are_refused_at_load(zoo_model, tmp
     import pytest
     from transformers import DeepseekV3Config
 
-    from batchgen.worker import Engine
+    from batchgen import Engine
     from batchgen.worker.models import UnsupportedModelError
 
     config = DeepseekV3Config(**DEEPSEEK_V3, architectures=["DeepseekV3ForCausalLM"])

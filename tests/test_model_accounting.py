@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from batchgen.worker import Engine
+from batchgen import Engine
 from batchgen.worker.models import UnsupportedModelError
 
 

@@ -23,7 +23,7 @@ def test_family_matches_hf(zoo_model, name):
 def test_longrope_context_ends_where_its_short_factors_do(zoo_model):
     """Past original_max_position_embeddings transformers switches every position to the
     long factors mid-sequence; within it the short ones are exact, so that is the context."""
-    from batchgen.worker import Engine
+    from batchgen import Engine
 
     engine = Engine.from_pretrained(zoo_model("phi3-longrope"), num_kv_blocks=8)
     assert engine.max_model_len == 256

@@ -162,7 +162,7 @@ def test_a_worker_holding_other_weights_refuses_the_job(checkpoints, workers, en
     assert rows["finish_reason"] == ["length"] * 4
     assert rows["attempts"] == [1] * 4  # the refusals were not charged
 
-    from batchgen.worker import Engine, SamplingParams
+    from batchgen import Engine, SamplingParams
 
     engine = Engine.from_pretrained(a, device="cpu")
     outs = engine.generate([str(line["prompt"]) for line in lines], SamplingParams(max_tokens=6))

@@ -9,7 +9,7 @@ import re
 import pytest
 from safetensors.torch import load_file, save_file
 
-from batchgen.worker import Engine
+from batchgen import Engine
 from batchgen.worker.models import UnsupportedModelError
 from tests.family_parity import assert_matches_hf
 from tests.model_zoo import MOE, VOCAB

@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import CPU_OPS, moe_reference
+from batchgen.kernels import moe_reference
 from batchgen.kernels import reference as ref
 from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights
+from batchgen.kernels.ops import CPU_OPS
 from batchgen.kernels.routing import GroupedTopK, softmax_topk, topk_softmax
 
 GPT_OSS = ClampedSwiGLU(alpha=1.702, limit=7.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from batchgen.worker import Engine, SamplingParams
+from batchgen import Engine, SamplingParams
 from tests.test_pipeline_e2e import (  # noqa: F401  (env and workers are fixtures)
     batchgen,
     download,

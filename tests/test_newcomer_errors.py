@@ -148,7 +148,7 @@ def test_a_template_column_typo_gets_a_did_you_mean(local):
 
 
 def test_an_engine_setting_typo_gets_the_same_did_you_mean_everywhere(toy_model):
-    from batchgen.worker import Engine
+    from batchgen import Engine
     from batchgen.worker.engine_config import EngineConfig
 
     message = "^" + re.escape(

@@ -16,11 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from batchgen import Engine, SamplingParams
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.intake.lines import LineError
 from batchgen.jobs.schema.rows import CHOICES, LOGPROBS
 from batchgen.jobs.schema.sampling import DEFAULTS, ParamError
-from batchgen.worker import Engine, SamplingParams
 from tests.hf_reference import hf_logits
 from tests.test_pipeline_e2e import download, submit, write_jsonl
 from tests.test_pipeline_e2e import env as env  # fixtures
@@ -262,9 +262,9 @@ def test_a_mixed_file_through_a_worker_gives_logprobs_and_choices(
 
 
 def test_n_samples_restart_rather_than_resume_from_one_token_list(engine):
+    from batchgen import RequestRejected
     from batchgen.jobs.consumer.queue import Delivery
     from batchgen.jobs.schema.entry import Request
-    from batchgen.worker import RequestRejected
     from batchgen.worker.loop.flight import resumable
 
     with pytest.raises(RequestRejected, match="only a request with n = 1 resumes from tokens"):

@@ -74,7 +74,7 @@ def reference(model: Path) -> Iterator[Callable[[list[dict[str, Any]]], list[lis
     """Greedy token ids from ``Engine.generate`` (cached per prompt list)."""
     import torch
 
-    from batchgen.worker import Engine, SamplingParams
+    from batchgen import Engine, SamplingParams
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers run; 2 threads on 2 shared cores is slower
@@ -275,7 +275,7 @@ def test_a_sliding_window_model_end_to_end(zoo_model, workers, env, tmp_path):
     """Mistral-shaped, a window of 16 on every layer: generations several windows long
     through submit -> worker -> Parquet, in a pool of 12 blocks of 16 tokens (the
     worker hands blocks that left the window back), token for token as transformers."""
-    from batchgen.worker import Engine
+    from batchgen import Engine
     from tests.hf_reference import hf_greedy
 
     model = zoo_model("mistral")

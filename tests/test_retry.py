@@ -149,7 +149,7 @@ def reference(world: World) -> dict[str, list[list[int]]]:
     """Greedy token ids of ``Engine.generate`` for every line, with no fault at all."""
     import torch
 
-    from batchgen.worker import Engine, SamplingParams
+    from batchgen import Engine, SamplingParams
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the workers run

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from batchgen import SamplingParams
 from batchgen.jobs.schema.sampling import FIELDS, ParamError, check
-from batchgen.worker import SamplingParams
 from batchgen.worker.engine.request import Request
 from batchgen.worker.engine.sampler import Sampler, seeded_uniform
 

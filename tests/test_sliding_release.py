@@ -3,7 +3,7 @@ window handed back to the pool (``kv_window.py``) while the tokens stay exact.""
 
 from __future__ import annotations
 
-from batchgen.worker import Engine, SamplingParams
+from batchgen import Engine, SamplingParams
 from batchgen.worker.engine.kv_window import SlidingRelease
 from tests.family_parity import random_prompts
 from tests.hf_reference import hf_greedy

@@ -13,8 +13,8 @@ from typing import Any
 import jsonschema
 import pytest
 
+from batchgen import Engine, SamplingParams, StructuredOutput
 from batchgen.jobs.schema.sampling import ParamError
-from batchgen.worker import Engine, SamplingParams, StructuredOutput
 
 SCHEMAS: dict[str, dict] = {
     "nested objects": {

@@ -82,7 +82,7 @@ def model(toy_model) -> Path:
 
 def _reference(model: Path) -> list[list[int]]:
     """The same requests through ``Engine.generate``."""
-    from batchgen.worker import Engine, SamplingParams, StructuredOutput
+    from batchgen import Engine, SamplingParams, StructuredOutput
 
     engine = Engine.from_pretrained(model, device="cpu")
     default = StructuredOutput(json=DEFAULT_SCHEMA)

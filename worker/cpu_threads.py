@@ -10,16 +10,8 @@ host's cores: in a container with a 2-CPU quota on a 64-core host they start
 stopped. Rounded down for the same reason: of 2 threads under a 1.5-CPU
 quota, one is stopped for part of every period and the region waits for it.
 
-How they wait: torch's OpenMP threads (libgomp) spin after each parallel
-region before they sleep, 300,000 turns by default. With other work on the
-machine the spinning threads take the CPUs the work they wait for needs;
-measured here a tiny model's decode ran 10x slower. Not spinning at all
-(``OMP_WAIT_POLICY=PASSIVE``) costs a wake-up per parallel region instead:
-on an idle 2-CPU machine two passive threads decoded no faster than one.
-So ``quiet_openmp_waits()`` sets a short spin (``SPIN_ENV``) when
-``batchgen.worker`` is imported, if OpenMP is not loaded yet (libgomp reads
-it only once, when it loads with torch) and the user set no policy; where
-torch was loaded first it is too late: the engine says so in its log. And
+How they wait: OpenMP's threads spin only briefly before they sleep
+(``batchgen/openmp_waits.py``, set when batchgen is imported). And
 ``ContentionWatch`` takes the engine down to one thread, which neither
 spins nor waits for another, while its main thread waits for a CPU (other
 processes want them), and back once they are gone.
@@ -32,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -41,18 +32,7 @@ log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 SELF_CGROUP = Path("/proc/self/cgroup")  # this process's cgroup in each hierarchy
-# Either one set before OpenMP loads decides how its threads wait; batchgen then leaves both alone
-WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-# What batchgen sets where neither is: libgomp's spin before a waiting thread sleeps, in
-# turns (its default 300,000). Measured (tiny toy model, 2 threads, idle 2-CPU machine):
-# 1,000 turns decoded at the passive speed, 3,000-300,000 some 20% faster.
-SPIN_ENV = {"GOMP_SPINCOUNT": "10000"}
 SCHEDSTAT = Path("/proc/thread-self/schedstat")  # run time, runqueue wait (ns), timeslices
-_OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
-
-# Whether OpenMP was loaded before the first call of quiet_openmp_waits could set a
-# policy (None before that call)
-_missed: bool | None = None
 
 
 def usable_cpus(
@@ -120,33 +100,6 @@ def choose_threads(asked: int | None, current: int, usable: int) -> int:
     if asked is not None:
         return asked
     return max(1, min(current, usable))
-
-
-def quiet_openmp_waits() -> None:
-    """Makes OpenMP's threads spin only briefly before they sleep (``SPIN_ENV``)
-    if OpenMP has not read its environment yet and nobody set a policy. Once
-    per process: the first call decides."""
-    global _missed
-    if _missed is None:
-        _missed = False
-        if not any(name in os.environ for name in WAIT_VARIABLES):  # else the user's choice
-            if _openmp_loaded():
-                _missed = True
-            else:
-                os.environ.update(SPIN_ENV)
-
-
-def wait_policy_missed() -> bool:
-    """Whether OpenMP was loaded before any wait policy was set: its threads spin long."""
-    return bool(_missed)
-
-
-def _openmp_loaded() -> bool:
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "torch" in sys.modules
-    return any(name in maps for name in _OPENMP_LIBRARIES)
 
 
 def runqueue_wait_s(path: Path = SCHEDSTAT) -> float | None:

@@ -8,7 +8,7 @@ is ``store_kv.store_kv``); the ops are reached through ``TRITON_OPS``.
 
 from __future__ import annotations
 
-from batchgen.kernels import KernelOps
+from batchgen.kernels.ops import KernelOps
 from batchgen.kernels.triton import (
     activation,
     decode_attention,

@@ -21,7 +21,7 @@ def model(toy_model) -> Path:
 @pytest.fixture(scope="session")
 def reference(model: Path) -> Iterator[Callable[[list[dict]], Reference]]:
     """Greedy outputs of ``Engine.generate`` on the same lines, with no fault at all."""
-    from batchgen.worker import Engine
+    from batchgen import Engine
 
     engine = Engine.from_pretrained(model, device="cpu")
     cache: dict[str, Reference] = {}

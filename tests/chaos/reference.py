@@ -47,7 +47,7 @@ def one_thread() -> Iterator[None]:
 
 def fault_free(engine: Any, model: Path, lines: list[dict]) -> Reference:
     """The lines through ``engine`` (loaded from ``model``) with no fault at all."""
-    from batchgen.worker import SamplingParams
+    from batchgen import SamplingParams
 
     params = [SamplingParams(**{"max_tokens": 16, **sampling(line)}) for line in lines]
     with one_thread():

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels import PAD_SLOT_ID, AttentionBatch
+from batchgen.kernels.batch import AttentionBatch
+from batchgen.kernels.reference import PAD_SLOT_ID
 from batchgen.worker.models import CausalLM
 
 

@@ -14,13 +14,9 @@ import torch
 
 from batchgen.jobs.schema.errors import ModelNotLoadable
 from batchgen.jobs.schema.model_files import check_config, check_files
-from batchgen.kernels import select_ops
-from batchgen.worker.cpu_threads import (
-    ContentionWatch,
-    choose_threads,
-    usable_cpus,
-    wait_policy_missed,
-)
+from batchgen.kernels.ops import select_ops
+from batchgen.openmp_waits import wait_policy_missed
+from batchgen.worker.cpu_threads import ContentionWatch, choose_threads, usable_cpus
 from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
 from batchgen.worker.engine.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from batchgen.worker.engine.model_runner import ModelRunner
@@ -102,7 +98,7 @@ def _warn_spinning() -> None:
         "torch's OpenMP was loaded before batchgen could set GOMP_SPINCOUNT=10000: its "
         "threads spin long while they wait, which slows each step many times over when "
         "other work runs on this machine; set GOMP_SPINCOUNT=10000 (or "
-        "OMP_WAIT_POLICY=PASSIVE) in the environment, or import batchgen.worker before torch"
+        "OMP_WAIT_POLICY=PASSIVE) in the environment, or import batchgen before torch"
     )
 
 

@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from batchgen.kernels import AttentionBatch
+from batchgen.kernels.batch import AttentionBatch
 from batchgen.worker.cpu_threads import ContentionWatch
 from batchgen.worker.engine.constrained import TokenMasks
 from batchgen.worker.engine.pooling import EmbedSpan, Pooling, pool_step

@@ -1,7 +1,7 @@
 """What the loop needs from the engine, and loading the real one lazily.
 
 The loop is written against ``EngineLike`` (the engine's public interface); the
-real ``batchgen.worker.Engine`` is imported only when a worker starts, so this
+real ``batchgen.worker.engine.Engine`` is imported only when a worker starts, so this
 package imports without torch.
 """
 
@@ -57,6 +57,6 @@ class EngineAPI:
 
 
 def load_engine(model: str, config: EngineConfig) -> EngineAPI:
-    worker: Any = importlib.import_module("batchgen.worker")
-    engine = worker.Engine.from_config(model, config)
-    return EngineAPI(engine, worker.SamplingParams, (worker.RequestRejected,))
+    engine_package: Any = importlib.import_module("batchgen.worker.engine")
+    engine = engine_package.Engine.from_config(model, config)
+    return EngineAPI(engine, engine_package.SamplingParams, (engine_package.RequestRejected,))

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from batchgen.parts import child_environ, module_command
+
 
 @dataclass(slots=True)
 class FinalizerProcess:
@@ -28,8 +30,9 @@ class FinalizerProcess:
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "batchgen.worker.loop.finalizer"], stdin=subprocess.PIPE
-        )
+            module_command("batchgen.worker.loop.finalizer"), env=child_environ(),
+            stdin=subprocess.PIPE,
+        )  # fmt: skip
         config = {"redis_url": self.redis_url, "prefix": self.prefix, "tag": self.tag}
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps(config).encode())

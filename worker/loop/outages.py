@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import redis
 
@@ -65,7 +65,7 @@ class StorageOutages:
         self._set(job_id, f"{self._describe(failure)}; handed {n} requests back")
 
     def _describe(self, failure: StorageFailure) -> str:
-        since = datetime.fromtimestamp(failure.since, timezone.utc).isoformat(timespec="seconds")
+        since = datetime.fromtimestamp(failure.since, UTC).isoformat(timespec="seconds")
         return (
             f"worker {self.worker} cannot write parts since {since} ({failure.attempts} tries; "
             f"rows kept, not charged): {failure.error}"

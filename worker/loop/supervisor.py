@@ -23,7 +23,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,7 +36,9 @@ from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import GROUP, Keys, queue_name
 from batchgen.jobs.schema.errors import UsageError
-from batchgen.worker.cpu_threads import SPIN_ENV, WAIT_VARIABLES, usable_cpus
+from batchgen.openmp_waits import SPIN_ENV, WAIT_VARIABLES
+from batchgen.parts import child_environ, module_command
+from batchgen.worker.cpu_threads import usable_cpus
 from batchgen.worker.loop.finalizer import FinalizerProcess
 from batchgen.worker.loop.loop_config import (
     ENGINE_FAILED_EXIT,
@@ -95,8 +96,10 @@ class Child:
         self.names.append(config.name)
         # The config (Redis password included) goes through a pipe: a command line
         # is readable by every local user (ps), the environment is inherited.
-        cmd = [sys.executable, "-m", "batchgen.worker.loop"]
-        self.process = subprocess.Popen(cmd, env={**os.environ, **self.env}, stdin=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            module_command("batchgen.worker.loop"), env=child_environ(self.env),
+            stdin=subprocess.PIPE,
+        )  # fmt: skip
         assert self.process.stdin is not None
         with contextlib.suppress(BrokenPipeError), self.process.stdin as pipe:
             pipe.write(json.dumps(config.to_dict()).encode())  # far below a pipe's buffer
@@ -261,7 +264,7 @@ def plan_children(
     """Per child: its env overrides and device. A CPU child's OpenMP gets its
     thread count (``threads``, else the usable CPUs shared among the children,
     unless OMP_NUM_THREADS is set) and a short spin before its threads sleep
-    (``SPIN_ENV``), both before its torch loads (``cpu_threads.py``)."""
+    (``SPIN_ENV``), both before its torch loads (``batchgen/openmp_waits.py``)."""
     if gpus is not None:
         if workers is not None:
             raise UsageError("--workers is for CPU workers; --gpus starts one worker per GPU")

@@ -6,7 +6,8 @@ from typing import Protocol
 
 import torch
 
-from batchgen.kernels import AttentionBatch, KernelOps
+from batchgen.kernels.batch import AttentionBatch
+from batchgen.kernels.ops import KernelOps
 
 
 class ModelShape(Protocol):

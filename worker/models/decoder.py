@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import AttentionBatch, AttentionKind, KernelOps
+from batchgen.kernels.batch import AttentionBatch, AttentionKind
+from batchgen.kernels.ops import KernelOps
 from batchgen.worker.models.mlp import MlpBlock
 from batchgen.worker.models.model_config import BlockKind, ModelConfig
 from batchgen.worker.models.norms import Norm, add_then_norm

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels import KernelOps, StepAttention
+from batchgen.kernels.batch import StepAttention
+from batchgen.kernels.ops import KernelOps
 from batchgen.worker.models.model_config import (
     LatentAttentionSpec,
     ModelConfig,

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import KernelOps
+from batchgen.kernels.ops import KernelOps
 from batchgen.worker.models.model_config import MlpSpec
 from batchgen.worker.models.weights import Linear
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels import ClampedSwiGLU, ExpertWeights
+from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights
 from batchgen.worker.models.dense_weights import BlockReader
 from batchgen.worker.models.mlp import DenseMlp
 from batchgen.worker.models.model_config import MlpSpec, ModelConfig, RouterKind

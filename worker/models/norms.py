@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batchgen.kernels import KernelOps
+from batchgen.kernels.ops import KernelOps
 from batchgen.worker.models.model_config import NormKind, NormSpec
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from batchgen.kernels import KernelOps
+from batchgen.kernels.ops import KernelOps
 from batchgen.worker.models.causal_lm import CausalLM
 from batchgen.worker.models.config_keys import ConfigReader, check_all_read
 from batchgen.worker.models.decoder import Decoder

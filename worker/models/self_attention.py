@@ -11,7 +11,8 @@ from typing import Protocol
 
 import torch
 
-from batchgen.kernels import KernelOps, StepAttention
+from batchgen.kernels.batch import StepAttention
+from batchgen.kernels.ops import KernelOps
 from batchgen.worker.models.model_config import AttentionSpec, QKNormScope
 from batchgen.worker.models.norms import Norm
 from batchgen.worker.models.rope import RopeTable

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels import ExpertWeights, KernelOps
+from batchgen.kernels.experts import ExpertWeights
+from batchgen.kernels.ops import KernelOps
 from batchgen.kernels.routing import GroupedTopK, softmax_topk, topk_softmax
 from batchgen.worker.models.mlp import MlpBlock
 from batchgen.worker.models.model_config import MoeSpec, RouterKind

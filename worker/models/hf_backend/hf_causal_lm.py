@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from batchgen.kernels import AttentionBatch, AttentionKind, KernelOps, StepAttention
+from batchgen.kernels.batch import AttentionBatch, AttentionKind, StepAttention
+from batchgen.kernels.ops import KernelOps
 from batchgen.worker.models.hf_backend.probe import LayerPlan, probe_layout
 from batchgen.worker.models.hf_backend.qualify import (
     LayerKinds,

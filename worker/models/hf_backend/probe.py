@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from batchgen.kernels import AttentionKind
+from batchgen.kernels.batch import AttentionKind
 from batchgen.worker.models.hf_backend.registered_attention import ACTIVE
 from batchgen.worker.models.model_config import UnsupportedModelError
 

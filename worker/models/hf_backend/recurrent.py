@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from batchgen.kernels import AttentionBatch
+from batchgen.kernels.batch import AttentionBatch
 from batchgen.worker.models.model_config import UnsupportedModelError
 
 # the transformers modules whose state this file keeps (their forward takes

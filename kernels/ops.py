@@ -1,4 +1,4 @@
-"""Kernels: every op the model calls, as a Triton kernel and as the CPU path in torch.
+"""The op sets: every op the model calls, as a Triton kernel and as the CPU path in torch.
 
 The engine asks ``select_ops(device)`` once and calls the ops through the
 returned ``KernelOps``: Triton on CUDA, the CPU path elsewhere. Both sets
@@ -14,13 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.batch import AttentionBatch, AttentionKind, StepAttention
+from batchgen.kernels.batch import StepAttention
 from batchgen.kernels.cpu import attention as cpu_attention
 from batchgen.kernels.cpu import decode as cpu_decode
 from batchgen.kernels.cpu import elementwise as cpu_elementwise
 from batchgen.kernels.cpu import routed_experts as cpu_routed_experts
-from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights
-from batchgen.kernels.reference import PAD_SLOT_ID
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,16 +69,3 @@ def select_ops(device: torch.device, use_triton: bool | None = None) -> KernelOp
     from batchgen.kernels.triton import TRITON_OPS
 
     return TRITON_OPS
-
-
-__all__ = [
-    "CPU_OPS",
-    "PAD_SLOT_ID",
-    "AttentionBatch",
-    "AttentionKind",
-    "ClampedSwiGLU",
-    "ExpertWeights",
-    "KernelOps",
-    "StepAttention",
-    "select_ops",
-]
