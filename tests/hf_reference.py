@@ -10,13 +10,18 @@ import torch
 # fp32 logits of two different tokens closer than this are a near tie: summation
 # order alone may decide greedy between them (HF and the engine sum differently)
 TIE_MARGIN = 1e-4
+# transformers' attention as each model's code writes it out: its default (SDPA) may skip
+# a step the model has (5.17's Gemma 2 under SDPA drops the attention soft-cap)
+EAGER = "eager"
 
 
 @functools.lru_cache(maxsize=8)
 def hf_model(path: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=EAGER
+    )
     model.eval()
     return model
 
@@ -77,7 +82,7 @@ def hf_base_model(path: Path):
     """The model without its LM head (``AutoModel``), as sentence-transformers loads it."""
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(path, dtype=torch.float32)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation=EAGER)
     model.eval()
     return model
 

@@ -276,8 +276,24 @@ ZOO: dict[str, ZooEntry] = {
             **TINY_DELTANET,
         ),
     ),
+    # Falcon: its attention goes through transformers' registry from 5.25 (refused before);
+    # multi-query with parallel attention and MLP (Falcon-7B), grouped K/V with two
+    # layer norms (new_decoder_architecture: Falcon-40B/180B), sequential with biases
+    "falcon": ZooEntry("falcon", drop=("head_dim",)),
+    "falcon-new-decoder": ZooEntry(
+        "falcon", dict(new_decoder_architecture=True, num_kv_heads=2), drop=("head_dim",)
+    ),
+    "falcon-bias": ZooEntry(
+        "falcon", dict(bias=True, parallel_attn=False, multi_query=False), drop=("head_dim",)
+    ),
+    "falcon-alibi": ZooEntry("falcon", dict(alibi=True), drop=("head_dim",)),
     # refused by the backend: attention outside transformers' registry; a state-space model
-    "falcon-refused": ZooEntry("falcon", drop=("head_dim",)),
+    "xglm-refused": ZooEntry(
+        "xglm",
+        dict(d_model=64, num_layers=2, attention_heads=4, ffn_dim=128),
+        drop=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "tie_word_embeddings"),
+    ),
     "mamba-refused": ZooEntry("mamba", dict(state_size=4)),
     # a sliding_window transformers' Llama ignores in its mask (while its cache would slide)
     "llama-sliding-refused": ZooEntry("llama", dict(sliding_window=16)),

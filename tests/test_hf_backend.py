@@ -24,7 +24,10 @@ from tests.family_parity import (
 )
 from tests.hf_reference import hf_last_hidden_state, hf_logits
 from tests.model_zoo import VOCAB
+from tests.releases import needs_backend
 from tests.test_model_families import TIGHT_BLOCKS
+
+pytestmark = needs_backend
 
 BACKEND_ONLY = ["gptj", "opt", "gpt_bigcode", "persimmon", "olmo", "nemotron"]
 # native too; through the backend: every layer sliding (blocks released), local and global

@@ -8,9 +8,12 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from batchgen import Engine, SamplingParams
+from tests.releases import needs_backend
 from tests.test_pipeline_e2e import batchgen, download, submit, write_jsonl
 from tests.test_pipeline_e2e import env as env  # fixtures
 from tests.test_pipeline_e2e import workers as workers
+
+pytestmark = needs_backend
 
 LINES: list[dict[str, Any]] = [{"prompt": f"Line {i}: tell me about item {i * 7 % 13}.", "max_tokens": 4 + i % 5}
          for i in range(8)]  # fmt: skip

@@ -16,6 +16,9 @@ import torch
 
 from batchgen import Engine
 from batchgen.worker.models import UnsupportedModelError
+from tests.releases import needs_backend
+
+pytestmark = needs_backend
 
 TINY: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=512
@@ -100,9 +103,16 @@ def test_longrope_context_ends_where_its_short_factors_do(zoo_model):
 
 
 def test_attention_outside_the_registry_is_refused(zoo_model):
-    assert _refusal(zoo_model("falcon-refused"), model_impl="transformers") == (
-        "transformers cannot build FalconForCausalLM with batchgen's attention (its attention "
-        "does not go through transformers' attention registry)"
+    assert _refusal(zoo_model("xglm-refused")) == (
+        "XGLMModel's layers never call transformers' attention registry (its attention is "
+        "written into the model, or it has no attention); batchgen cannot page its KV"
+    )
+
+
+def test_alibi_is_refused(zoo_model):
+    assert _refusal(zoo_model("falcon-alibi")) == (
+        "FalconForCausalLM adds ALiBi position biases to its attention scores (alibi); "
+        "batchgen's paged kernels do not compute them"
     )
 
 

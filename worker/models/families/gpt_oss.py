@@ -19,6 +19,12 @@ from batchgen.worker.models.family import Family
 from batchgen.worker.models.model_config import ModelConfig, MoeSpec, RouterKind
 from batchgen.worker.models.moe_weights import MoeLayout
 
+# transformers' values where config.json has none (OpenAI's gpt-oss checkpoints give
+# only swiglu_limit); 5.17's experts use these constants whatever the config says, 5.23's
+# read the config
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
 
 def _read_gpt_oss(r: ConfigReader, architecture: str) -> ModelConfig:
     # hidden_act is read for the MLP spec; transformers' gpt-oss experts do not
@@ -31,8 +37,9 @@ def _read_gpt_oss(r: ConfigReader, architecture: str) -> ModelConfig:
         router=RouterKind.TOPK_SOFTMAX,
         router_bias=True,
         expert_bias=True,
-        clamped_swiglu=(float(r.require("swiglu_alpha")), float(r.require("swiglu_limit"))),
-    )
+        clamped_swiglu=(float(r.get("swiglu_alpha", SWIGLU_ALPHA)),
+                        float(r.get("swiglu_limit", SWIGLU_LIMIT))),
+    )  # fmt: skip
     config = dataclasses.replace(
         config, attention=dataclasses.replace(config.attention, sinks=True)
     )

@@ -25,6 +25,7 @@ from batchgen.worker.models.hf_backend.qualify import (
     LayerKinds,
     causal_lm_class,
     check_config,
+    check_release,
     context_limit,
     layer_kinds,
 )
@@ -196,6 +197,9 @@ class HfCausalLM:
         (before any weight is read). Returns which layers attend (with their windows) and
         which keep a recurrent state, and the longest context that runs exactly (None: the
         config gives none)."""
+        import transformers
+
+        check_release(transformers.__version__)
         name = causal_lm_class(hf_config).__name__
         kinds = layer_kinds(hf_config, name)
         check_config(hf_config, name)

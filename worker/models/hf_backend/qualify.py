@@ -8,10 +8,17 @@ the kernels do not honour) is the probe's (``probe.py``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from batchgen.worker.models.model_config import UnsupportedModelError
+
+# The oldest transformers release the backend runs on: its parity tests pass on 5.24
+# and later. It reads each layer's kind and window as transformers describes them from
+# 5.24 (on 5.17 it found no layer at all), and the hybrids' mixers take each sequence's
+# state as ``cache`` from 5.24 (recurrent.py).
+BACKEND_RELEASE = (5, 24)
 
 # What a layer type (transformers' ``layer_types``) would need that batchgen does not have.
 _RECURRENT = (
@@ -35,6 +42,22 @@ _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # rope types whose frequencies transformers picks per forward from the longest
 # sequence in the batch once past ``original_max_position_embeddings``
 _BATCH_DEPENDENT_ROPE = ("longrope",)
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string: ``5.26.0.dev0`` -> (5, 26)."""
+    major, minor = (int(n) for n in re.findall(r"\d+", version)[:2])
+    return major, minor
+
+
+def check_release(version: str) -> None:
+    """Refuses a transformers release older than the backend runs on, naming both."""
+    if release(version) < BACKEND_RELEASE:
+        needed = ".".join(map(str, BACKEND_RELEASE))
+        raise UnsupportedModelError(
+            f"batchgen's transformers backend needs transformers {needed} or later, and "
+            f"{version} is installed (pip install 'transformers>={needed}')"
+        )
 
 
 def causal_lm_class(hf_config: Any) -> Any:
@@ -104,6 +127,11 @@ def check_config(hf_config: Any, name: str) -> None:
         )
     if getattr(hf_config, "quantization_config", None):
         raise UnsupportedModelError(f"{name} is a quantized checkpoint (quantization_config)")
+    if getattr(hf_config, "alibi", False):
+        raise UnsupportedModelError(
+            f"{name} adds ALiBi position biases to its attention scores (alibi); batchgen's "
+            "paged kernels do not compute them"
+        )
 
 
 def context_limit(hf_config: Any) -> int | None:
