@@ -198,6 +198,23 @@ def test_finalize_runs_through_rq_with_the_json_serializer(redis_url, tmp_path):
     assert pq.read_table(out / "result.parquet").column("text").to_pylist() == ["t0", "t1"]
 
 
+def test_a_finalize_run_opens_no_command_channel(redis_url, tmp_path):
+    """rq's command listener made a run wait up to 60 s as it ended (rq 3 with
+    redis-py 8.2): the runner never subscribes, so it never waits for one."""
+    conn = rconn(redis_url)
+    out, qk = make_job(conn, tmp_path, 1)
+    ds = deliver(conn, qk)
+    rows = [row(0, "t0")]
+    commit(conn, qk, [PartCommit("j", publish(out, "a.parquet", rows), rows, [ds[0].entry_id])])
+    assert tasks.enqueue_finalize(conn, KEYS, qk, "j") is True
+    conn.config_resetstat()
+    assert tasks.run_pending(conn, KEYS, QK.tag) == 1
+    assert load_job(conn, KEYS, "j").state == JobState.COMPLETED
+    called = conn.info("commandstats")
+    assert "cmdstat_hset" in called  # the stats do count this run's commands
+    assert [c for c in called if "subscribe" in c] == []
+
+
 class Boom:
     """Unpickling this writes a file: proof of code execution."""
 

@@ -115,6 +115,12 @@ class FinalizeRunner(SimpleWorker):
     def _install_signal_handlers(self) -> None:
         pass
 
+    def subscribe(self) -> None:
+        """No command channel: nothing sends rq commands to a burst runner, and its
+        listener thread cost each run up to 60 s at the end. rq 3 unsubscribes, then
+        stops the thread, which redis-py 8.2 joins; a thread that read the unsubscribe
+        first waits out rq's sleep_time=60 for a subscription that never comes."""
+
     def execute_job(self, job: Job, queue: Queue) -> None:
         problem = _refusal(job)
         if problem is None:
