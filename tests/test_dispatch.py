@@ -23,8 +23,7 @@ from batchgen.jobs.ops.backlog import prefix_group
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.schedule import Schedule
 from batchgen.jobs.ops.submission import submit
-from batchgen.jobs.redis.keys import BACKLOG_GROUPS, Keys
-from batchgen.jobs.redis.stream import ensure_group
+from batchgen.jobs.redis.keys import BACKLOG_GROUPS, GROUP, Keys
 from batchgen.jobs.schema.entry import Request
 from batchgen.jobs.schema.sampling import DEFAULTS
 from batchgen.worker.loop.affinity import owned
@@ -192,19 +191,20 @@ def test_each_worker_takes_its_own_prefix_groups_first_and_steals_when_they_are_
     assert sorted(d.index for d in rest) == sorted(set(own[victim]) - {d.index for d in stolen})
 
 
-def test_entries_a_previous_release_wrote_to_the_stream_are_served_first(redis_url, tmp_path):
-    """An upgrade: the stream still holds requests written straight to it (no ``q``
-    field) for a job whose record has none of the fair-share fields."""
+def test_an_entry_without_its_queue_time_becomes_its_error_row(redis_url, tmp_path):
+    """Every entry says when it was queued (``q``, which dispatch writes); one without it
+    (planted, or written by hand) is not served: it becomes its job's error row."""
     conn = rconn(redis_url)
-    ensure_group(conn, QK)
-    old = {"state": "queued", "model": "m", "total": "2", "enqueued": "2", "done": "0",
-           "failed": "0", "output": str(tmp_path / "old")}  # fmt: skip
-    conn.hset(QK.job("old").job, mapping=old)
-    conn.hset(KEYS.jobs, "old", QK.tag)
-    request = Request(prompt="from before", sampling=dict(DEFAULTS)).encode()
-    ids = [conn.xadd(QK.stream, {"j": "old", "i": i, "r": request}).decode() for i in range(2)]
-    job(conn, tmp_path, "new", 3)
-    got = read_new(conn, QK, "w", 4)
-    assert [(d.job_id, d.index) for d in got] == [("old", 0), ("old", 1), ("new", 0), ("new", 1)]
-    assert [d.entry_id for d in got[:2]] == ids
-    assert got[0].queued_at == int(ids[0].split("-")[0])  # its stream id's time, as before
+    job(conn, tmp_path, "j", 3)
+    read_new(conn, QK, "ghost", 3)  # all three dispatched to the stream, held by a ghost
+    ((entry_id, fields),) = [e for e in conn.xrange(QK.stream) if e[1][b"i"] == b"1"]
+    conn.xack(QK.stream, GROUP, entry_id)
+    conn.xdel(QK.stream, entry_id)
+    del fields[b"q"]
+    unqueued = conn.xadd(QK.stream, fields).decode()
+    assert read_new(conn, QK, "w", 3) == []
+    reason = f"stream entry {unqueued} cannot be read: it has no 'q' field (when it was queued)"
+    ((_, dead),) = conn.xrange(QK.job("j").dead)
+    assert (dead[b"i"], dead[b"reason"].decode()) == (b"1", reason)
+    assert json.loads(conn.hget(QK.job("j").errors, "1"))["error"] == f"dead-lettered: {reason}"
+    assert conn.xlen(QK.stream) == 2  # the ghost's two; the unreadable one is gone

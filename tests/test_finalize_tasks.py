@@ -6,7 +6,6 @@ import json
 import logging
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -74,28 +73,17 @@ def test_only_batchgen_finalize_runs_anything_else_is_refused_and_never_imported
     queue.enqueue(tasks.FINALIZE_FUNC, "j", "bg", job_id="callback",
                   on_success=Callback("planted_mod.run"))  # fmt: skip
     queue.enqueue(tasks.FINALIZE_FUNC, "j", "bg", "extra", job_id="extra")
+    # finalize_task under another dotted name (it once had one): refused all the same
+    queue.enqueue("batchgen.jobs.tasks.finalize_task", "j", "bg", job_id="renamed")
     with caplog.at_level(logging.ERROR, logger="batchgen.jobs.ops.finalize_tasks"):
         tasks.run_pending(conn, KEYS, qk.tag)
     assert not ran.exists() and not (tmp_path / "imported").exists()
     assert "planted_mod" not in sys.modules
     refused = sorted(r.getMessage().split()[3] for r in caplog.records if "refused" in r.msg)
-    assert refused == ["callback", "extra", "planted", "system"]
+    assert refused == ["callback", "extra", "planted", "renamed", "system"]
     assert not any(conn.exists(f"rq:job:{name}") for name in refused)
     assert load_job(conn, KEYS, "j").state == JobState.FINALIZING  # none of them finalized it
     assert tasks.enqueue_finalize(conn, KEYS, qk, "j")
-    assert tasks.run_pending(conn, KEYS, qk.tag) == 1
-    assert load_job(conn, KEYS, "j").state == JobState.COMPLETED
-
-
-def test_a_finalize_task_queued_under_the_previous_releases_name_still_runs(redis_url, tmp_path):
-    """rq stores the function's dotted name; the tree moved, tasks already queued did not."""
-    conn = rconn(redis_url)
-    _, qk = ready_job(conn, tmp_path, "m", "j")
-    queue = Queue(KEYS.finalize_queue(qk.tag), connection=conn, serializer=JSONSerializer)
-    queue.enqueue("batchgen.jobs.tasks.finalize_task", "j", "bg", job_id=KEYS.finalize_task_id("j"),
-                  job_timeout=-1)  # fmt: skip
-    data = conn.hget(f"rq:job:{KEYS.finalize_task_id('j')}", "data")
-    assert json.loads(zlib.decompress(data))[0] == "batchgen.jobs.tasks.finalize_task"
     assert tasks.run_pending(conn, KEYS, qk.tag) == 1
     assert load_job(conn, KEYS, "j").state == JobState.COMPLETED
 

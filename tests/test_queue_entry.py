@@ -117,10 +117,11 @@ ROW = Row(index=1, text="ok", token_ids=[5, 6], finish_reason=FinishReason.STOP,
 
 def test_entries_the_release_before_wrote_still_read() -> None:
     fresh = Delivery.parse(
-        b"1796169345225-1", {b"j": b"j", b"i": b"2", b"r": LINES_AND_BYTES[0][1]}
-    )
+        b"1796169345226-1", {b"j": b"j", b"i": b"2", b"r": LINES_AND_BYTES[0][1],
+                             b"q": b"1796169345225"}
+    )  # fmt: skip
     assert fresh == Delivery(
-        entry_id="1796169345225-1", job_id="j", index=2, request=Request.decode(
+        entry_id="1796169345226-1", job_id="j", index=2, request=Request.decode(
             LINES_AND_BYTES[0][1]), queued_at=1796169345225,
     )  # fmt: skip
     back = Delivery.parse(b"1796169345226-0", OLD_HANDED_BACK, deliveries=2)
@@ -137,12 +138,24 @@ def test_entries_the_release_before_wrote_still_read() -> None:
 
 
 def test_an_entry_of_an_unknown_format_or_without_its_fields_is_refused() -> None:
-    fields = {b"j": b"j", b"i": b"0", b"r": b"{}"}
+    fields = {b"j": b"j", b"i": b"0", b"r": b"{}", b"q": b"7"}
     with pytest.raises(EntryError, match="format 2; this release reads format 1"):
         QueueEntry.decode({**fields, b"v": b"2"}, "1-0")
     assert QueueEntry.decode({**fields, b"v": b"1"}, "1-0").job_id == "j"
     with pytest.raises(EntryError, match="1-0 cannot be read"):
-        QueueEntry.decode({b"j": b"j", b"r": b"{}"}, "1-0")
+        QueueEntry.decode({b"j": b"j", b"r": b"{}", b"q": b"7"}, "1-0")
+    # when it was queued is part of every entry: its stream id does not stand in for it
+    unqueued = {b"j": b"j", b"i": b"0", b"r": b"{}"}
+    with pytest.raises(EntryError) as refused:
+        QueueEntry.decode(unqueued, "1-0")
+    assert str(refused.value) == (
+        "stream entry 1-0 cannot be read: it has no 'q' field (when it was queued)"
+    )
+    with pytest.raises(EntryError) as refused:
+        QueueEntry.decode({**unqueued, b"x": b'{"resume": [1], "a": 1, "f": 0}'}, "1-0")
+    assert str(refused.value) == (
+        "stream entry 1-0 cannot be read: its 'x' field has no 'q' (when it was first queued)"
+    )
     with pytest.raises(EntryError, match="1-0 cannot be read"):
         QueueEntry.decode({**fields, b"r": b"[1]"}, "1-0")
 
@@ -198,7 +211,8 @@ def _as_redis(flat: list[str]) -> dict[bytes, bytes]:
 def test_every_field_round_trips(entry: QueueEntry) -> None:
     assert Request.decode(entry.request.encode()) == entry.request
     assert QueueEntry.decode(_as_redis(entry.handed_back_fields()), "5-0") == entry
-    plain = QueueEntry.decode(_as_redis(entry.request_fields()), "5-0")
+    dispatched = {**_as_redis(entry.request_fields()), b"q": b"5"}  # as dispatch.py writes it
+    plain = QueueEntry.decode(dispatched, "9-0")
     assert plain == QueueEntry(entry.job_id, entry.index, entry.request, queued_at=5)
 
 
@@ -215,8 +229,8 @@ def test_hand_back_and_dead_letter_write_the_entry_through_lua(redis_url: str) -
     conn.hset(job.job, mapping={"state": "running", "done": 0, "failed": 0, "total": 3})
     request = Request(id="α", prompt="emoji 😀 and \x00 nul", sampling={"n": 1, "stop": ["😀"]},
                       metadata={"k": ["ü", 1.5]})  # fmt: skip
-    conn.xadd(QK.stream, {"j": "j", "i": 0, "r": request.encode()})
-    conn.xadd(QK.stream, {"j": "j", "i": 1, "r": request.encode()})
+    conn.xadd(QK.stream, {"j": "j", "i": 0, "r": request.encode(), "q": 1})
+    conn.xadd(QK.stream, {"j": "j", "i": 1, "r": request.encode(), "q": 1})
     first, second = read_new(conn, QK, "w1", 2, None)
     assert hand_back(conn, QK, "w1", [HandBack(first, [7, 8], 2, failed=True, error="boom 😀",
                                                row=ROW)]) == 1  # fmt: skip
@@ -228,5 +242,5 @@ def test_hand_back_and_dead_letter_write_the_entry_through_lua(redis_url: str) -
     )  # fmt: skip
     dead_letter(conn, QK, second, "poison", "w1", json.dumps(ROW.to_dict()))
     ((_, fields),) = conn.xrange(job.dead)
-    assert QueueEntry.decode(fields, "1-0") == QueueEntry("j", 1, request, queued_at=1)
+    assert (fields[b"j"], fields[b"i"], Request.decode(fields[b"r"])) == (b"j", b"1", request)
     assert (fields[b"reason"], fields[b"deliveries"], fields[b"worker"]) == (b"poison", b"1", b"w1")

@@ -115,7 +115,7 @@ def test_requests_that_cannot_run_become_error_rows(redis_url, tmp_path):
     conn = rconn(redis_url)
     prompts = ["ok", "x" * 80, "bell \x07", {"prompt": "y" * 40, "max_tokens": 30}, "fine"]
     out = make_job(conn, tmp_path, prompts, max_tokens=2)
-    conn.xadd(QK.stream, {"j": "j2", "i": 0, "r": "{}"})  # an entry whose job is unknown
+    conn.xadd(QK.stream, {"j": "j2", "i": 0, "r": "{}", "q": 1})  # an entry whose job is unknown
     finish(conn, make_loop(conn))
     result = rows(out)
     assert result["finish_reason"] == ["length", "error", "error", "error", "length"]

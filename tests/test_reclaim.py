@@ -26,7 +26,9 @@ def rconn(url: str) -> Any:
 def fill(conn, n: int) -> list[str]:
     ensure_group(conn, QK)
     request = json.dumps({"p": "x", "s": {}})
-    return [conn.xadd(QK.stream, {"j": "j", "i": i, "r": request}).decode() for i in range(n)]
+    return [
+        conn.xadd(QK.stream, {"j": "j", "i": i, "r": request, "q": 1}).decode() for i in range(n)
+    ]
 
 
 def test_delivery_counts_are_exact_however_many_entries_the_claimer_holds(redis_url):

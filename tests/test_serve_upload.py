@@ -19,8 +19,11 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
+import redis
 from openai import OpenAI
 
+from batchgen.jobs.redis.keys import Keys
+from batchgen.serve.files import FileStore
 from tests.serve_stack import KEY, Stack, wait_for
 
 MB = 1 << 20
@@ -216,6 +219,22 @@ def test_a_serve_killed_mid_upload_leaves_no_temp_file_behind(stack, redis_url, 
         wait_for(lambda: temp_files(other) == [], 30, "the dropped upload's temp file to go")
     finally:
         other.stop()
+
+
+def test_the_sweep_removes_dead_servers_temp_files_and_nothing_else(redis_url, tmp_path):
+    """Only a server's tagged upload whose server is gone goes, however old the others."""
+    conn = redis.Redis.from_url(redis_url)
+    keys = Keys("sweep-test")
+    store = FileStore(conn, keys, str(tmp_path), "alive")
+    conn.set(keys.serve_instance("alive"), "1")
+    names = [".tmp-serve_alive_0a-file-1", ".tmp-serve_gone_0b-file-2", ".tmp-0c-file-3",
+             "file-4"]  # fmt: skip
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (0, 0))  # untouched since 1970
+    assert store.sweep(lambda _: False) == 0  # no file record expired
+    assert sorted(os.listdir(tmp_path)) == [".tmp-0c-file-3", ".tmp-serve_alive_0a-file-1",
+                                            "file-4"]  # fmt: skip
 
 
 def test_form_fields_are_bounded_in_number_and_memory(stack):

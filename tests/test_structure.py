@@ -25,7 +25,6 @@ MAY_IMPORT: dict[str, set[str]] = {
     "jobs.intake": {"jobs.schema", "jobs.storage"},
     "jobs.crashpoints": set(),
     "jobs.ops": {"jobs.schema", "jobs.redis", "jobs.storage", "jobs.intake", "jobs.crashpoints"},
-    "jobs.tasks": {"jobs.ops"},  # the finalize function under its old name
     "jobs.consumer": {"jobs.schema", "jobs.redis", "jobs.storage", "jobs.ops", "jobs.crashpoints"},
     "kernels": set(),
     "worker.models": {"kernels", "jobs.schema"},

@@ -62,7 +62,7 @@ def test_metrics_endpoint_renders_its_workers_and_the_queue(redis_url):
     keys = Keys("bg")
     sup = Supervisor(conn, LoopConfig(model="m"), [], None)
     ensure_group(conn, keys.queue_for_model("m"))
-    conn.xadd(keys.queue_for_model("m").stream, {"j": "x", "i": 0, "r": "{}"})
+    conn.xadd(keys.queue_for_model("m").stream, {"j": "x", "i": 0, "r": "{}", "q": 1})
     payload = {"name": "w1", "tag": keys.queue_for_model("m").tag, "supervisor": sup.id,
                "in_flight": {"j": 3}, "buffered_rows": 2,
                "counters": {"rows_ok": 7, "rows_error": 1, "generation_tokens": 99},

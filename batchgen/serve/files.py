@@ -41,7 +41,6 @@ from batchgen.serve.openai_errors import APIError, not_found
 PURPOSES = ("batch", "batch_output")  # uploads are "batch"; result files "batch_output"
 TEMP_TAG = "serve_"  # .tmp-serve_INSTANCE_... : an upload of a live server, or a dead one's
 HIDDEN_RETRY_S = 60  # a hidden file still read by a batch is looked at again after this
-LEGACY_TEMP_S = 86400  # a temp file without a server tag is removed after a day untouched
 
 
 def new_file_id() -> str:
@@ -180,10 +179,10 @@ class FileStore:
             else:
                 self.remove(obj)
                 removed += 1
-        self.sweep_temp_files(now)
+        self.sweep_temp_files()
         return removed
 
-    def sweep_temp_files(self, now: float) -> None:
+    def sweep_temp_files(self) -> None:
         if not self.dir.local:
             return  # an object store's upload that never completed left no object
         with contextlib.suppress(FileNotFoundError), os.scandir(self.dir.path) as entries:
@@ -191,12 +190,10 @@ class FileStore:
                 if not entry.name.startswith(TEMP_PREFIX) or not entry.is_file():
                     continue
                 rest = entry.name.removeprefix(TEMP_PREFIX)
-                if rest.startswith(TEMP_TAG):
-                    owner = rest.removeprefix(TEMP_TAG).split("_", 1)[0]
-                    dead = not self.conn.exists(self.keys.serve_instance(owner))
-                else:
-                    dead = entry.stat().st_mtime < now - LEGACY_TEMP_S
-                if dead:
+                if not rest.startswith(TEMP_TAG):
+                    continue  # not a server's upload
+                owner = rest.removeprefix(TEMP_TAG).split("_", 1)[0]
+                if not self.conn.exists(self.keys.serve_instance(owner)):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.path)
 

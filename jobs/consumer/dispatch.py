@@ -1,9 +1,8 @@
 """The dispatch script: which requests a worker with room takes next, in one atomic step.
 
 A worker asks for as many requests as its engine can admit. The script first
-reads the stream as before (XREADGROUP ``>``): entries handed back with their
-tokens, and entries a release before backlogs wrote there, go first, since work
-already begun is never set aside. It fills the rest from the backlogs of the
+reads the stream (XREADGROUP ``>``): entries handed back with their tokens go
+first, since work already begun is never set aside. It fills the rest from the backlogs of the
 model's ready jobs (backlog.py), ``QUANTUM`` requests at a time from the job that
 comes first in this order:
 

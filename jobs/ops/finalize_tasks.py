@@ -32,9 +32,6 @@ from batchgen.jobs.redis.lease import LeaseHeld
 log = logging.getLogger(__name__)
 
 FINALIZE_FUNC = "batchgen.jobs.ops.finalize_tasks.finalize_task"
-# The name tasks queued before the tree moved carry (rq stores it in Redis); the
-# module batchgen.jobs.tasks re-exports finalize_task so rq can still import it.
-LEGACY_FINALIZE_FUNCS = ("batchgen.jobs.tasks.finalize_task",)
 _WAITING = (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED)
 
 
@@ -138,7 +135,7 @@ def _refusal(job: Job) -> str | None:
         func_name, args, kwargs = job.func_name, job.args, job.kwargs
     except Exception as exc:  # not JSON (a planted pickle), or malformed
         return f"unreadable task data ({type(exc).__name__})"
-    if func_name != FINALIZE_FUNC and func_name not in LEGACY_FINALIZE_FUNCS:
+    if func_name != FINALIZE_FUNC:
         return f"function {func_name!r} is not {FINALIZE_FUNC}"
     if kwargs or len(args) != 2 or not all(isinstance(a, str) for a in args):
         return "finalize_task takes two strings (job id, key prefix)"

@@ -7,6 +7,7 @@ A stream entry is these fields, and this module is the only code that names them
     i  the input's index (0-based over the lines or rows, invalid ones included)
     r  the request (``Request``): compact UTF-8 JSON with short keys
     q  when the request was queued (unix ms), on an entry dispatched from a job's backlog
+       (a handed-back entry carries it in ``x``)
     x  only on an entry a worker handed back: what it carries to the next worker (JSON)
 
 Submit does not write entries to the stream itself: it appends each request to its
@@ -29,9 +30,8 @@ ms), ``pre`` preemptions, ``err`` the last engine error, ``row`` its finished ro
 part could not be written.
 
 Versions: every release so far writes format 1, which has no ``v`` field. A later
-format adds ``v``; a reader refuses a format it does not know rather than misread it.
-``q`` is optional: an entry without it (one a release before backlogs wrote straight
-to the stream) was queued when its stream id says.
+format adds ``v``; a reader refuses a format it does not know rather than misread it,
+and an entry without its queue time (``q``, or ``x``'s ``q``) like one without ``j``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ FORMAT = 1  # the entry format this release reads and writes
 _JOB, _INDEX, _REQUEST, _QUEUED, _CARRIED = "j", "i", "r", "q", "x"
 # as XRANGE returns the names (decoding reads every entry a worker runs); "v": the format
 _JOB_B, _INDEX_B, _REQUEST_B, _QUEUED_B, _CARRIED_B, _FORMAT_B = b"j", b"i", b"r", b"q", b"x", b"v"
-# For the Lua scripts that make entries themselves (dispatch, and the tests' old-style ones).
+# For the Lua script that makes entries itself (dispatch.py).
 LUA_FIELDS = (
     f"local F = {{job = '{_JOB}', index = '{_INDEX}', request = '{_REQUEST}', "
     f"queued = '{_QUEUED}'}}\n"
@@ -187,9 +187,8 @@ class QueueEntry:
 
     @classmethod
     def decode(cls: type[E], fields: Mapping[bytes, bytes], stream_id: str, **more: Any) -> E:
-        """The entry the stream holds as ``stream_id`` (whose time is when an entry never
-        handed back was queued); ``more``: a subclass's own fields. EntryError when it
-        cannot be read."""
+        """The entry the stream holds as ``stream_id``; ``more``: a subclass's own fields.
+        EntryError when it cannot be read."""
         try:
             version = fields.get(_FORMAT_B)
             if version is not None and int(version) != FORMAT:
@@ -199,11 +198,16 @@ class QueueEntry:
             index = int(fields[_INDEX_B])
             request = Request.decode(fields[_REQUEST_B])
             raw_carried = fields.get(_CARRIED_B)
-            queued = fields.get(_QUEUED_B)
             if not raw_carried:  # as dispatched from a backlog (most entries): nothing carried
-                queued_at = int(queued) if queued else int(stream_id.split("-")[0])
+                if _QUEUED_B not in fields:
+                    raise EntryError(f"it has no {_QUEUED!r} field (when it was queued)")
+                queued_at = int(fields[_QUEUED_B])
                 return cls(job_id=job_id, index=index, request=request, queued_at=queued_at, **more)
             carried = json.loads(raw_carried)
+            if not isinstance(carried, dict):
+                raise EntryError(f"its {_CARRIED!r} field is not a JSON object")
+            if "q" not in carried:
+                raise EntryError(f"its {_CARRIED!r} field has no 'q' (when it was first queued)")
             row = carried.get("row")
             return cls(
                 job_id=job_id,
@@ -212,7 +216,7 @@ class QueueEntry:
                 resume=list(carried.get("resume", ())),
                 prior_runs=int(carried.get("a", 0)),
                 prior_failures=int(carried.get("f", 0)),
-                queued_at=int(carried.get("q") or stream_id.split("-")[0]),
+                queued_at=int(carried["q"]),
                 preemptions=int(carried.get("pre", 0)),
                 last_error=str(carried.get("err", "")),
                 finished=from_dict(row) if isinstance(row, dict) else None,
