@@ -3,7 +3,7 @@
 They are the CPU path of the engine and, being a line or two of torch each,
 the oracle the Triton kernels are tested against; each Triton wrapper has the
 same signature as its function here. Attention is elsewhere: the oracle in
-``dense.py``, the CPU path in ``cpu_attention.py`` and ``cpu_decode.py``.
+``dense.py``, the CPU path in ``cpu/attention.py`` and ``cpu/decode.py``.
 
 Layouts (shared with the Triton kernels):
 - hidden states are flat over the batch: (num_tokens, ...);

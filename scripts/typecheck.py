@@ -21,7 +21,7 @@ _COPY = re.compile(r"build/typecheck/batchgen/(?:(jobs|worker|kernels)/)?")
 
 
 def real_path(line: str) -> str:
-    """``build/typecheck/batchgen/jobs/x.py:3: ...`` -> ``jobs/x.py:3: ...``."""
+    """``build/typecheck/batchgen/jobs/<file>.py:3: ...`` -> ``jobs/<file>.py:3: ...``."""
     return _COPY.sub(lambda m: f"{m.group(1)}/" if m.group(1) else "batchgen/", line)
 
 

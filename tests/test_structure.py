@@ -155,7 +155,7 @@ def test_the_engine_never_imports_redis():
 
 
 def test_no_file_name_is_used_twice():
-    """A name says what a file is: ``config.py`` four times says nothing."""
+    """A name says what a file is: four files named config say nothing."""
     names = Counter(
         p.name for p in modules().values() if p.name not in ("__init__.py", "__main__.py")
     )

@@ -16,11 +16,11 @@ Each request moved is charged its job's estimated cost (tokens: input estimate
 and max_tokens), so shares are shares of tokens, not of requests. A tenant or job
 that had no work gets its virtual time raised to the clock (the smallest charged
 when last picked) before it competes, so idle time is not credit to spend later.
-Within the chosen job the worker takes its own prefix groups first (worker/loop/
-affinity.py), in input order across them, and takes from the fullest other group
-only when those are empty: affinity reorders a job's requests, never the jobs'
-shares, and no worker waits while any backlog holds work. A lone worker owns
-every group, so it takes a job's requests in input order, as before backlogs.
+Within the chosen job the worker takes its own prefix groups first
+(worker/loop/affinity.py), in input order across them, and takes from the fullest
+other group only when those are empty: affinity reorders a job's requests, never
+the jobs' shares, and no worker waits while any backlog holds work. A lone worker
+owns every group, so it takes a job's requests in input order, as before backlogs.
 
 The moved requests are XADDed to the stream and read by this worker in the same
 script, so from there on everything is as before: the entry is pending at the

@@ -1,7 +1,7 @@
 """The worker's sink: finished rows -> published Parquet parts -> one commit step.
 
 Rows are buffered per job. ``flush`` writes one part per job (atomically,
-storage.py) under the job's own folder ``parts/JOB/``, then commits every
+output_store.py) under the job's own folder ``parts/JOB/``, then commits every
 written part and the entries to drop in ONE Lua step (commit.py). If Redis is
 unreachable the written parts are kept and the same parts (same names) are
 committed on the next try, which the commit step recognises, so a retry never

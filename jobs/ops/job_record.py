@@ -54,8 +54,8 @@ class JobRecord:
     finalize_retry_at: float = 0.0  # after a failed finalize: when the workers retry it
     # of the weights; "" for an HF id, left out of the hash for the first worker to set (HSETNX)
     model_fingerprint: str = field(default="", metadata=OMIT_EMPTY)
-    cache: str = ""  # the result cache's location (cache.py) when submitted with --cache
-    retried: int = 0  # rows re-queued by `batchgen retry`, all rounds together (retry.py)
+    cache: str = ""  # the result cache's location (result_cache.py) when submitted with --cache
+    retried: int = 0  # rows re-queued by `batchgen retry`, all rounds together (rerun.py)
     retry_rounds: int = 0  # retries that re-opened the job
     retry_cursor: int = 0  # the input index the current retry enqueues from next
     input_format: str = ""  # "jsonl", "parquet" or "csv" (sources.py); "" before tables

@@ -18,13 +18,13 @@ script spells a state name itself.
 
 ``MOVES`` are the moves of a job's run; a finished job has none, so it is
 ``terminal`` (finalize cleans it up, its state expires). Only ``batchgen
-retry`` (retry.py) leads out of one again, by the moves in ``REOPEN`` and the
+retry`` (rerun.py) leads out of one again, by the moves in ``REOPEN`` and the
 prelude's ``reopen``: the job goes back to ``running`` with its retried rows
 missing, and is finalized again once they have rows.
 
 The job record's ``closed`` flag is set by finalize when it starts: from then
 on the set of committed parts is frozen and later commits are discarded.
-Finalize never gives up: a failed one is retried with backoff (finalize.py)
+Finalize never gives up: a failed one is retried with backoff (finalization.py)
 while the job stays ``finalizing`` (or ``cancelling``) and status shows why.
 """
 

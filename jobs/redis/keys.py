@@ -16,7 +16,7 @@ Layout (prefix ``P``, default ``bg``, from ``BATCHGEN_PREFIX``)::
     P:{TAG}:cancelled             set   cancelled jobs workers must drop
     P:{TAG}:events                channel  "cancel:JOB" (workers subscribe)
     P:{TAG}:expiring              zset  finished job -> when its state expires
-    P:{TAG}:job:ID                hash  the job record (see records.py)
+    P:{TAG}:job:ID                hash  the job record (see job_record.py)
     P:{TAG}:job:ID:done           bitmap  bit i set = input i has a committed row
     P:{TAG}:job:ID:parts          hash  committed part URI -> commit record JSON
     P:{TAG}:job:ID:errors         hash  input index -> error row JSON (dead letters)
@@ -47,7 +47,7 @@ Tenants (tenants.py; ``H`` a short hash of the tenant's name)::
     P:serve:series                zset  tok/s samples (JSON) by time, the last hour
     P:serve:sampled:SLOT          str   taken by the server that samples SLOT (TTL)
 
-The result cache (cache.py) keeps one index per cache location ``URI``::
+The result cache (result_cache.py) keeps one index per cache location ``URI``::
 
     P:{cache-H}:index             hash  content key -> "FILE ROW" (a row of a cache file)
     P:{cache-H}:files             zset  cache file -> last used (unix s): LRU eviction order
@@ -181,7 +181,7 @@ class QueueKeys:
 
 @dataclass(slots=True, frozen=True)
 class CacheKeys:
-    """One result cache location's index (cache.py)."""
+    """One result cache location's index (result_cache.py)."""
 
     index: str
     files: str

@@ -36,7 +36,7 @@ class InvalidInput(BatchgenError):
 
 
 class ModelNotLoadable(UsageError):
-    """``--model`` names no checkpoint directory batchgen could load (checkpoint.py);
+    """``--model`` names no checkpoint directory batchgen could load (model_files.py);
     the model code's own refusals (architecture, config switch) are a kind of it."""
 
 

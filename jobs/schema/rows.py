@@ -50,7 +50,7 @@ SCHEMA = pa.schema(
         pa.field("logprobs", LOGPROBS),  # the first sample's, when asked; else null
         pa.field("choices", CHOICES),  # every sample when n > 1; else null
         pa.field("embedding", pa.list_(pa.float32())),  # embedding lines only; else null
-        pa.field("cached", pa.bool_(), nullable=False),  # served by the result cache (cache.py)
+        pa.field("cached", pa.bool_(), nullable=False),  # from the result cache (result_cache.py)
         pa.field("cache_source", pa.string()),  # the job a cached row was first generated for
     ]
 )

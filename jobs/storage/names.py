@@ -11,7 +11,7 @@
 - Everything a job writes lies under its output directory, under names batchgen
   makes (``parts/*.parquet``, ``result.parquet``, ``manifest.json``); a symlink
   that would take a write outside it (a symlinked ``parts`` dir, or a job dir
-  under OUTPUT_ROOT pointing elsewhere) is refused (storage.py checks real paths).
+  under OUTPUT_ROOT pointing elsewhere) is refused (output_store.py checks real paths).
 - ``download`` serves only files the manifest lists, each a plain file name.
 - An output URI never carries credentials (``s3://KEY:SECRET@bucket``, an access
   key before the bucket, ``?secret_key=...``): it is stored with the job and

@@ -11,7 +11,7 @@ committed, stored.
 Where it lives: the rows in immutable Parquet files at the cache location
 (``BATCHGEN_CACHE``: a folder or an object-store prefix; default
 ``$BATCHGEN_HOME/cache`` with the embedded Redis), each written whole or not at
-all (storage.py), and an index in Redis per location (keys.py ``CacheKeys``):
+all (output_store.py), and an index in Redis per location (keys.py ``CacheKeys``):
 content key -> file and row. Every cached row carries its key and a MAC
 (HMAC-SHA256) of its key, its job and its values under a secret kept in Redis
 beside the index (created once per location), never in the cache's storage: a

@@ -1,4 +1,4 @@
-"""The CPU path's paged attention: prefill chunks here, decode rows in ``cpu_decode.py``.
+"""The CPU path's paged attention: prefill chunks here, decode rows in ``decode.py``.
 
 ``CpuAttention`` is one step's attention: what depends only on the batch (the
 decode plan) is made when the step begins, and every layer runs it.

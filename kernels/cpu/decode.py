@@ -5,7 +5,7 @@ tests compare it with; layouts are those of ``reference.py``. How to go about
 a step's decode rows is the same for every layer, so ``plan_decode`` decides
 once per step and every layer calls the plan:
 
-- fp32 caches in the engine's layout: the C kernel (``cpu_decode_kernel.py``),
+- fp32 caches in the engine's layout: the C kernel (``decode_native.py``),
   which reads each sequence's K/V once, straight from its blocks;
 - otherwise (no C compiler, other dtypes) torch: each row's blocks gathered
   into a dense tensor and SDPA over it, rows of similar length together (the

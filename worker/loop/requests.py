@@ -7,7 +7,7 @@ a request that cannot run becomes an error row; one of a job that uses the
 result cache may be served from it (caching.py). Finished outputs become rows
 in the sink. Cancels, entries another worker took over, a failed engine step
 (bisection) and a shutdown or storage hand-back all change the in-flight set
-here; the queue loop (runner.py) does the Redis steps around it.
+here; the queue loop (queue_loop.py) does the Redis steps around it.
 """
 
 from __future__ import annotations
