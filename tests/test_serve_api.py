@@ -183,6 +183,36 @@ def test_an_invalid_input_file_fails_validation_with_its_line(stack, client, tmp
     assert caught.value.body["param"] == "endpoint"  # type: ignore[index]
 
 
+@pytest.mark.parametrize(
+    ("wrong", "param", "message"),
+    [
+        ({"completion_window": 24}, "completion_window", "Input should be '24h'"),
+        ({"completion_window": ["24h"]}, "completion_window", "Input should be '24h'"),
+        ({"input_file_id": ""}, "input_file_id", "String should have at least 1 character"),
+        ({"metadata": {"team": 7}}, "metadata.team", "Input should be a valid string"),
+        ({"metadata": {"k" * 65: "v"}}, f"metadata.{'k' * 65}.[key]",
+         "String should have at most 64 characters"),
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata",
+         "Dictionary should have at most 16 items after validation, not more"),
+        ({"output_expires_after": {"anchor": "created_at", "seconds": 60}},
+         "output_expires_after.seconds", "Input should be greater than or equal to 3600"),
+        ({"output_expires_after": {"anchor": "created_at", "seconds": "7200"}},
+         "output_expires_after.seconds", "Input should be a valid integer"),
+    ],
+    ids=["window-number", "window-list", "file-id-empty", "metadata-value-number",
+         "metadata-key-long", "metadata-17-keys", "expiry-short", "expiry-string"],
+)  # fmt: skip
+def test_a_wrong_create_body_is_400_naming_the_parameter(client, wrong, param, message):
+    """Checked before the file is looked up (it does not exist: that would be 404)."""
+    body = {"input_file_id": "file-nope", "endpoint": "/v1/completions",
+            "completion_window": "24h", **wrong}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.batches.create(**body)
+    assert caught.value.status_code == 400
+    assert caught.value.body == {"message": f"{param}: {message}", "param": param,
+                                 "type": "invalid_request_error", "code": "invalid_request"}  # fmt: skip
+
+
 def test_cancel_a_long_batch_keeps_the_finished_requests(stack, client, tmp_path):
     rows = lines(str(stack.model), 120, max_tokens=48)
     batch = client.batches.create(input_file_id=upload(client, tmp_path, rows, "long.jsonl").id,

@@ -14,8 +14,11 @@ from batchgen.cli import main
 from tests.serve_stack import Stack
 
 
-def get(url: str, key: str | None = None, data: bytes | None = None) -> tuple[int, dict]:
+def get(url: str, key: str | None = None, data: bytes | None = None,
+        content_type: str = "application/json") -> tuple[int, dict]:  # fmt: skip
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if data is not None:
+        headers["Content-Type"] = content_type
     try:
         with urllib.request.urlopen(urllib.request.Request(url, data, headers)) as reply:
             return reply.status, json.loads(reply.read())
@@ -54,11 +57,16 @@ def test_keys_come_from_flags_or_the_environment(redis_url: str, tmp_path: Path,
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
         assert get(stack.base + "/api/overview")[0] == 401
         # hostile or wrong requests: OpenAI-shaped errors, never a traceback
+        not_json = (400, "the body must be a JSON object, sent as Content-Type: application/json")
         status, body = get(stack.base + "/v1/batches", "k1", b"{not json")
-        assert (status, body["error"]["code"]) == (400, "invalid_request")
-        status, body = get(stack.base + "/v1/batches", "k1", b'{"input_file_id": "file-x", '
-                           b'"endpoint": "/v1/completions", "completion_window": "24h"}')  # fmt: skip
+        assert (status, body["error"]["message"]) == not_json
+        assert body["error"]["code"] == "invalid_request"
+        batch = (b'{"input_file_id": "file-x", "endpoint": "/v1/completions", '
+                 b'"completion_window": "24h", "not_an_openai_field": 1}')  # fmt: skip
+        status, body = get(stack.base + "/v1/batches", "k1", batch)  # unknown fields: ignored
         assert (status, body["error"]["message"]) == (404, "No such file: 'file-x'")
+        status, body = get(stack.base + "/v1/batches", "k1", batch, "text/plain")
+        assert (status, body["error"]["message"]) == not_json
         status, body = get(stack.base + "/v1/files", "k1", b"plain body")
         assert status == 400 and "multipart/form-data" in body["error"]["message"]
         assert get(stack.base + "/v1/nothing-here", "k1")[1]["error"]["type"] == "not_found_error"

@@ -25,6 +25,7 @@ from batchgen.jobs.redis.lease import Lease
 from batchgen.jobs.schema.errors import BatchgenError, JobNotFound
 from batchgen.serve import dashboard_api, files_api, openai_errors
 from batchgen.serve.auth import COOKIE, Sessions, Who, principal_of
+from batchgen.serve.batch_request import CreateBatch
 from batchgen.serve.batches import Batches
 from batchgen.serve.files import FileStore
 from batchgen.serve.guard import Guard
@@ -81,13 +82,7 @@ def create_app(config: ServeConfig, conn: redis.Redis, keys: Keys) -> FastAPI:
     # -- batches --------------------------------------------------------------------
 
     @app.post("/v1/batches")
-    async def create_batch(request: Request, who: Who, after: BackgroundTasks) -> Any:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise APIError(400, "the body must be a JSON object", "invalid_request") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object", "invalid_request")
+    async def create_batch(body: CreateBatch, who: Who, after: BackgroundTasks) -> Any:
         record = await run_in_threadpool(batches.create, body, who)
         after.add_task(pool.submit, validator.validate, record.id)  # once the reply is out
         return batches.view(record)

@@ -19,22 +19,17 @@ import redis
 
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
 from batchgen.jobs.ops.job_record import JobRecord, load_job
-from batchgen.jobs.ops.schedule import PRIORITY_LIMIT, check_priority
 from batchgen.jobs.redis.keys import Keys, text, text_hash
-from batchgen.jobs.schema.errors import JobConflict, JobNotFound, UsageError
+from batchgen.jobs.schema.errors import JobConflict, JobNotFound
 from batchgen.jobs.storage.names import check_output
 from batchgen.serve import batch_lifecycle
 from batchgen.serve.api_keys import Principal
 from batchgen.serve.batch_lifecycle import BatchState
 from batchgen.serve.batch_record import BatchRecord, to_openai
+from batchgen.serve.batch_request import WINDOW_S, CreateBatch
 from batchgen.serve.files import FileStore
 from batchgen.serve.openai_errors import APIError, not_found
 from batchgen.serve.settings import ServeConfig
-
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-WINDOWS = {"24h": 24 * 3600}
-MAX_METADATA_KEYS = 16
-EXPIRES_AFTER_S = (3600, 30 * 86400)  # OpenAI's bounds for expires_after.seconds
 
 
 def new_batch_id() -> str:
@@ -45,19 +40,6 @@ def job_output(root: str, batch_id: str) -> str:
     if "://" in root:
         return check_output(f"{root.rstrip('/')}/{batch_id}")
     return check_output(os.path.join(os.path.abspath(os.path.expanduser(root)), batch_id))
-
-
-def expires_after(value: Any, default_s: int, param: str) -> int:
-    """OpenAI's ``{"anchor": "created_at", "seconds": N}`` (N from an hour to 30 days) as
-    seconds; ``default_s`` when not given."""
-    if value is None:
-        return default_s
-    low, high = EXPIRES_AFTER_S
-    if not (isinstance(value, dict) and value.get("anchor") == "created_at"
-            and type(value.get("seconds")) is int and low <= value["seconds"] <= high):  # fmt: skip
-        raise APIError(400, f"{param} must be {{\"anchor\": \"created_at\", \"seconds\": N}} "
-                       f"with N from {low} to {high}", "invalid_request", param)  # fmt: skip
-    return int(value["seconds"])
 
 
 class Batches:
@@ -152,38 +134,20 @@ class Batches:
 
     # -- the API ------------------------------------------------------------------
 
-    def create(self, body: dict[str, Any], who: Principal) -> BatchRecord:
-        """Record a new batch (``validating``); the caller starts its validation."""
-        file_id = body.get("input_file_id")
-        endpoint = body.get("endpoint")
-        window = body.get("completion_window")
-        metadata = body.get("metadata")
-        if not isinstance(file_id, str) or not file_id:
-            raise APIError(400, "input_file_id is required", "invalid_request", "input_file_id")
-        if endpoint not in ENDPOINTS:
-            raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}",
-                           "invalid_request", "endpoint")  # fmt: skip
-        if window not in WINDOWS:
-            raise APIError(400, "completion_window must be 24h", "invalid_request",
-                           "completion_window")  # fmt: skip
-        if metadata is not None and not (
-            isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_KEYS
-            and all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                    for k, v in metadata.items())
-        ):  # fmt: skip
-            raise APIError(400, "metadata must be at most 16 string keys (64 chars) with "
-                           "string values (512 chars)", "invalid_request", "metadata")  # fmt: skip
-        output_expiry = expires_after(body.get("output_expires_after"),
-                                      self.config.output_expiry_s, "output_expires_after")  # fmt: skip
-        priority_of(metadata)  # refused here, not after validation
+    def create(self, request: CreateBatch, who: Principal) -> BatchRecord:
+        """Record a new batch (``validating``); the caller starts its validation. FastAPI
+        checked the body (batch_request.py); its input file is checked here."""
+        file_id, window = request.input_file_id, request.completion_window
+        output_expiry = (request.output_expires_after.seconds if request.output_expires_after
+                         else self.config.output_expiry_s)  # fmt: skip
         if self.store.get(file_id, who).purpose != "batch":
             raise APIError(400, f"file {file_id!r} was not uploaded with purpose 'batch'",
                            "invalid_request", "input_file_id")  # fmt: skip
         now = int(time.time())
         record = BatchRecord(
-            id=new_batch_id(), endpoint=endpoint, input_file_id=file_id,
-            completion_window=window, metadata=metadata or None, created_at=now,
-            expires_at=now + WINDOWS[window], tenant=who.tenant, store=self.store.uri,
+            id=new_batch_id(), endpoint=request.endpoint, input_file_id=file_id,
+            completion_window=window, metadata=request.metadata or None, created_at=now,
+            expires_at=now + WINDOW_S[window], tenant=who.tenant, store=self.store.uri,
             output_expiry_s=output_expiry,
         )  # fmt: skip
         pipe = self.conn.pipeline(transaction=True)
@@ -231,15 +195,3 @@ class Batches:
             raise APIError(400, f"Cannot cancel the batch: {exc}", "invalid_request") from None
         self.save(record, cancelling_at=int(time.time()))
         return self.view(record)
-
-
-def priority_of(metadata: dict[str, str] | None) -> int:
-    """The job's priority class from the batch's metadata ``priority`` (0 without one)."""
-    raw = (metadata or {}).get("priority")
-    if raw is None:
-        return 0
-    try:
-        return check_priority(int(raw))
-    except (ValueError, UsageError):
-        raise APIError(400, f"metadata.priority must be a whole number from -{PRIORITY_LIMIT} "
-                       f"to {PRIORITY_LIMIT}", "invalid_request", "metadata") from None  # fmt: skip

@@ -15,12 +15,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
 from batchgen.serve import openai_errors
 from batchgen.serve.auth import Who
-from batchgen.serve.batches import Batches, expires_after
+from batchgen.serve.batch_request import EXPIRES_AFTER_S, ExpiresAfter
+from batchgen.serve.batches import Batches
 from batchgen.serve.files import FileStore, new_file_id
 from batchgen.serve.openai_errors import APIError
 from batchgen.serve.settings import ServeConfig
@@ -59,8 +61,7 @@ def router(store: FileStore, batches: Batches, config: ServeConfig) -> APIRouter
                 if purpose != "batch":
                     raise APIError(400, "purpose must be 'batch' (the only one served here)",
                                    "invalid_request", "purpose")  # fmt: skip
-                expiry = expires_after(_expires_after(upload.fields), config.file_expiry_s,
-                                       "expires_after")  # fmt: skip
+                expiry = _expiry(upload.fields, config.file_expiry_s)
         except _TooLarge:
             return await _too_large(request, limit)
         created = int(time.time())
@@ -100,14 +101,19 @@ def router(store: FileStore, batches: Batches, config: ServeConfig) -> APIRouter
     return api
 
 
-def _expires_after(fields: dict[str, str]) -> dict[str, Any] | None:
-    """The form fields ``expires_after[anchor]`` and ``expires_after[seconds]`` as OpenAI's
-    object (None when neither is given)."""
+def _expiry(fields: dict[str, str], default_s: int) -> int:
+    """Seconds from the form fields ``expires_after[anchor]`` and ``expires_after[seconds]``
+    (OpenAI's ExpiresAfter object); ``default_s`` when neither is given."""
     anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
     if anchor is None and seconds is None:
-        return None
-    number = int(seconds) if seconds is not None and seconds.isdigit() else seconds
-    return {"anchor": anchor, "seconds": number}
+        return default_s
+    number = int(seconds) if seconds is not None and seconds.isdecimal() else seconds
+    try:
+        return ExpiresAfter.model_validate({"anchor": anchor, "seconds": number}).seconds
+    except ValidationError:
+        low, high = EXPIRES_AFTER_S
+        raise APIError(400, f'expires_after must be {{"anchor": "created_at", "seconds": N}} '
+                       f"with N from {low} to {high}", "invalid_request", "expires_after") from None  # fmt: skip
 
 
 async def _too_large(request: Request, limit: int) -> JSONResponse:

@@ -14,6 +14,10 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
          413: "invalid_request_error", 422: "invalid_request_error"}  # fmt: skip
 
 
+PARAM_PART = 100  # chars of each part of a param's path shown (a metadata key may be longer)
+BODY_NOT_JSON = "the body must be a JSON object, sent as Content-Type: application/json"
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None,
                  param: str | None = None) -> None:  # fmt: skip
@@ -47,8 +51,15 @@ async def on_http_error(_request: Request, exc: Exception) -> JSONResponse:
 
 
 async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    """A request FastAPI refused (a route's pydantic body, or a query or path parameter):
+    400 as OpenAI answers (not FastAPI's 422), naming the first wrong parameter by its
+    dotted path in the body (``metadata.k``, ``output_expires_after.seconds``)."""
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {}
-    where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    loc = tuple(first.get("loc", ()))
+    if loc[:1] == ("body",) and (len(loc) == 1 or first.get("type") == "json_invalid"):
+        # not JSON, not an object, or not sent as application/json (FastAPI reads no other)
+        return response(400, BODY_NOT_JSON, code="invalid_request")
+    where = ".".join(str(part)[:PARAM_PART] for part in loc[1:]) or None
     return response(400, f"{where or 'request'}: {first.get('msg', 'invalid request')}",
                     code="invalid_request", param=where)  # fmt: skip

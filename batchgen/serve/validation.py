@@ -38,7 +38,8 @@ from batchgen.jobs.schema.errors import (
 from batchgen.jobs.schema.sampling import job_defaults
 from batchgen.serve.batch_lifecycle import BatchState
 from batchgen.serve.batch_record import BatchRecord
-from batchgen.serve.batches import Batches, job_output, priority_of
+from batchgen.serve.batch_request import priority_of
+from batchgen.serve.batches import Batches, job_output
 from batchgen.serve.input_checks import check_batch_lines
 from batchgen.serve.openai_errors import APIError
 
