@@ -55,8 +55,9 @@ def test_a_small_job_behind_a_big_one_is_taken_at_the_next_read(redis_url, tmp_p
     job(conn, tmp_path, "big", 300)
     first = read_new(conn, QK, "w", 8)
     assert jobs_of(first) == ["big"] * 8 and [d.index for d in first] == list(range(8))
-    metrics = Supervisor(conn, LoopConfig(model="m"), [], None).metrics().splitlines()
-    assert 'batchgen_queue_backlog{model="m"} 292' in metrics
+    metrics = Supervisor(conn, LoopConfig(model="m"), [], None).metrics()
+    (backlog,) = [f for f in metrics if f.name == "batchgen_queue_backlog"]
+    assert [(s.labels, s.value) for s in backlog.samples] == [({"model": "m"}, 292)]
     job(conn, tmp_path, "small", 5)
     # the worker has room for 3 more: the small job's first three, then its last two
     assert [(d.job_id, d.index) for d in read_new(conn, QK, "w", 3)] == [

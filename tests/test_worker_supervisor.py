@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.keys import Keys
@@ -18,7 +19,7 @@ from batchgen.jobs.redis.stream import ensure_group
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.worker import cpu_threads
 from batchgen.worker.loop.loop_config import ENGINE_FAILED_EXIT, LoopConfig
-from batchgen.worker.loop.metrics import serve
+from batchgen.worker.loop.metrics import registry, serve
 from batchgen.worker.loop.supervisor import (
     MAX_FAST_FAILURES,
     RESTART_DELAY_S,
@@ -70,23 +71,25 @@ def test_metrics_endpoint_renders_its_workers_and_the_queue(redis_url):
     heartbeat.beat(conn, keys, "w1", payload, 30)
     heartbeat.beat(conn, keys, "other", {**payload, "name": "other", "supervisor": "x"}, 30)
     port = free_port()
-    server = serve(port, sup.metrics)
+    server = serve(port, registry(sup.metrics))
     try:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     finally:
         server.shutdown()
-    lines = body.splitlines()
+        server.server_close()
+    parsed = list(text_string_to_metric_families(body))
+    samples = [(s.name, s.labels, s.value) for f in parsed for s in f.samples]
     for expected in [
-        'batchgen_requests_total{worker="w1",status="ok"} 7',
-        'batchgen_requests_total{worker="w1",status="error"} 1',
-        'batchgen_generation_tokens_total{worker="w1"} 99',
-        'batchgen_kv_usage{worker="w1"} 0.25',
-        'batchgen_in_flight{worker="w1"} 5',
-        'batchgen_queue_entries{model="m"} 1',
-        'batchgen_queue_lag{model="m"} 1',
-        "# TYPE batchgen_requests_total counter",
+        ("batchgen_requests_total", {"worker": "w1", "status": "ok"}, 7),
+        ("batchgen_requests_total", {"worker": "w1", "status": "error"}, 1),
+        ("batchgen_generation_tokens_total", {"worker": "w1"}, 99),
+        ("batchgen_kv_usage", {"worker": "w1"}, 0.25),
+        ("batchgen_in_flight", {"worker": "w1"}, 5),
+        ("batchgen_queue_entries", {"model": "m"}, 1),
+        ("batchgen_queue_lag", {"model": "m"}, 1),
     ]:
-        assert expected in lines
+        assert expected in samples
+    assert {f.name: f.type for f in parsed}["batchgen_requests"] == "counter"
     assert "other" not in body  # another supervisor's worker
 
 

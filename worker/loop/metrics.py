@@ -1,41 +1,43 @@
-"""Prometheus text metrics for a supervisor's workers, served over HTTP.
+"""Prometheus metrics for a supervisor's workers, served over HTTP.
 
-Workers report through their heartbeats (Redis); the supervisor's endpoint
-renders the heartbeats of its own workers plus the queue's depth, so one port
-covers every engine process on the machine.
+Workers report through their heartbeats (Redis); at each scrape the supervisor
+reads the heartbeats of its own workers plus the queue's depth, so one port
+covers every engine process on the machine. prometheus_client writes the
+exposition format (it escapes label values: a model path may hold any
+character) and its WSGI app answers the scrapes.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterable
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-COUNTERS = {
-    "rows_ok": ("batchgen_requests_total", 'status="ok"', "Requests finished, by status."),
-    "rows_error": ("batchgen_requests_total", 'status="error"', None),
-    "dead_lettered": (
-        "batchgen_dead_lettered_total",
-        "",
-        "Entries moved to the dead-letter stream.",
-    ),
-    "handed_back": (
-        "batchgen_handed_back_total",
-        "",
-        "Requests requeued with their tokens on shutdown.",
-    ),
-    "reclaimed": ("batchgen_reclaimed_total", "", "Entries claimed from dead workers."),
-    "lost_entries": ("batchgen_lost_entries_total", "", "Pending entries found deleted."),
-    "prompt_tokens": ("batchgen_prompt_tokens_total", "", "Prompt tokens of finished requests."),
-    "generation_tokens": ("batchgen_generation_tokens_total", "", "Generated tokens."),
+import redis
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# A worker's heartbeat counters (they only grow while its process lives): counter ->
+# (metric, labels besides the worker's, help). Two counters may share a metric.
+COUNTERS: dict[str, tuple[str, dict[str, str], str]] = {
+    "rows_ok": ("batchgen_requests_total", {"status": "ok"}, "Requests finished, by status."),
+    "rows_error": ("batchgen_requests_total", {"status": "error"}, ""),
+    "dead_lettered": ("batchgen_dead_lettered_total", {}, "Entries moved to the dead-letter stream."),
+    "handed_back": ("batchgen_handed_back_total", {}, "Requests requeued with their tokens on shutdown."),
+    "reclaimed": ("batchgen_reclaimed_total", {}, "Entries claimed from dead workers."),
+    "lost_entries": ("batchgen_lost_entries_total", {}, "Pending entries found deleted."),
+    "prompt_tokens": ("batchgen_prompt_tokens_total", {}, "Prompt tokens of finished requests."),
+    "generation_tokens": ("batchgen_generation_tokens_total", {}, "Generated tokens."),
     "cached_tokens": (
         "batchgen_cached_tokens_total",
-        "",
+        {},
         "Prompt tokens not computed: prefix-cache hits, result-cache rows.",
     ),
-    "commits": ("batchgen_commits_total", "", "Atomic commit steps."),
-}
+    "commits": ("batchgen_commits_total", {}, "Atomic commit steps."),
+}  # fmt: skip
 # worker counters kept in microseconds, shown in seconds
 SECONDS = {
     "engine_us": (
@@ -43,98 +45,134 @@ SECONDS = {
         "Engine time of the rows made (each step shared by its requests).",
     ),
 }
-# a model's committed usage per tenant (jobs/ops/usage.py)
+# the engine's own counters (Engine.stats(), since its process started)
+ENGINE_COUNTERS = {
+    "num_preemptions": ("batchgen_preemptions_total", "Preemptions by the engine."),
+}
+# the engine's state now (Engine.stats())
+ENGINE_GAUGES = {
+    "kv_usage": ("batchgen_kv_usage", "KV cache blocks in use (0..1)."),
+    "num_running": ("batchgen_num_running", "Requests running in the engine."),
+    "num_waiting": ("batchgen_num_waiting", "Requests waiting in the engine."),
+    "prefix_cache_hit_rate": ("batchgen_prefix_cache_hit_rate", "Prefix cache hit rate."),
+}
+# a model's committed usage per tenant (jobs/ops/usage.py): counter -> (metric, divisor, help)
 TENANT_COUNTERS = {
     "requests": ("batchgen_tenant_requests_total", 1, "Committed requests, by tenant."),
     "input_tokens": ("batchgen_tenant_input_tokens_total", 1, "Committed input tokens."),
     "cached_tokens": ("batchgen_tenant_cached_tokens_total", 1, "Committed cached input tokens."),
     "output_tokens": ("batchgen_tenant_output_tokens_total", 1, "Committed output tokens."),
-    "engine_us": ("batchgen_tenant_engine_seconds_total", 1e-6, "Engine time of committed rows."),
-}
-GAUGES = {
-    "kv_usage": ("batchgen_kv_usage", "KV cache blocks in use (0..1)."),
-    "num_running": ("batchgen_num_running", "Requests running in the engine."),
-    "num_waiting": ("batchgen_num_waiting", "Requests waiting in the engine."),
-    "num_preemptions": ("batchgen_preemptions_total", "Preemptions by the engine."),
-    "prefix_cache_hit_rate": ("batchgen_prefix_cache_hit_rate", "Prefix cache hit rate."),
+    "engine_us": ("batchgen_tenant_engine_seconds_total", 1e6, "Engine time of committed rows."),
 }
 
 
-def render(
+def families(
     workers: list[dict[str, Any]],
     queues: dict[str, dict[str, int]],
     usage: dict[str, dict[str, dict[str, int]]] | None = None,
-) -> str:
-    """``usage``: model -> tenant -> counter (the model's committed usage by tenant)."""
-    lines: list[str] = []
-    seen: set[str] = set()
-
-    def header(name: str, kind: str, help_text: str | None) -> None:
-        if name not in seen:
-            seen.add(name)
-            lines.append(f"# HELP {name} {help_text or name}")
-            lines.append(f"# TYPE {name} {kind}")
-
+) -> list[Metric]:
+    """The metric families of ``workers`` (heartbeats), ``queues`` (model -> depths)
+    and ``usage`` (model -> tenant -> counter: the model's committed usage by tenant)."""
+    counters: dict[str, CounterMetricFamily] = {}
     for key, (name, extra, help_text) in COUNTERS.items():
-        header(name, "counter", help_text)
+        if name not in counters:  # the family's first counter gives its help
+            counters[name] = CounterMetricFamily(name, help_text, labels=["worker", *extra])
         for w in workers:
-            labels = f'worker="{w["name"]}"' + (f",{extra}" if extra else "")
-            lines.append(f"{name}{{{labels}}} {int(w.get('counters', {}).get(key, 0))}")
+            value = int(w.get("counters", {}).get(key, 0))
+            counters[name].add_metric([w["name"], *extra.values()], value)
+    out: list[Metric] = list(counters.values())
     for key, (name, help_text) in SECONDS.items():
-        header(name, "counter", help_text)
+        seconds = CounterMetricFamily(name, help_text, labels=["worker"])
         for w in workers:
-            value = int(w.get("counters", {}).get(key, 0)) / 1e6
-            lines.append(f'{name}{{worker="{w["name"]}"}} {value}')
-    for key, (name, help_text) in GAUGES.items():
-        header(name, "counter" if name.endswith("_total") else "gauge", help_text)
-        for w in workers:
-            value = w.get("engine", {}).get(key, 0) or 0
-            lines.append(f'{name}{{worker="{w["name"]}"}} {float(value)}')
-    header("batchgen_in_flight", "gauge", "Requests a worker holds (running or awaiting commit).")
+            seconds.add_metric([w["name"]], int(w.get("counters", {}).get(key, 0)) / 1e6)
+        out.append(seconds)
+    engine: list[tuple[type[CounterMetricFamily | GaugeMetricFamily], dict[str, tuple[str, str]]]]
+    engine = [(CounterMetricFamily, ENGINE_COUNTERS), (GaugeMetricFamily, ENGINE_GAUGES)]
+    for kind, table in engine:
+        for key, (name, help_text) in table.items():
+            stat = kind(name, help_text, labels=["worker"])
+            for w in workers:
+                stat.add_metric([w["name"]], float(w.get("engine", {}).get(key, 0) or 0))
+            out.append(stat)
+    held = GaugeMetricFamily(
+        "batchgen_in_flight", "Requests a worker holds (running or awaiting commit).",
+        labels=["worker"],
+    )  # fmt: skip
     for w in workers:
-        held = sum(w.get("in_flight", {}).values()) + int(w.get("buffered_rows", 0))
-        lines.append(f'batchgen_in_flight{{worker="{w["name"]}"}} {held}')
-    header("batchgen_queue_entries", "gauge", "Entries in a model's stream (queued + pending).")
-    header("batchgen_queue_pending", "gauge", "Entries delivered and not yet acknowledged.")
-    header("batchgen_queue_lag", "gauge", "Entries in the stream not yet delivered.")
-    header("batchgen_queue_backlog", "gauge", "Requests in the jobs' backlogs, not dispatched.")
+        held.add_metric(
+            [w["name"]], sum(w.get("in_flight", {}).values()) + int(w.get("buffered_rows", 0))
+        )
+    out.append(held)
+    depth = {
+        "entries": GaugeMetricFamily(
+            "batchgen_queue_entries", "Entries in a model's stream (queued + pending).",
+            labels=["model"],
+        ),
+        "pending": GaugeMetricFamily(
+            "batchgen_queue_pending", "Entries delivered and not yet acknowledged.",
+            labels=["model"],
+        ),
+        "lag": GaugeMetricFamily(
+            "batchgen_queue_lag", "Entries in the stream not yet delivered.", labels=["model"]
+        ),
+        "backlog": GaugeMetricFamily(
+            "batchgen_queue_backlog", "Requests in the jobs' backlogs, not dispatched.",
+            labels=["model"],
+        ),
+    }  # fmt: skip
     for model, q in queues.items():
-        label = f'model="{model}"'
-        lines.append(f"batchgen_queue_entries{{{label}}} {q['entries']}")
-        lines.append(f"batchgen_queue_pending{{{label}}} {q['pending']}")
-        lines.append(f"batchgen_queue_lag{{{label}}} {max(q['entries'] - q['pending'], 0)}")
-        lines.append(f"batchgen_queue_backlog{{{label}}} {q.get('backlog', 0)}")
-    for key, (name, scale, help_text) in TENANT_COUNTERS.items():
-        header(name, "counter", help_text)
+        depth["entries"].add_metric([model], q["entries"])
+        depth["pending"].add_metric([model], q["pending"])
+        depth["lag"].add_metric([model], max(q["entries"] - q["pending"], 0))
+        depth["backlog"].add_metric([model], q.get("backlog", 0))
+    out += depth.values()
+    for key, (name, divisor, help_text) in TENANT_COUNTERS.items():
+        tenants = CounterMetricFamily(name, help_text, labels=["model", "tenant"])
         for model, by_tenant in (usage or {}).items():
             for tenant, counts in sorted(by_tenant.items()):
-                value = counts.get(key, 0) * scale
-                lines.append(f'{name}{{model="{model}",tenant="{tenant}"}} {value:g}')
-    return "\n".join(lines) + "\n"
+                tenants.add_metric([model, tenant], counts.get(key, 0) / divisor)
+        out.append(tenants)
+    return out
 
 
-def serve(port: int, snapshot: Callable[[], str]) -> ThreadingHTTPServer:
-    """Serve ``snapshot()`` at /metrics on ``port`` in a daemon thread."""
+class _Scrape(Collector):
+    """A collector whose families are read afresh at each scrape."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path.split("?")[0] not in ("/metrics", "/"):
-                self.send_error(404)
-                return
-            try:
-                body = snapshot().encode()
-                code = 200
-            except Exception as exc:  # Redis down: say so, keep serving
-                body, code = f"# metrics unavailable: {exc}\n".encode(), 503
-            self.send_response(code)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def __init__(self, read: Callable[[], list[Metric]]) -> None:
+        self.read = read
 
-        def log_message(self, *args: Any) -> None:
-            pass
+    def collect(self) -> Iterable[Metric]:
+        return self.read()
 
-    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+
+def registry(read: Callable[[], list[Metric]]) -> CollectorRegistry:
+    """A registry of its own (not prometheus_client's process-wide one, which
+    would add the supervisor's Python and process metrics) holding ``read``."""
+    reg = CollectorRegistry()
+    reg.register(_Scrape(read))
+    return reg
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # no line per scrape
+        pass
+
+
+def serve(port: int, reg: CollectorRegistry) -> WSGIServer:
+    """Serve ``reg`` at /metrics on ``port`` (every interface) in a daemon thread.
+
+    A scrape while Redis cannot be read answers 503 and one line, and the next
+    one tries again (prometheus_client's own server would answer 500 and print a
+    traceback for each)."""
+    metrics_app = make_wsgi_app(reg)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        try:
+            return metrics_app(environ, start_response)
+        except redis.RedisError as exc:
+            start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [f"# metrics unavailable: {exc}\n".encode()]
+
+    server = make_server("0.0.0.0", port, app, ThreadingWSGIServer, handler_class=_Quiet)
     threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
     return server

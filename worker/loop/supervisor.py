@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
+from prometheus_client.metrics_core import Metric
 
 from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.finalize_tasks import finalize_queue
@@ -46,7 +47,7 @@ from batchgen.worker.loop.loop_config import (
     LoopConfig,
     default_name,
 )
-from batchgen.worker.loop.metrics import render, serve
+from batchgen.worker.loop.metrics import families, registry, serve
 
 log = logging.getLogger(__name__)
 FAST_FAILURE_S = 20.0  # a child dying sooner than this after start failed to start
@@ -125,7 +126,8 @@ class Supervisor:
     def _stop(self, *_: object) -> None:
         self.stopping = True
 
-    def metrics(self) -> str:
+    def metrics(self) -> list[Metric]:
+        """The metric families of this supervisor's workers and its model's queue."""
         workers = [w for w in live_workers(self.conn, self.keys) if w.get("supervisor") == self.id]
         qk = self.keys.queue_for_model(self.base.model)
         entries = int(self.conn.xlen(qk.stream))
@@ -134,14 +136,14 @@ class Supervisor:
         except redis.ResponseError:
             pending = 0
         queue = {"entries": entries, "pending": pending, "backlog": backlog.total(self.conn, qk)}
-        return render(
+        return families(
             workers, {self.base.model: queue}, {self.base.model: model_usage(self.conn, qk)}
         )
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
-        server = serve(self.metrics_port, self.metrics) if self.metrics_port else None
+        server = serve(self.metrics_port, registry(self.metrics)) if self.metrics_port else None
         self._announce()  # before the engines load and hash the weights: a model is coming
         for child in self.children:
             child.start()
@@ -169,6 +171,7 @@ class Supervisor:
                 heartbeat.withdraw(self.conn, self.keys, self.id)
             if server is not None:
                 server.shutdown()
+                server.server_close()
         return code
 
     def _reap(self) -> int:
