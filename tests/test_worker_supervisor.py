@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,7 +17,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchgen.jobs.redis import heartbeat
-from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.keys import GROUP, Keys
 from batchgen.jobs.redis.redis_server import free_port
 from batchgen.jobs.redis.stream import ensure_group
 from batchgen.jobs.schema.errors import UsageError
@@ -58,39 +62,144 @@ def test_cpu_workers_share_the_cpus_they_may_use_and_wait_without_spinning(monke
         plan_children(None, "cpu", -1)
 
 
-def test_metrics_endpoint_renders_its_workers_and_the_queue(redis_url):
-    conn: Any = redis.Redis.from_url(redis_url)
-    keys = Keys("bg")
-    sup = Supervisor(conn, LoopConfig(model="m"), [], None)
-    ensure_group(conn, keys.queue_for_model("m"))
-    conn.xadd(keys.queue_for_model("m").stream, {"j": "x", "i": 0, "r": "{}", "q": 1})
-    payload = {"name": "w1", "tag": keys.queue_for_model("m").tag, "supervisor": sup.id,
-               "in_flight": {"j": 3}, "buffered_rows": 2,
-               "counters": {"rows_ok": 7, "rows_error": 1, "generation_tokens": 99},
-               "engine": {"kv_usage": 0.25, "num_running": 3}}  # fmt: skip
-    heartbeat.beat(conn, keys, "w1", payload, 30)
-    heartbeat.beat(conn, keys, "other", {**payload, "name": "other", "supervisor": "x"}, 30)
+@contextlib.contextmanager
+def metrics_server(sup: Supervisor) -> Iterator[str]:
+    """The supervisor's metrics served as ``worker --metrics-port`` serves them: its URL."""
     port = free_port()
     server = serve(port, registry(sup.metrics))
     try:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        yield f"http://127.0.0.1:{port}/metrics"
     finally:
         server.shutdown()
         server.server_close()
-    parsed = list(text_string_to_metric_families(body))
-    samples = [(s.name, s.labels, s.value) for f in parsed for s in f.samples]
-    for expected in [
-        ("batchgen_requests_total", {"worker": "w1", "status": "ok"}, 7),
-        ("batchgen_requests_total", {"worker": "w1", "status": "error"}, 1),
-        ("batchgen_generation_tokens_total", {"worker": "w1"}, 99),
-        ("batchgen_kv_usage", {"worker": "w1"}, 0.25),
-        ("batchgen_in_flight", {"worker": "w1"}, 5),
-        ("batchgen_queue_entries", {"model": "m"}, 1),
-        ("batchgen_queue_lag", {"model": "m"}, 1),
-    ]:
-        assert expected in samples
-    assert {f.name: f.type for f in parsed}["batchgen_requests"] == "counter"
-    assert "other" not in body  # another supervisor's worker
+
+
+def scrape(url: str) -> dict[str, tuple[str, list[tuple[str, dict[str, str], float]]]]:
+    """family -> (type, samples), parsed by prometheus_client's own parser."""
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {
+        f.name: (f.type, [(s.name, s.labels, s.value) for s in f.samples])
+        for f in text_string_to_metric_families(body)
+    }
+
+
+def test_metrics_endpoint_serves_its_workers_the_queue_and_the_tenants_with_their_types(redis_url):
+    conn: Any = redis.Redis.from_url(redis_url)
+    keys = Keys("bg")
+    qk = keys.queue_for_model("m")
+    sup = Supervisor(conn, LoopConfig(model="m"), [], None)
+    ensure_group(conn, qk)
+    conn.xadd(qk.stream, {"j": "x", "i": 0, "r": "{}", "q": 1})
+    conn.xadd(qk.stream, {"j": "x", "i": 1, "r": "{}", "q": 1})
+    conn.xreadgroup(GROUP, "w1", {qk.stream: ">"}, count=1)  # one delivered: pending
+    conn.hset(qk.usage, mapping={"t1|requests": 12, "t1|input_tokens": 300, "t1|cached_tokens": 40,
+                                 "t1|output_tokens": 96, "t1|engine_us": 2_500_000})  # fmt: skip
+    payload = {"name": "w1", "tag": qk.tag, "supervisor": sup.id,
+               "in_flight": {"j": 3}, "buffered_rows": 2,
+               "counters": {"rows_ok": 7, "rows_error": 1, "dead_lettered": 2, "handed_back": 3,
+                            "reclaimed": 4, "lost_entries": 5, "prompt_tokens": 600,
+                            "generation_tokens": 99, "cached_tokens": 40, "commits": 6,
+                            "storage_failures": 8, "engine_us": 1_500_000},
+               "engine": {"kv_usage": 0.25, "num_running": 3, "num_waiting": 2,
+                          "num_preemptions": 4, "prefix_cache_hit_rate": 0.5}}  # fmt: skip
+    heartbeat.beat(conn, keys, "w1", payload, 30)
+    heartbeat.beat(conn, keys, "other", {**payload, "name": "other", "supervisor": "x"}, 30)
+    with metrics_server(sup) as url:
+        families = scrape(url)
+    w1, m, t1 = {"worker": "w1"}, {"model": "m"}, {"model": "m", "tenant": "t1"}
+
+    def counter(name: str, value: float, labels: dict[str, str] = w1) -> tuple[str, list[Any]]:
+        return "counter", [(f"{name}_total", labels, value)]
+
+    assert families == {  # "other" is another supervisor's worker: not there
+        "batchgen_requests": ("counter", [
+            ("batchgen_requests_total", {**w1, "status": "ok"}, 7),
+            ("batchgen_requests_total", {**w1, "status": "error"}, 1),
+        ]),
+        "batchgen_dead_lettered": counter("batchgen_dead_lettered", 2),
+        "batchgen_handed_back": counter("batchgen_handed_back", 3),
+        "batchgen_reclaimed": counter("batchgen_reclaimed", 4),
+        "batchgen_lost_entries": counter("batchgen_lost_entries", 5),
+        "batchgen_prompt_tokens": counter("batchgen_prompt_tokens", 600),
+        "batchgen_generation_tokens": counter("batchgen_generation_tokens", 99),
+        "batchgen_cached_tokens": counter("batchgen_cached_tokens", 40),
+        "batchgen_commits": counter("batchgen_commits", 6),
+        "batchgen_storage_failures": counter("batchgen_storage_failures", 8),
+        "batchgen_engine_seconds": counter("batchgen_engine_seconds", 1.5),
+        "batchgen_preemptions": counter("batchgen_preemptions", 4),
+        "batchgen_kv_usage": ("gauge", [("batchgen_kv_usage", w1, 0.25)]),
+        "batchgen_num_running": ("gauge", [("batchgen_num_running", w1, 3)]),
+        "batchgen_num_waiting": ("gauge", [("batchgen_num_waiting", w1, 2)]),
+        "batchgen_prefix_cache_hit_rate": ("gauge", [("batchgen_prefix_cache_hit_rate", w1, 0.5)]),
+        "batchgen_in_flight": ("gauge", [("batchgen_in_flight", w1, 5)]),
+        "batchgen_queue_entries": ("gauge", [("batchgen_queue_entries", m, 2)]),
+        "batchgen_queue_pending": ("gauge", [("batchgen_queue_pending", m, 1)]),
+        "batchgen_queue_lag": ("gauge", [("batchgen_queue_lag", m, 1)]),
+        "batchgen_queue_backlog": ("gauge", [("batchgen_queue_backlog", m, 0)]),
+        "batchgen_tenant_requests": counter("batchgen_tenant_requests", 12, t1),
+        "batchgen_tenant_input_tokens": counter("batchgen_tenant_input_tokens", 300, t1),
+        "batchgen_tenant_cached_tokens": counter("batchgen_tenant_cached_tokens", 40, t1),
+        "batchgen_tenant_output_tokens": counter("batchgen_tenant_output_tokens", 96, t1),
+        "batchgen_tenant_engine_seconds": counter("batchgen_tenant_engine_seconds", 2.5, t1),
+    }  # fmt: skip
+
+
+def test_label_values_with_quotes_backslashes_and_newlines_come_back_exactly(redis_url):
+    """A model path, a tenant and a worker name may hold any character: each
+    scraped label value is the string itself (the exposition escapes them)."""
+    conn: Any = redis.Redis.from_url(redis_url)
+    keys = Keys("bg")
+    model, tenant, worker = '/models/my "best"\\ckpt\nv2', 'team "a"\\b\nc', 'host"1\\\n-w0'
+    qk = keys.queue_for_model(model)
+    sup = Supervisor(conn, LoopConfig(model=model), [], None)
+    ensure_group(conn, qk)
+    conn.xadd(qk.stream, {"j": "x", "i": 0, "r": "{}", "q": 1})
+    conn.hset(qk.usage, f"{tenant}|requests", 3)
+    heartbeat.beat(conn, keys, worker, {"name": worker, "tag": qk.tag, "supervisor": sup.id,
+                                        "counters": {"rows_ok": 7}}, 30)  # fmt: skip
+    with metrics_server(sup) as url:
+        families = scrape(url)
+    assert families["batchgen_requests"][1][0] == (
+        "batchgen_requests_total",
+        {"worker": worker, "status": "ok"},
+        7,
+    )
+    assert families["batchgen_queue_entries"][1] == [
+        ("batchgen_queue_entries", {"model": model}, 1)
+    ]
+    assert families["batchgen_tenant_requests"][1] == [
+        ("batchgen_tenant_requests_total", {"model": model, "tenant": tenant}, 3)
+    ]
+
+
+def test_a_scrape_while_redis_is_unreachable_answers_503_in_one_line_and_the_next_is_served(
+    redis_url,
+):
+    dead: Any = redis.Redis(port=free_port(), socket_connect_timeout=1)
+    sup = Supervisor(dead, LoopConfig(model="m"), [], None)
+    with metrics_server(sup) as url:
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(url, timeout=10)
+        assert failed.value.code == 503
+        body = failed.value.read().decode()
+        assert body.startswith("# metrics unavailable: Error ") and body.count("\n") == 1
+        sup.conn = redis.Redis.from_url(redis_url)  # Redis is back
+        assert scrape(url)["batchgen_queue_entries"] == (
+            "gauge",
+            [("batchgen_queue_entries", {"model": "m"}, 0)],
+        )
+
+
+def test_a_metrics_port_another_process_holds_is_one_line():
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(UsageError) as refused:
+            serve(port, registry(lambda: []))
+    assert str(refused.value) == (
+        f"--metrics-port {port}: cannot listen on 0.0.0.0:{port}: Address already in use"
+    )
 
 
 def test_a_child_that_served_is_restarted_soon_and_never_given_up_on(redis_url):
