@@ -37,6 +37,11 @@ COUNTERS: dict[str, tuple[str, dict[str, str], str]] = {
         "Prompt tokens not computed: prefix-cache hits, result-cache rows.",
     ),
     "commits": ("batchgen_commits_total", {}, "Atomic commit steps."),
+    "storage_failures": (
+        "batchgen_storage_failures_total",
+        {},
+        "Failed writes of a job's output part (each retried with backoff).",
+    ),
 }  # fmt: skip
 # worker counters kept in microseconds, shown in seconds
 SECONDS = {
