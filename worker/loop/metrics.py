@@ -20,6 +20,8 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from batchgen.jobs.schema.errors import UsageError
+
 # A worker's heartbeat counters (they only grow while its process lives): counter ->
 # (metric, labels besides the worker's, help). Two counters may share a metric.
 COUNTERS: dict[str, tuple[str, dict[str, str], str]] = {
@@ -164,7 +166,8 @@ class _Quiet(WSGIRequestHandler):
 
 
 def serve(port: int, reg: CollectorRegistry) -> WSGIServer:
-    """Serve ``reg`` at /metrics on ``port`` (every interface) in a daemon thread.
+    """Serve ``reg`` at /metrics on ``port`` (every interface) in a daemon thread; a
+    port that cannot be bound is a UsageError.
 
     A scrape while Redis cannot be read answers 503 and one line, and the next
     one tries again (prometheus_client's own server would answer 500 and print a
@@ -178,6 +181,11 @@ def serve(port: int, reg: CollectorRegistry) -> WSGIServer:
             start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
             return [f"# metrics unavailable: {exc}\n".encode()]
 
-    server = make_server("0.0.0.0", port, app, ThreadingWSGIServer, handler_class=_Quiet)
+    try:
+        server = make_server("0.0.0.0", port, app, ThreadingWSGIServer, handler_class=_Quiet)
+    except OSError as exc:  # another process holds the port: one line, before any engine
+        raise UsageError(
+            f"--metrics-port {port}: cannot listen on 0.0.0.0:{port}: {exc.strerror or exc}"
+        ) from None
     threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
     return server
