@@ -31,6 +31,7 @@ from batchgen.worker.loop.supervisor import (
     Supervisor,
     parse_gpus,
     plan_children,
+    visible_device,
 )
 
 
@@ -44,6 +45,38 @@ def test_gpu_specs():
         parse_gpus("x", 2)
     with pytest.raises(UsageError, match="no CUDA device is visible"):
         parse_gpus("0", 0)
+
+
+def test_gpu_indices_count_within_the_parents_visible_devices():
+    """``--gpus 0`` under a parent ``CUDA_VISIBLE_DEVICES=4,5`` (Slurm, a container) is
+    device 4, the parent's first, not physical device 0."""
+    assert [visible_device(g, None) for g in (0, 3)] == ["0", "3"]
+    assert [visible_device(g, "4,5") for g in (0, 1)] == ["4", "5"]
+    assert visible_device(1, " 4, 5 ") == "5"
+    assert visible_device(0, "GPU-8d2c1b7e,GPU-0a9f") == "GPU-8d2c1b7e"
+    message = "--gpus 2: CUDA_VISIBLE_DEVICES='4,5' lists 2 device(s); --gpus counts within that list, from 0"
+    with pytest.raises(UsageError) as raised:
+        visible_device(2, "4,5")
+    assert str(raised.value) == message
+    with pytest.raises(UsageError, match="CUDA_VISIBLE_DEVICES='' lists 0 device"):
+        visible_device(0, "")
+
+
+def test_each_gpu_child_gets_its_entry_of_the_parents_visible_devices(monkeypatch):
+    import torch  # no GPU here: torch is told it sees the parent's two devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert plan_children("0", None, None) == [
+        {"env": {"CUDA_VISIBLE_DEVICES": "4"}, "device": "cuda"}
+    ]
+    assert [c["env"]["CUDA_VISIBLE_DEVICES"] for c in plan_children("all", None, None)] == [
+        "4",
+        "5",
+    ]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert [c["env"]["CUDA_VISIBLE_DEVICES"] for c in plan_children("1", None, None)] == ["1"]
 
 
 def test_cpu_workers_share_the_cpus_they_may_use_and_wait_without_spinning(monkeypatch, tmp_path):

@@ -80,6 +80,24 @@ def parse_gpus(spec: str, available: int) -> list[int]:
     return sorted(set(out))
 
 
+def visible_device(index: int, parent_visible: str | None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` of the child for ``--gpus`` index ``index``.
+
+    ``--gpus`` counts the devices this process sees, as torch does: where the parent
+    already has ``CUDA_VISIBLE_DEVICES`` (Slurm, a container), index ``i`` is the
+    ``i``-th entry of that list (a number, ``GPU-<uuid>`` or ``MIG-<uuid>``), not
+    physical device ``i``."""
+    if parent_visible is None:
+        return str(index)
+    entries = [entry.strip() for entry in parent_visible.split(",") if entry.strip()]
+    if not 0 <= index < len(entries):
+        raise UsageError(
+            f"--gpus {index}: CUDA_VISIBLE_DEVICES={parent_visible!r} lists "
+            f"{len(entries)} device(s); --gpus counts within that list, from 0"
+        )
+    return entries[index]
+
+
 @dataclass(slots=True)
 class Child:
     index: int
@@ -276,8 +294,9 @@ def plan_children(
         import torch
 
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         return [
-            {"env": {"CUDA_VISIBLE_DEVICES": str(g)}, "device": "cuda"}
+            {"env": {"CUDA_VISIBLE_DEVICES": visible_device(g, parent_visible)}, "device": "cuda"}
             for g in parse_gpus(gpus, available)
         ]
     n = workers or 1
