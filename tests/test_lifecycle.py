@@ -71,12 +71,37 @@ def test_rest_arguments_arrive_as_a_list_even_when_long(redis_url: str) -> None:
     assert lua(rconn(redis_url), k="x", items=list(range(20_000))) == 20_000
 
 
-def test_a_script_runs_after_the_server_forgot_it(redis_url: str) -> None:
+INCR = LuaScript.define("incr", keys=["counter"], args=["by"],
+                        body="return redis.call('INCRBY', counter, by)")  # fmt: skip
+
+
+def test_a_script_runs_once_after_the_server_forgot_it(redis_url: str) -> None:
     conn = rconn(redis_url)
-    lua = LuaScript.define("echo", keys=["k"], args=["v"], body="return v")
-    assert lua(conn, k="x", v="1") == "1"
-    conn.script_flush()  # a restarted server knows no script
-    assert lua(conn, k="x", v="2") == "2"
+    assert INCR(conn, counter="n", by=1) == 1
+    conn.script_flush()  # a restarted server (or a promoted replica) knows no script
+    assert INCR(conn, counter="n", by=10) == 11  # run exactly once: not 21, no error
+    assert conn.get("n") == "11"
+
+
+def test_steady_state_calls_are_evalsha_and_the_source_is_sent_once(redis_url: str) -> None:
+    conn = rconn(redis_url)
+    conn.script_flush()
+    conn.config_resetstat()
+    assert [INCR(conn, counter="n", by=1) for _ in range(5)] == [1, 2, 3, 4, 5]
+    stats = conn.info("commandstats")
+    assert "cmdstat_eval" not in stats  # the source never travels with a call
+    loads = stats.get("cmdstat_script|load") or stats["cmdstat_script"]  # Redis 7 / 6.2
+    assert loads["calls"] == 1
+    assert stats["cmdstat_evalsha"]["calls"] == 6  # the NOSCRIPT reply, then five runs
+
+
+def test_a_script_in_a_transaction_runs_after_the_server_forgot_it(redis_url: str) -> None:
+    conn = rconn(redis_url)
+    conn.script_flush()
+    pipe = conn.pipeline(transaction=True)
+    INCR(pipe, counter="n", by=1)
+    INCR(pipe, counter="n", by=10)
+    assert pipe.execute() == [1, 11]
 
 
 MOVE = script(

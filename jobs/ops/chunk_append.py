@@ -116,7 +116,7 @@ class _ChunkSender:
     WINDOW = 2
 
     def __init__(self, conn: redis.Redis, qk: QueueKeys, job_id: str, total: int) -> None:
-        self.sha = APPEND_CHUNK.load(conn)
+        self.sha = conn.script_load(APPEND_CHUNK.source)
         self.pool = conn.connection_pool
         self.connection = self.pool.get_connection()
         self.qk, self.job = qk, qk.job(job_id)

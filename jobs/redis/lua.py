@@ -1,4 +1,4 @@
-"""Lua scripts people can read: named KEYS and ARGV, a header, registered once per connection.
+"""Lua scripts people can read: named KEYS and ARGV, a header, run by redis-py's Script.
 
 Every script batchgen runs is a ``LuaScript``: its KEYS and ARGV are declared by
 name, and the source Redis receives starts with a header listing them, then
@@ -16,21 +16,21 @@ handed back) travel as one JSON argument decoded with ``cjson``, not as flat
 lists with hand-counted strides. Scripts are called by keyword with the same
 names (``CANCEL(conn, job=..., job_id=...)``).
 
-A script's SHA is computed once, when it is defined; calls are EVALSHA, and a
-server that does not know the script yet (new, restarted) gets it loaded once
-(SCRIPT LOAD) on the NOSCRIPT reply.
+Calls go through redis-py's ``Script``: EVALSHA, and on a NOSCRIPT reply (a new
+or restarted server, a promoted replica, SCRIPT FLUSH) SCRIPT LOAD and EVALSHA
+again. Called with a pipeline for ``conn``, the script is queued and the pipeline
+loads whatever the server lacks before it executes.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import redis
-from redis.exceptions import NoScriptError
+from redis.commands.core import Script
 
 Value = str | int | float | bytes
 
@@ -65,11 +65,14 @@ class LuaScript:
     body: str
     prelude: str = ""  # shared Lua functions (see lifecycle.LUA_PRELUDE)
     source: str = field(init=False)
-    sha: str = field(init=False)
+    script: Script = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "source", self._render())
-        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+        # No registered client: every call names its connection, and the source goes
+        # in as bytes, so redis-py never asks a client for an encoder to hash it.
+        script = Script(None, self.source.encode())  # type: ignore[arg-type]
+        object.__setattr__(self, "script", script)
 
     @classmethod
     def define(
@@ -102,35 +105,28 @@ class LuaScript:
         lines.append(self.body.strip())
         return "\n".join(line for line in lines if line) + "\n"
 
-    def flatten(self, given: dict[str, Any]) -> tuple[list[Value], list[Value]]:
+    def flatten(self, given: dict[str, Any]) -> tuple[list[str | bytes], list[Value]]:
         """(keys, args) in declared order from keyword values; a rest name takes a list."""
         missing = [p.ident for p in (*self.keys, *self.args) if p.ident not in given]
         extra = set(given) - {p.ident for p in (*self.keys, *self.args)}
         if missing or extra:
             raise TypeError(f"script {self.name}: missing {missing}, unexpected {sorted(extra)}")
-        out: tuple[list[Value], list[Value]] = ([], [])
-        for params, values in ((self.keys, out[0]), (self.args, out[1])):
-            for p in params:
-                if p.rest:
-                    values.extend(given[p.ident])
-                else:
-                    values.append(given[p.ident])
-        return out
+        return _in_order(self.keys, given), _in_order(self.args, given)
 
     def __call__(self, conn: redis.Redis, **given: Any) -> Any:
         """Run on ``conn`` with KEYS and ARGV given by name."""
         keys, args = self.flatten(given)
-        try:
-            return conn.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:  # a new or restarted server: load it once, then run it
-            self.load(conn)
-            return conn.evalsha(self.sha, len(keys), *keys, *args)
+        return self.script(keys, args, client=conn)
 
-    def load(self, conn: redis.Redis) -> str:
-        """Load the script into the server (its SHA is fixed by the source)."""
-        sha = conn.script_load(self.source)
-        assert sha == self.sha, (sha, self.sha)
-        return self.sha
+
+def _in_order(params: tuple[Param, ...], given: dict[str, Any]) -> list[Any]:
+    values: list[Any] = []
+    for p in params:
+        if p.rest:
+            values.extend(given[p.ident])
+        else:
+            values.append(given[p.ident])
+    return values
 
 
 State = TypeVar("State", bound=enum.Enum)
