@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.jobs.consumer.queue import read_new
-from batchgen.jobs.ops import deadlines, tenants
+from batchgen.jobs.ops import backlog, deadlines, tenants
 from batchgen.jobs.ops.backlog import prefix_group
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.schedule import Schedule
@@ -209,3 +209,22 @@ def test_an_entry_without_its_queue_time_becomes_its_error_row(redis_url, tmp_pa
     assert (dead[b"i"], dead[b"reason"].decode()) == (b"1", reason)
     assert json.loads(conn.hget(QK.job("j").errors, "1"))["error"] == f"dead-lettered: {reason}"
     assert conn.xlen(QK.stream) == 2  # the ghost's two; the unreadable one is gone
+
+
+def test_a_retried_request_carries_the_deliveries_that_ran_it_before(redis_url, tmp_path):
+    """A retry queues a row's request with the attempts its row had: the backlog item
+    carries them, dispatch hands them on (the entry's ``x``), and the delivery counts
+    them in ``attempts`` but not toward ``max_attempts``."""
+    conn = rconn(redis_url)
+    job(conn, tmp_path, "r", 3)
+    queued = backlog.queued(conn, QK, "r")
+    conn.delete(*QK.job("r").backlogs)
+    items = backlog.items([(i, request) for i, _, request in queued], queued_ms=1234,
+                          prior_runs={1: 2, 2: 0})  # fmt: skip
+    conn.rpush(QK.job("r").backlogs[int(items[0])], *items[1::2])  # one list, in order
+    assert backlog.queued(conn, QK, "r") == [(i, 1234, request) for i, _, request in queued]
+    got = read_new(conn, QK, "w", 3)
+    assert [(d.index, d.prior_runs, d.attempts, d.failed_attempts, d.queued_at) for d in got] == [
+        (0, 0, 1, 1, 1234), (1, 2, 3, 1, 1234), (2, 0, 1, 1, 1234),
+    ]  # fmt: skip
+    assert [d.request.encode() for d in got] == [request for _, _, request in queued]

@@ -40,6 +40,8 @@ from batchgen.jobs.schema.errors import OutputError
 from batchgen.jobs.schema.rows import ADDED_LATER, SCHEMA, FinishReason, Row, to_table
 from batchgen.jobs.storage.output_store import OutputDir
 from tests.chaos.harness import wait_until
+from tests.cli_session import Shell, wait_for, write_jsonl
+from tests.cli_session import rows as cli_rows
 from tests.hooks import hook_env
 from tests.hooks.sitecustomize import POISON_ENV, STEP_ENV
 
@@ -272,9 +274,12 @@ def test_retry_replaces_only_the_failed_rows(retried: World, reference) -> None:
     assert after.column("index").to_pylist() == list(range(len(MAIN)))
     assert after.column("id").to_pylist() == [line["id"] for line in MAIN]
     new = rows(after)
+    old = rows(before)
     for i in (1, 3):  # the retried rows are good now, token for token
         assert new[i]["finish_reason"] in ("stop", "length") and new[i]["error"] is None, new[i]
         assert new[i]["token_ids"] == reference["main"][i]
+        assert new[i]["attempts"] == old[i]["attempts"] + 1  # the fixed worker ran it once
+    assert (old[1]["attempts"], old[3]["attempts"]) == (1, 2)  # refused; ran, crashed twice
     kept = pa.array([0, 2, 4, 5])
     old_kept, new_kept = (
         before.select(SCHEMA.names).take(kept),
@@ -510,3 +515,60 @@ def test_a_relative_input_path_is_recorded_absolute(world: World) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert world.record("rel").source == str(world.tmp / "rel.jsonl")
+
+
+ATTEMPT_LINES = [
+    '{"id": "ok0", "prompt": "the sea", "max_tokens": 2}',
+    json.dumps({"id": "long1", "prompt": LONG, "max_tokens": 2}),  # past --max-model-len 64
+    '{"id": "bad2", "prompt": "", "max_tokens": 2}',  # invalid: an error row from submit on
+    '{"id": "ok3", "prompt": "the river", "max_tokens": 2}',
+    json.dumps({"id": "long4", "prompt": LONG + " again", "max_tokens": 2}),
+]
+
+
+def test_each_retry_counts_its_attempt_on_the_rows_it_ran(
+    tmp_path: Path, toy_model, private_redis: RedisServer
+) -> None:
+    """A job whose two over-long prompts fail at admission, retried twice by a worker that
+    still runs a context too small for them: each retry's delivery counts in the rows it
+    ran again (2, then 3); the good rows and the invalid line's row stay at 1, and status
+    and the manifest count what the rows say."""
+    (tmp_path / "tiny").symlink_to(toy_model("llama"))
+    shell = Shell(tmp_path, tmp_path / "home", private_redis.url)
+    conn = redis.Redis.from_url(private_redis.url)
+    try:
+        write_jsonl(tmp_path / "a.jsonl", ATTEMPT_LINES)
+        shell.ok("submit", "a.jsonl", "--model", "tiny", "--skip-invalid", "--job-id", "a",
+                 "--output", str(tmp_path / "out-a"))  # fmt: skip
+        shell.start("worker", "--model", "tiny", "--device", "cpu",
+                    "--max-model-len", str(SMALL_CONTEXT))  # fmt: skip
+
+        def finished(want: list[int], retried: int, rounds: int) -> None:
+            wait_for(lambda: load_job(conn, KEYS, "a").state == JobState.COMPLETED,
+                     "job a to complete")  # fmt: skip
+            status = shell.status("a")
+            assert (status["retried"], status["retry_rounds"]) == (retried, rounds)
+            assert (status["done"], status["failed"]) == (2, 3)
+            shell.ok("download", "a", "-o", "a.parquet", "--force")
+            got = cli_rows(tmp_path / "a.parquet")
+            assert got["id"] == ["ok0", "long1", None, "ok3", "long4"]
+            assert got["finish_reason"] == ["length", "error", "error", "length", "error"]
+            assert got["error"][1].endswith(f"the model's context is {SMALL_CONTEXT} tokens")
+            assert got["attempts"] == want
+            # every delivery past the first of each row was a retry's
+            assert sum(got["attempts"]) - len(ATTEMPT_LINES) == retried
+            manifest = json.loads((tmp_path / "out-a" / "manifest.json").read_text())
+            assert manifest["counts"] == {
+                "rows": 5, "total": 5, "skipped_invalid_lines": 1,
+                "by_finish_reason": {"error": 3, "length": 2}, "filled_by_finalize": 0,
+                "retried": retried, "retry_rounds": rounds,
+            }  # fmt: skip
+
+        finished([1, 1, 1, 1, 1], retried=0, rounds=0)
+        again = "a: retry {}: queued 2 row(s) again; the job is running\n"
+        assert shell.ok("retry", "a") == again.format(1)
+        finished([1, 2, 1, 1, 2], retried=2, rounds=1)
+        assert shell.ok("retry", "a") == again.format(2)
+        finished([1, 3, 1, 1, 3], retried=4, rounds=2)
+    finally:
+        shell.stop_all()

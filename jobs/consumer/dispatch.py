@@ -22,12 +22,14 @@ other group only when those are empty: affinity reorders a job's requests, never
 the jobs' shares, and no worker waits while any backlog holds work. A lone worker
 owns every group, so it takes a job's requests in input order, as before backlogs.
 
-The moved requests are XADDed to the stream and read by this worker in the same
-script, so from there on everything is as before: the entry is pending at the
-worker (refresh, reclaim, hand-back, dead-letter and commit unchanged). Redis per
-call: one XREADGROUP, SMEMBERS of the ready set and an HMGET per ready job, a
-LINDEX per own group of each job it takes from, then per request an LPOP, a
-LINDEX (the merge in input order), an XADD and the final XREADGROUP's share.
+The moved requests are XADDed to the stream (``j i r q``, or ``j i r x`` for a
+retried request, whose backlog item carries its earlier deliveries: entry.py) and
+read by this worker in the same script, so from there on everything is as before:
+the entry is pending at the worker (refresh, reclaim, hand-back, dead-letter and
+commit unchanged). Redis per call: one XREADGROUP, SMEMBERS of the ready set and an
+HMGET per ready job, a LINDEX per own group of each job it takes from, then per
+request an LPOP, a LINDEX (the merge in input order), an XADD and the final
+XREADGROUP's share.
 
 The job records are found from the ready set's ids (same hash tag, so the same
 slot as the stream: Redis Cluster runs it on the model's shard).
@@ -169,8 +171,11 @@ while need > 0 and #jobs > 0 do
   for _, item in ipairs(items) do
     local a = string.find(item, ' ', 1, true)
     local b = string.find(item, ' ', a + 1, true)
+    local when = string.sub(item, a + 1, b - 1)
+    -- 123 is '{{': a request that ran before (a retried row's) carries its deliveries
+    local kind = string.byte(when, 1) == 123 and F.carried or F.queued
     id = redis.call('XADD', stream, '*', F.job, j.id, F.index, string.sub(item, 1, a - 1),
-                    F.request, string.sub(item, b + 1), F.queued, string.sub(item, a + 1, b - 1))
+                    F.request, string.sub(item, b + 1), kind, when)
   end
   if #items > 0 then
     local cost = #items * j.cost

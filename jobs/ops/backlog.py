@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import redis
 
@@ -53,12 +53,18 @@ def prefix_group(request: bytes) -> int:
     return zlib.crc32(request[start : start + PREFIX_BYTES]) % BACKLOG_GROUPS
 
 
-def items(indexed: Iterable[tuple[int, bytes]], queued_ms: int | None = None) -> list[bytes]:
-    """``push_backlog``'s items for (input index, encoded request) pairs: group, item, ..."""
+def items(
+    indexed: Iterable[tuple[int, bytes]], queued_ms: int | None = None,
+    prior_runs: Mapping[int, int] | None = None,
+) -> list[bytes]:  # fmt: skip
+    """``push_backlog``'s items for (input index, encoded request) pairs: group, item, ...;
+    ``prior_runs``: by input index, the deliveries that ran a request before (a retry's)."""
     now = int(time.time() * 1000) if queued_ms is None else queued_ms
+    runs = prior_runs or {}
     out: list[bytes] = []
     for index, request in indexed:
-        out += [b"%d" % prefix_group(request), backlog_item(index, now, request)]
+        item = backlog_item(index, now, request, runs.get(index, 0))
+        out += [b"%d" % prefix_group(request), item]
     return out
 
 

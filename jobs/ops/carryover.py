@@ -1,7 +1,9 @@
 """A retry's kept rows: the previous result's rows that are not retried, as committed parts.
 
 ``retried_mask`` reads only the ``index`` and ``finish_reason`` columns of the
-job's ``result.parquet`` and says which inputs a retry runs again.
+job's ``result.parquet`` and says which inputs a retry runs again, and
+``attempts_before`` its ``attempts`` column: the deliveries a retried row had, which
+its requests carry to the workers so that the new rows count them too.
 ``carry_over`` then writes every other row back under ``parts/JOB/`` as parts
 of at most ``PART_ROWS`` rows each (the SCHEMA columns only: columns finalize
 joins on are joined again), with the commit records a worker's commit would
@@ -44,25 +46,41 @@ class Carried:
 
 
 def retried_mask(out: OutputDir, total: int, reasons: frozenset[str]) -> np.ndarray:
-    """True for each input whose result row's finish_reason is in ``reasons``.
+    """True for each input whose result row's finish_reason is in ``reasons``."""
+    mask = np.zeros(total, dtype=bool)
+    wanted = pa.array(sorted(reasons), type=pa.string())
+    for first, batch in _per_input(out, total, "finish_reason"):
+        reasons_in = pc.is_in(batch.column("finish_reason"), value_set=wanted)
+        mask[first : first + batch.num_rows] = reasons_in.to_numpy(zero_copy_only=False)
+    return mask
+
+
+def attempts_before(out: OutputDir, total: int) -> np.ndarray:
+    """Each input's ``attempts`` in the result (0 where null)."""
+    attempts = np.zeros(total, dtype=np.int64)
+    for first, batch in _per_input(out, total, "attempts"):
+        column = pc.fill_null(batch.column("attempts"), 0)
+        attempts[first : first + batch.num_rows] = column.to_numpy(zero_copy_only=False)
+    return attempts
+
+
+def _per_input(out: OutputDir, total: int, column: str) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """The result's ``index`` and ``column`` batch by batch, each with its first index.
 
     The result must hold one row per input, in order (finalize writes it so);
     anything else is refused, never guessed at.
     """
-    mask = np.zeros(total, dtype=bool)
-    wanted = pa.array(sorted(reasons), type=pa.string())
     seen = 0
-    for batch in _batches(out, ["index", "finish_reason"]):
+    for batch in _batches(out, ["index", column]):
         index = batch.column("index").to_numpy(zero_copy_only=False)
-        if not np.array_equal(index, np.arange(seen, seen + len(index))):
+        if seen + len(index) > total or not np.array_equal(
+            index, np.arange(seen, seen + len(index))
+        ):
             raise _not_one_per_input(out, total)
-        mask[seen : seen + len(index)] = pc.is_in(
-            batch.column("finish_reason"), value_set=wanted
-        ).to_numpy(zero_copy_only=False)
+        yield seen, batch
         seen += len(index)
     if seen != total:
         raise _not_one_per_input(out, total)
-    return mask
 
 
 def carry_over(

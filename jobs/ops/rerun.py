@@ -20,7 +20,9 @@ row per input:
    rows, and moves the job back to running (lifecycle ``REOPEN``): open again,
    in the active set, no expiry, its retry counters bumped.
 5. The retried requests are appended at their original indices in chunks
-   (``RETRY_CHUNK``), each advancing the job's ``retry_cursor`` atomically.
+   (``RETRY_CHUNK``), each advancing the job's ``retry_cursor`` atomically. Each
+   carries the ``attempts`` its row had (entry.py's backlog item), so the new row
+   counts the deliveries of every round: its previous attempts plus this round's.
 
 Workers commit the new rows like any others (first row wins); once every
 input has a row the job is finalized again, which replaces ``result.parquet``.
@@ -50,7 +52,7 @@ from batchgen.jobs.intake.table_spec import TableSpec
 from batchgen.jobs.intake.validate import SpoolDir, Validation
 from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.backlog import BACKLOG_PUSH
-from batchgen.jobs.ops.carryover import PART_ROWS, carry_over, retried_mask
+from batchgen.jobs.ops.carryover import PART_ROWS, attempts_before, carry_over, retried_mask
 from batchgen.jobs.ops.chunk_append import CHUNK_BYTES, CHUNK_ENTRIES
 from batchgen.jobs.ops.deletion import delete_entries
 from batchgen.jobs.ops.finalization import FinalizeSettings, finalize
@@ -281,8 +283,11 @@ def _rejected(requests: Validation, total: int) -> np.ndarray:
 
 
 def _enqueue_rest(conn: redis.Redis, qk: QueueKeys, record: JobRecord, requests: Validation) -> int:
-    """Append the inputs at or past the job's retry cursor that have no done-mark; how many."""
+    """Append the inputs at or past the job's retry cursor that have no done-mark; how many.
+    Each carries its row's attempts in the previous result (which stays until the job is
+    finalized again), so its new row counts them."""
     jk = qk.job(record.id)
+    before = attempts_before(OutputDir.open(record.output), record.total)
     crash = CrashPlan.from_env()
     raw = conn.get(jk.done)
     marks = np.unpackbits(np.frombuffer(raw if isinstance(raw, bytes) else b"", np.uint8))
@@ -299,7 +304,7 @@ def _enqueue_rest(conn: redis.Redis, qk: QueueKeys, record: JobRecord, requests:
         status = text(RETRY_CHUNK(
             conn, job=jk.job, ready=qk.ready, backlogs=jk.backlogs, job_id=record.id,
             events=qk.events, cursor=cursor, next=following, final="1" if final else "0",
-            items=backlog.items(items),
+            items=backlog.items(items, prior_runs={i: int(before[i]) for i, _ in items}),
         ))  # fmt: skip
         if status != "ok":
             raise JobConflict(_stopped(record.id, status))

@@ -194,6 +194,8 @@ def manifest(record: JobRecord, counts: Counts, finished_at: float) -> dict[str,
             "skipped_invalid_lines": record.skipped,
             "by_finish_reason": dict(sorted(counts.by_reason.items())),
             "filled_by_finalize": counts.filled,
+            "retried": record.retried,  # rows `batchgen retry` ran again, every round
+            "retry_rounds": record.retry_rounds,
         },
         "tokens": {
             "prompt": record.prompt_tokens,

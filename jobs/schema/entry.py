@@ -7,13 +7,16 @@ A stream entry is these fields, and this module is the only code that names them
     i  the input's index (0-based over the lines or rows, invalid ones included)
     r  the request (``Request``): compact UTF-8 JSON with short keys
     q  when the request was queued (unix ms), on an entry dispatched from a job's backlog
-       (a handed-back entry carries it in ``x``)
-    x  only on an entry a worker handed back: what it carries to the next worker (JSON)
+       (a handed-back or retried entry carries it in ``x``)
+    x  on an entry a worker handed back, or a retried request's: what it carries to the
+       next worker (JSON)
 
 Submit does not write entries to the stream itself: it appends each request to its
-job's backlog (backlog.py) as one string, ``INDEX QUEUED_MS REQUEST`` (``backlog_item``),
-and the dispatch script (dispatch.py) makes the entry ``j i r q`` from it when a worker
-has room for it.
+job's backlog (backlog.py) as one string, ``INDEX WHEN REQUEST`` (``backlog_item``), and
+the dispatch script (dispatch.py) makes the entry from it when a worker has room for it:
+``j i r q`` when WHEN is the queued ms, ``j i r x`` when it is the ``x`` of a request
+that ran before (``{"a":RUNS,"q":QUEUED_MS}``: a retry queues its rows so, and their
+rows count the earlier deliveries in ``attempts``).
 
 Inside ``r``: ``id`` the row id, ``p`` prompt | ``m`` messages | ``e`` embedding input,
 ``dim`` dimensions, ``s`` sampling parameters (named as in ``sampling.FIELDS``: the job's
@@ -25,7 +28,8 @@ same from release to release because a job's fingerprint is their sha256 (a resu
 submit and a retry must make the bytes the submit before them made).
 
 Inside ``x``: ``resume`` the tokens generated so far, ``a`` deliveries that ran it
-before, ``f`` how many of those ended in a crash, ``q`` when it was first queued (unix
+before (a retried row's earlier rounds included), ``f`` how many of those ended in a
+crash (in this round: a retry starts them at 0), ``q`` when it was first queued (unix
 ms), ``pre`` preemptions, ``err`` the last engine error, ``row`` its finished row whose
 part could not be written.
 
@@ -52,7 +56,7 @@ _JOB_B, _INDEX_B, _REQUEST_B, _QUEUED_B, _CARRIED_B, _FORMAT_B = b"j", b"i", b"r
 # For the Lua script that makes entries itself (dispatch.py).
 LUA_FIELDS = (
     f"local F = {{job = '{_JOB}', index = '{_INDEX}', request = '{_REQUEST}', "
-    f"queued = '{_QUEUED}'}}\n"
+    f"queued = '{_QUEUED}', carried = '{_CARRIED}'}}\n"
 )
 
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), check_circular=False)
@@ -69,16 +73,22 @@ def compact_json(value: Any) -> str:
     return "".join(_C_ENCODER(value, 0)) if _C_ENCODER else _ENCODER.encode(value)
 
 
-def backlog_item(index: int, queued_ms: int, request: bytes) -> bytes:
-    """A request as its job's backlog holds it: ``INDEX QUEUED_MS REQUEST`` (dispatch.py
-    splits it at the first two spaces; the request is compact JSON)."""
-    return b"%d %d " % (index, queued_ms) + request
+def backlog_item(index: int, queued_ms: int, request: bytes, prior_runs: int = 0) -> bytes:
+    """A request as its job's backlog holds it: ``INDEX WHEN REQUEST`` (dispatch.py splits
+    it at the first two spaces; the request is compact JSON). WHEN is ``QUEUED_MS``, or for
+    a request that ``prior_runs`` deliveries ran before (a retried row's), the ``x`` its
+    entry carries, which counts them: compact JSON of numbers, so it holds no space."""
+    if not prior_runs:
+        return b"%d %d " % (index, queued_ms) + request
+    carried = compact_json({"a": prior_runs, "q": queued_ms}).encode()
+    return b"%d %s " % (index, carried) + request
 
 
 def parse_backlog_item(item: bytes) -> tuple[int, int, bytes]:
     """(index, queued ms, request) of a ``backlog_item``."""
-    index, queued_ms, request = item.split(b" ", 2)
-    return int(index), int(queued_ms), request
+    index, when, request = item.split(b" ", 2)
+    queued_ms = int(json.loads(when)["q"]) if when.startswith(b"{") else int(when)
+    return int(index), queued_ms, request
 
 
 class EntryError(ValueError):
