@@ -524,6 +524,10 @@ def test_an_unreadable_entry_becomes_its_error_row_and_the_worker_goes_on(redis_
     assert "it has format 2; this release reads format 1 (upgrade it)" in reasons[2]
     assert "cannot be read: maximum recursion depth exceeded" in reasons[3]
     assert result["error"][1:4] == [f"dead-lettered: {reasons[i]}" for i in (1, 2, 3)]
+    # every delivery counts: 0, 4 and planted 1 were the ghost's first, then taken over
+    assert result["attempts"] == [2, 2, 1, 1, 2]
+    deliveries = {int(f[b"i"]): int(f[b"deliveries"]) for _, f in conn.xrange(QK.job("j").dead)}
+    assert deliveries == {1: 2, 2: 1, 3: 1}
     record = load_job(conn, KEYS, "j")
     assert (record.state, record.done, record.failed) == (JobState.COMPLETED, 2, 3)
     assert conn.xlen(QK.stream) == 0 and conn.xpending(QK.stream, GROUP)["pending"] == 0

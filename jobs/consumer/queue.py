@@ -92,28 +92,30 @@ def readable(
         try:
             out.append(Delivery.parse(entry_id, fields, deliveries))
         except EntryError as exc:
-            set_aside(conn, qk, consumer, text(entry_id), fields, str(exc))
+            set_aside(conn, qk, consumer, text(entry_id), fields, str(exc), deliveries)
     return out
 
 
 def set_aside(
-    conn: redis.Redis, qk: QueueKeys, consumer: str, entry_id: str, fields: dict, reason: str
-) -> None:
-    """An unreadable entry: dead-lettered as its job's error row, or dropped (logged)."""
+    conn: redis.Redis, qk: QueueKeys, consumer: str, entry_id: str, fields: dict, reason: str,
+    deliveries: int,
+) -> None:  # fmt: skip
+    """An unreadable entry: dead-lettered as its job's error row, or dropped (logged). Its
+    row's ``attempts`` are its ``deliveries`` (what it carried cannot be read)."""
     where = job_and_index(fields)
     if where is not None:
         job_id, index = where
         total = conn.hget(qk.job(job_id).job, "total")
         if total is not None and index < int(total):
-            row = Row(index=index, error=f"dead-lettered: {reason}", worker=consumer,
-                      finished_at=int(time.time() * 1000))  # fmt: skip
+            row = Row(index=index, error=f"dead-lettered: {reason}", attempts=deliveries,
+                      worker=consumer, finished_at=int(time.time() * 1000))  # fmt: skip
             raw = [text(x) if isinstance(x, bytes) else str(x) for kv in fields.items() for x in kv]
             log.error("job %s, input %d: %s; dead-lettered", job_id, index, reason)
             made = DEAD_LETTER(
                 conn, stream=qk.stream, dead=qk.job(job_id).dead, job=qk.job(job_id).job,
                 done=qk.job(job_id).done, errors=qk.job(job_id).errors, group=GROUP, id=entry_id,
                 index=index, request=json.dumps(raw, ensure_ascii=False), reason=reason,
-                deliveries=1, worker=consumer,
+                deliveries=deliveries, worker=consumer,
                 row=json.dumps(row.to_dict(), ensure_ascii=False), now=repr(time.time()),
             )  # fmt: skip
             if int(made) == 2:
