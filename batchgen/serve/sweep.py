@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis
 
+from batchgen.jobs.backoff import backoff_delay
 from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
 from batchgen.jobs.ops.job_record import JobRecord
@@ -136,7 +137,7 @@ class Sweep:
                                              f"written ({attempts} tries): {reason}")])  # fmt: skip
             return
         first, most = FINISH_DELAY_S
-        delay = min(first * 2 ** (attempts - 1), most)
+        delay = backoff_delay(attempts - 1, first, most)
         log.warning("batch %s: writing its output files failed (%s); try %d of %d in %.0f s",
                     record.id, reason, attempts, FINISH_ATTEMPTS, delay)  # fmt: skip
         self.batches.save(record, finish_attempts=attempts, finish_retry_at=time.time() + delay)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import pyarrow.parquet as pq
 import redis
 
+from batchgen.jobs.backoff import backoff_delay
 from batchgen.jobs.consumer.commit import CommitResult, PartCommit, commit
 from batchgen.jobs.consumer.queue import Delivery
 from batchgen.jobs.crashpoints import CrashPlan
@@ -227,7 +228,7 @@ class PartSink:
             failure = buf.failure = StorageFailure(time.time(), error, attempts=0)
         failure.attempts += 1
         failure.error = error
-        delay = min(RETRY_FIRST_S * 2 ** (failure.attempts - 1), RETRY_CAP_S)
+        delay = backoff_delay(failure.attempts - 1, RETRY_FIRST_S, RETRY_CAP_S)
         failure.retry_at = time.monotonic() + delay
         log.error(
             "job %s: cannot write its part (%s); keeping its %d rows and retrying in %.1fs "

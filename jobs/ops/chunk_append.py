@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import redis
 
+from batchgen.jobs.backoff import backoff_delay
 from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.backlog import BACKLOG_PUSH
 from batchgen.jobs.ops.lifecycle import script
@@ -56,15 +57,16 @@ def enqueued_after_outage(
     ``enqueued`` then (chunks are appended whole or not at all, so go on from
     there), or None if Redis stayed away."""
     deadline = time.monotonic() + wait_s
-    delay = 0.1
+    attempt = 0
     while True:
         try:
             raw = conn.hget(qk.job(job_id).job, "enqueued")
         except (redis.ConnectionError, redis.TimeoutError):
+            delay = backoff_delay(attempt, 0.1, 1.0)
             if time.monotonic() + delay > deadline:
                 return None
             time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            attempt += 1
             continue
         if raw is None:
             raise JobConflict(

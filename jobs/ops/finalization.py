@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import redis
 
+from batchgen.jobs.backoff import backoff_delay
 from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.ops import tenants
 from batchgen.jobs.ops.job_record import load_job, queue_of_job
@@ -73,7 +74,7 @@ class FinalizeSettings:
         )
 
     def retry_delay(self, attempts: int) -> float:
-        return min(self.retry_s * 2 ** max(attempts - 1, 0), self.retry_cap_s)
+        return backoff_delay(max(attempts - 1, 0), self.retry_s, self.retry_cap_s)
 
 
 def finalize(

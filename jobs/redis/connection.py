@@ -36,6 +36,7 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
+from batchgen.jobs.backoff import backoff_delay
 from batchgen.jobs.redis import cmdline, embedded, sentinel
 from batchgen.jobs.schema.errors import (
     QueueFull,
@@ -193,16 +194,17 @@ def connect(
     else:
         client = redis.Redis.from_url(target.url, **kwargs)
     deadline = time.monotonic() + wait_s
-    delay = 0.1
+    attempt = 0
     while check_policy:
         try:
             check_server(client, target.url)
             break
         except RedisUnavailable as exc:
+            delay = backoff_delay(attempt, 0.1, 1.0)
             if not exc.transient or time.monotonic() + delay > deadline:
                 raise
         time.sleep(delay)
-        delay = min(delay * 2, 1.0)
+        attempt += 1
     return client
 
 

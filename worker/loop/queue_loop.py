@@ -30,6 +30,7 @@ from typing import Any
 
 import redis
 
+from batchgen.jobs.backoff import backoff_delay
 from batchgen.jobs.consumer.queue import Delivery, HandBack, hand_back, read_new
 from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
@@ -103,7 +104,7 @@ class QueueLoop:
         self.finished_jobs = False  # the last flush completed a job (``until`` may hold now)
         self.counters: dict[str, int] = {}
         self._backoff_until = 0.0
-        self._backoff_s = 0.1
+        self._redis_failures = 0  # in a row; the next wait doubles with each
 
     # -- running ---------------------------------------------------------------
 
@@ -119,7 +120,7 @@ class QueueLoop:
                     read = self.tick()
                 except _REDIS_DOWN as exc:  # beyond the client's own retries: wait, go on
                     self._redis_down(exc)
-                    time.sleep(min(self._backoff_s, 1.0))
+                    time.sleep(backoff_delay(self._redis_failures, 0.1, 1.0))
                     continue
                 idle = not self.requests.flights and self.sink.empty and read == 0
                 if idle and self.config.burst and self.upkeep.drained():
@@ -302,12 +303,13 @@ class QueueLoop:
         self.counters[name] = self.counters.get(name, 0) + n
 
     def _redis_down(self, exc: BaseException) -> None:
-        log.warning("Redis unavailable (%s); retrying in %.1fs", exc, self._backoff_s)
-        self._backoff_until = time.monotonic() + self._backoff_s
-        self._backoff_s = min(self._backoff_s * 2, 5.0)
+        delay = backoff_delay(self._redis_failures, 0.1, 5.0)
+        log.warning("Redis unavailable (%s); retrying in %.1fs", exc, delay)
+        self._backoff_until = time.monotonic() + delay
+        self._redis_failures += 1
 
     def _redis_ok(self) -> None:
-        self._backoff_s = 0.1
+        self._redis_failures = 0
 
     def _install_signals(self) -> None:
         if threading.current_thread() is threading.main_thread():

@@ -30,6 +30,7 @@ from typing import Any
 import redis
 from prometheus_client.metrics_core import Metric
 
+from batchgen.jobs.backoff import backoff_delay
 from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.finalize_tasks import finalize_queue
 from batchgen.jobs.ops.usage import model_usage
@@ -223,7 +224,7 @@ class Supervisor:
                     log.error("worker %d failed %d times right after start; giving up",
                               child.index, child.fast_failures)  # fmt: skip
                     return 1
-                delay = min(2.0**child.fast_failures, 30.0)
+                delay = backoff_delay(child.fast_failures, 1.0, 30.0)
             log.warning("worker %d exited with %s after %.0fs; restarting in %.0fs",
                         child.index, rc, lived, delay)  # fmt: skip
             child.restart_at = now + delay
