@@ -31,9 +31,9 @@ import signal
 import sys
 from dataclasses import dataclass
 
+from batchgen.jobs.environment import TEST_CRASH_AT, TEST_CRASH_ONCE
+
 CRASH_EXIT_CODE = 77
-ENV = "BATCHGEN_TEST_CRASH_AT"
-ONCE_ENV = "BATCHGEN_TEST_CRASH_ONCE"
 
 
 @dataclass(slots=True)
@@ -46,15 +46,17 @@ class CrashPlan:
 
     @classmethod
     def from_env(cls) -> CrashPlan:
-        raw = os.environ.get(ENV, "")
+        raw = TEST_CRASH_AT.get()
         if not raw:
             return cls(None)
         name, _, rest = raw.partition(":")
         count, _, action = rest.partition(":")
         if action not in ("", "stop", "exit"):
-            raise ValueError(f"{ENV}={raw!r}: the action after NAME:N must be 'stop' or 'exit'")
+            raise TEST_CRASH_AT.bad(raw, "the action after NAME:N must be 'stop' or 'exit'")
+        if not (count or "1").isdigit():
+            raise TEST_CRASH_AT.bad(raw, "N in NAME:N must be a whole number (the N-th hit)")
         return cls(name, int(count or 1), stop=action == "stop",
-                   once=os.environ.get(ONCE_ENV, ""))  # fmt: skip
+                   once=TEST_CRASH_ONCE.get() or "")  # fmt: skip
 
     def reached(self, point: str) -> None:
         if self.point != point:
@@ -63,7 +65,7 @@ class CrashPlan:
         if self.hits != self.on_hit or not self._first():
             return
         verb = "stopping (SIGSTOP)" if self.stop else "exiting"
-        sys.stderr.write(f"batchgen: crash point {point} reached ({ENV}); {verb}\n")
+        sys.stderr.write(f"batchgen: crash point {point} reached ({TEST_CRASH_AT.name}); {verb}\n")
         sys.stderr.flush()
         if self.stop:
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until SIGCONT

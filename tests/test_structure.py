@@ -21,10 +21,11 @@ INSTALLED = {"jobs": "batchgen.jobs", "worker": "batchgen.worker", "kernels": "b
 MAY_IMPORT: dict[str, set[str]] = {
     "jobs.schema": set(),
     "jobs.backoff": set(),
-    "jobs.redis": {"jobs.schema", "jobs.backoff"},
-    "jobs.storage": {"jobs.schema", "jobs.redis"},
-    "jobs.intake": {"jobs.schema", "jobs.storage"},
-    "jobs.crashpoints": set(),
+    "jobs.environment": {"jobs.schema"},
+    "jobs.redis": {"jobs.schema", "jobs.backoff", "jobs.environment"},
+    "jobs.storage": {"jobs.schema", "jobs.redis", "jobs.environment"},
+    "jobs.intake": {"jobs.schema", "jobs.storage", "jobs.environment"},
+    "jobs.crashpoints": {"jobs.environment"},
     "jobs.ops": {
         "jobs.schema",
         "jobs.redis",
@@ -32,6 +33,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "jobs.intake",
         "jobs.crashpoints",
         "jobs.backoff",
+        "jobs.environment",
     },
     "jobs.consumer": {
         "jobs.schema",
@@ -74,6 +76,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "jobs.ops",
         "jobs.crashpoints",
         "jobs.backoff",
+        "jobs.environment",
     },
     "toy": set(),
     "cli": {"*"},

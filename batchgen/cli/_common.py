@@ -265,11 +265,12 @@ def report_submit(result: Any) -> None:
 
 def connect(redis_url: str | None):
     """(client, keys, target) for a command."""
-    from batchgen.jobs.redis.connection import connect, resolve, wait_from_env
+    from batchgen.jobs.environment import REDIS_WAIT
+    from batchgen.jobs.redis.connection import connect, resolve
     from batchgen.jobs.redis.keys import Keys
 
     target = resolve(redis_url)
-    return connect(target.url, wait_s=wait_from_env()), Keys.from_env(), target
+    return connect(target.url, wait_s=REDIS_WAIT.get()), Keys.from_env(), target
 
 
 def progress_bar(done: int, total: int, width: int = 30) -> str:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import click
 
 from batchgen.cli._common import handles_errors
+from batchgen.jobs.environment import REDIS_URL
 
 
 @click.group("redis")
@@ -43,7 +43,7 @@ def status(as_json: bool) -> None:
                    f"{report['finished_jobs']} finished")  # fmt: skip
         click.echo(f"workers         {report['live_workers']} live; "
                    f"{report['other_connections']} other connection(s)")  # fmt: skip
-    if os.environ.get("BATCHGEN_REDIS_URL"):
+    if REDIS_URL.get():
         click.echo("note            BATCHGEN_REDIS_URL is set: commands in this shell use "
                    "that Redis, not this one")  # fmt: skip
 

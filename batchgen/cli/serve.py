@@ -14,7 +14,7 @@ from batchgen.cli._common import handles_errors, redis_option
               help="A key clients send as 'Authorization: Bearer KEY' (repeat for several), "
               "each its own tenant; default $BATCHGEN_API_KEYS (comma-separated). Without "
               "any key the server listens on loopback only and asks for none.")  # fmt: skip
-@click.option("--keys-file", metavar="PATH", default=None, envvar="BATCHGEN_KEYS_FILE",
+@click.option("--keys-file", metavar="PATH", default=None,
               help="Keys and their tenants, one a line: 'KEY TENANT' or 'KEY TENANT admin' "
               "(an admin sees every tenant's batches, files and jobs). [env: "
               "BATCHGEN_KEYS_FILE]")  # fmt: skip
@@ -61,6 +61,7 @@ def serve(
     import uvicorn
 
     from batchgen.cli._common import connect
+    from batchgen.jobs.environment import KEYS_FILE
     from batchgen.jobs.redis import embedded
     from batchgen.jobs.storage.names import output_root as default_output_root
     from batchgen.serve.api_keys import KeyRing
@@ -68,7 +69,7 @@ def serve(
     from batchgen.serve.listen import listen
     from batchgen.serve.settings import LOOPBACK, ServeConfig, expiry, keys_from_env
 
-    keyring = KeyRing.load(keys_from_env(api_keys), keys_file)
+    keyring = KeyRing.load(keys_from_env(api_keys), keys_file or KEYS_FILE.get())
     if keyring.open and host not in LOOPBACK:
         raise click.UsageError(
             f"--host {host}: without an API key the server listens on loopback only; "

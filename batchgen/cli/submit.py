@@ -115,6 +115,7 @@ def submit(
     on the worker hosts); one that cannot be loaded is refused before anything is
     queued.
     """
+    from batchgen.jobs.environment import REDIS_WAIT
     from batchgen.jobs.ops import retention as keep
     from batchgen.jobs.ops.modelinfo import check_submittable
     from batchgen.jobs.ops.schedule import (
@@ -126,7 +127,6 @@ def submit(
     )
     from batchgen.jobs.ops.submission import new_job_id
     from batchgen.jobs.ops.submission import submit as run_submit
-    from batchgen.jobs.redis.connection import wait_from_env
     from batchgen.jobs.storage import result_cache
     from batchgen.jobs.storage.names import check_job_id, job_output_dir
 
@@ -148,7 +148,7 @@ def submit(
     cache_uri = result_cache.location(target.embedded) if use_cache else ""
     result = run_submit(
         conn, keys, source_path=prompts, model=model, output=out_uri, defaults=defaults,
-        job_id=job_id, skip_invalid=skip_invalid, wait_s=wait_from_env(), retention_s=retention_s,
+        job_id=job_id, skip_invalid=skip_invalid, wait_s=REDIS_WAIT.get(), retention_s=retention_s,
         cache=cache_uri,
         table=table,
         schedule=schedule,

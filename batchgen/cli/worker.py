@@ -66,12 +66,14 @@ def worker(
     (no such directory, no checkpoint in it, an architecture batchgen does not
     run) is one line on stderr and exit 2, before any job is touched.
     """
+    from batchgen.jobs.environment import check_values
     from batchgen.jobs.redis.keys import prefix_from_env
     from batchgen.jobs.schema.model_files import check_checkpoint
     from batchgen.worker.engine_config import EngineConfig
     from batchgen.worker.loop.loop_config import LoopConfig
     from batchgen.worker.loop.supervisor import Supervisor, plan_children
 
+    check_values()  # its finalizer and engine processes read them later, where no one sees
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")  # fmt: skip
     engine = EngineConfig(

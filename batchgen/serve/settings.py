@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
+from batchgen.jobs.environment import API_KEYS
 from batchgen.serve.api_keys import KeyRing
 
 MAX_FILE_BYTES = 200 << 20  # an upload over this is refused with 413
@@ -40,5 +40,5 @@ def expiry(raw: str, flag: str) -> int:
 
 def keys_from_env(given: tuple[str, ...]) -> list[str]:
     """``--api-key`` values, else ``BATCHGEN_API_KEYS`` (comma-separated)."""
-    raw = list(given) or os.environ.get("BATCHGEN_API_KEYS", "").split(",")
+    raw = list(given) or API_KEYS.get()
     return [k.strip() for k in raw if k.strip()]

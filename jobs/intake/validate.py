@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from batchgen.jobs.environment import SPOOL_DIR, SUBMIT_PROCS
 from batchgen.jobs.intake.duplicate_ids import DuplicateIds, IdLog, find_duplicates
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES, InputError, LineError, read_lines
@@ -143,8 +144,8 @@ def _ranges(path: str, parts: int) -> list[tuple[int, int, int]]:
 def procs_for(size: int) -> int:
     if size < PARALLEL_MIN_BYTES:
         return 1
-    configured = os.environ.get("BATCHGEN_SUBMIT_PROCS")
-    return max(1, int(configured) if configured else min(os.cpu_count() or 1, 8))
+    configured = SUBMIT_PROCS.get()
+    return max(1, configured if configured is not None else min(os.cpu_count() or 1, 8))
 
 
 def validate_file(
@@ -210,7 +211,7 @@ class SpoolDir:
     """A private temp dir for the entry spools ($BATCHGEN_SPOOL_DIR or the system's)."""
 
     def __enter__(self) -> Path:
-        base = os.environ.get("BATCHGEN_SPOOL_DIR") or None
+        base = SPOOL_DIR.get()
         self.path = Path(tempfile.mkdtemp(prefix="batchgen-submit-", dir=base))
         return self.path
 

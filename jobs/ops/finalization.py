@@ -29,6 +29,12 @@ import redis
 
 from batchgen.jobs.backoff import backoff_delay
 from batchgen.jobs.crashpoints import CrashPlan
+from batchgen.jobs.environment import (
+    FINALIZE_LEASE_S,
+    FINALIZE_RETRY_CAP_S,
+    FINALIZE_RETRY_S,
+    FINALIZE_WINDOW_BYTES,
+)
 from batchgen.jobs.ops import tenants
 from batchgen.jobs.ops.job_record import load_job, queue_of_job
 from batchgen.jobs.ops.lifecycle import CLOSE, FINISH, RETIRE, JobState
@@ -51,26 +57,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class FinalizeSettings:
-    lease_s: float = 30.0  # a finalizer silent this long is dead
-    retry_s: float = 2.0  # first retry after a failure; doubles each time
-    retry_cap_s: float = 300.0
+    lease_s: float = FINALIZE_LEASE_S.default  # a finalizer silent this long is dead
+    retry_s: float = FINALIZE_RETRY_S.default  # first retry after a failure; doubles each time
+    retry_cap_s: float = FINALIZE_RETRY_CAP_S.default
     window_bytes: int = WINDOW_BYTES  # rows held in memory at once (about)
 
     @classmethod
     def from_env(cls) -> FinalizeSettings:
-        """``BATCHGEN_FINALIZE_LEASE_S``, ``_RETRY_S``, ``_RETRY_CAP_S``, ``_WINDOW_BYTES``
-        override the defaults."""
-
-        def value(name: str, default: float) -> float:
-            raw = os.environ.get(f"BATCHGEN_FINALIZE_{name.upper()}")
-            return float(raw) if raw else default
-
-        base = cls()
+        """The ``BATCHGEN_FINALIZE_*`` variables (jobs/environment.py), else the defaults."""
         return cls(
-            lease_s=value("lease_s", base.lease_s),
-            retry_s=value("retry_s", base.retry_s),
-            retry_cap_s=value("retry_cap_s", base.retry_cap_s),
-            window_bytes=int(value("window_bytes", base.window_bytes)),
+            lease_s=FINALIZE_LEASE_S.get(),
+            retry_s=FINALIZE_RETRY_S.get(),
+            retry_cap_s=FINALIZE_RETRY_CAP_S.get(),
+            window_bytes=int(FINALIZE_WINDOW_BYTES.get()),
         )
 
     def retry_delay(self, attempts: int) -> float:

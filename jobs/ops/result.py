@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import redis
 
 import batchgen
+from batchgen.jobs.environment import FINALIZE_WINDOW_BYTES
 from batchgen.jobs.intake.kept import Snapshot
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import JobState
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 RESULT = "result.parquet"
 MANIFEST = "manifest.json"
 WINDOW_ROWS = 1 << 20
-WINDOW_BYTES = 256 << 20  # rows held in memory at once while finalizing (about)
+WINDOW_BYTES = int(FINALIZE_WINDOW_BYTES.default)  # rows held in memory at once (about)
 LOST = "lost: the queue entry was deleted before a row was committed (was the stream trimmed?)"
 
 

@@ -7,13 +7,11 @@ finishes (default 7 days; ``batchgen submit --retention``, else
 
 from __future__ import annotations
 
-import os
 import re
 
+from batchgen.jobs.environment import RETENTION
 from batchgen.jobs.schema.errors import UsageError
 
-ENV = "BATCHGEN_RETENTION"
-DEFAULT_S = 7 * 86400
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"(\d{1,9})([smhdw]?)")
 
@@ -35,5 +33,4 @@ def parse(raw: str, what: str = "--retention") -> int:
 
 
 def default() -> int:
-    raw = os.environ.get(ENV)
-    return parse(raw, ENV) if raw else DEFAULT_S
+    return parse(RETENTION.get() or "", RETENTION.name)

@@ -14,20 +14,19 @@
 from __future__ import annotations
 
 import getpass
-import os
 import re
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from batchgen.jobs.environment import TENANT
 from batchgen.jobs.ops import retention
 from batchgen.jobs.ops.deadlines import deadline_view
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.usage import job_usage
 from batchgen.jobs.schema.errors import UsageError
 
-TENANT_ENV = "BATCHGEN_TENANT"
 PRIORITY_LIMIT = 1000  # classes are -1000 .. 1000
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 
@@ -52,7 +51,7 @@ def check_tenant(name: str) -> str:
 
 def default_tenant() -> str:
     """``$BATCHGEN_TENANT``, else the login name made a valid tenant name, else ""."""
-    configured = os.environ.get(TENANT_ENV)
+    configured = TENANT.get()
     if configured is not None:
         return check_tenant(configured.strip())
     try:

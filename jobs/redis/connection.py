@@ -26,7 +26,6 @@ waited for.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -37,23 +36,16 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from batchgen.jobs.backoff import backoff_delay
+from batchgen.jobs.environment import REDIS_CA, REDIS_CERT, REDIS_KEY, REDIS_URL
 from batchgen.jobs.redis import cmdline, embedded, sentinel
 from batchgen.jobs.schema.errors import (
     QueueFull,
     RedisUnavailable,
     UnsafeRedis,
     UnsafeRedisURL,
-    UsageError,
 )
 
-ENV_URL = "BATCHGEN_REDIS_URL"
-ENV_WAIT = "BATCHGEN_REDIS_WAIT"
-DEFAULT_WAIT_S = 10.0
-_TLS_ENV = {
-    "ssl_ca_certs": "BATCHGEN_REDIS_CA",
-    "ssl_certfile": "BATCHGEN_REDIS_CERT",
-    "ssl_keyfile": "BATCHGEN_REDIS_KEY",
-}
+_TLS_ENV = {"ssl_ca_certs": REDIS_CA, "ssl_certfile": REDIS_CERT, "ssl_keyfile": REDIS_KEY}
 # scheme://user:PASSWORD@host: redis-py's password ends at the host's last '@'
 _PASSWORD = re.compile(r"^([a-z+]+://[^:@/?#]*:)([^/?#]*)@")
 _SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://", "rediss+sentinel://")
@@ -71,7 +63,7 @@ class Target:
 
 def resolve(url: str | None = None) -> Target:
     """Which Redis to use; starts the embedded server when nothing is configured."""
-    chosen = url or os.environ.get(ENV_URL)
+    chosen = url or REDIS_URL.get()
     if chosen:
         if not chosen.startswith(_SCHEMES):
             raise RedisUnavailable(
@@ -146,18 +138,6 @@ def hide_password_from_ps(url: str) -> None:
         cmdline.hide(match.group(2))
 
 
-def wait_from_env() -> float:
-    """Seconds a command waits for an unreachable Redis (``BATCHGEN_REDIS_WAIT``)."""
-    raw = os.environ.get(ENV_WAIT, "")
-    try:
-        value = float(raw) if raw else DEFAULT_WAIT_S
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise UsageError(f"{ENV_WAIT}={raw!r}: give a number of seconds, 0 or more")
-    return value
-
-
 def connect(
     url: str | None = None,
     *,
@@ -184,9 +164,10 @@ def connect(
         kwargs["socket_keepalive"] = True
     if target.url.startswith(("rediss://", "rediss+sentinel://")):
         kwargs["ssl_cert_reqs"] = "required"  # never "none": fail closed on a bad cert
-        for arg, env in _TLS_ENV.items():
-            if os.environ.get(env) and f"{arg}=" not in target.url:
-                kwargs[arg] = os.environ[env]
+        for arg, variable in _TLS_ENV.items():
+            value = variable.get()
+            if value and f"{arg}=" not in target.url:
+                kwargs[arg] = value
     if sentinel.is_sentinel(target.url):
         query = urlparse(target.url).query
         kwargs |= {k: v for k, v in parse_qsl(query) if k in _TLS_ENV}  # check_url's
@@ -239,9 +220,7 @@ def describe_connection_error(exc: BaseException, url: str = "") -> str:
             f"TLS handshake with Redis at {where} failed ({text}); check the CA "
             "(ssl_ca_certs / BATCHGEN_REDIS_CA) and the server certificate"
         )
-    return (
-        f"cannot reach Redis at {where} ({text}); is it running? Pass --redis URL or set {ENV_URL}"
-    )
+    return f"cannot reach Redis at {where} ({text}); is it running? Pass --redis URL or set {REDIS_URL.name}"
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -36,6 +36,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from batchgen.jobs.environment import HOME
 from batchgen.jobs.redis.redis_server import find_redis_server
 from batchgen.jobs.schema.errors import RedisUnavailable, UntrustedRedis
 
@@ -45,9 +46,9 @@ _SOCKET_RECORD = "socket-dir"  # in the data dir: the private dir holding a long
 
 
 def home() -> Path:
-    explicit = os.environ.get("BATCHGEN_HOME")
+    explicit = HOME.get()
     if explicit:
-        return Path(explicit).expanduser()
+        return explicit
     xdg = os.environ.get("XDG_DATA_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
     return base / "batchgen"

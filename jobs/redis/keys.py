@@ -71,7 +71,9 @@ import hashlib
 import os
 from dataclasses import dataclass
 
-DEFAULT_PREFIX = "bg"
+from batchgen.jobs.environment import PREFIX
+
+DEFAULT_PREFIX = PREFIX.default or ""
 GROUP = "workers"
 # A job's backlog is split into this many lists by prompt prefix (backlog.py): a worker
 # takes first from the groups rendezvous hashing gives it, where its prefix cache is warm.
@@ -79,7 +81,7 @@ BACKLOG_GROUPS = 16
 
 
 def prefix_from_env() -> str:
-    return os.environ.get("BATCHGEN_PREFIX", DEFAULT_PREFIX)
+    return PREFIX.get() or ""
 
 
 def queue_name(model: str) -> str:

@@ -26,6 +26,7 @@ import re
 from pathlib import Path
 from urllib.parse import parse_qsl
 
+from batchgen.jobs.environment import OUTPUT_ROOT
 from batchgen.jobs.redis import embedded
 from batchgen.jobs.schema.errors import InlineCredentials, UnsafeName, UsageError
 
@@ -60,8 +61,7 @@ def check_file_name(name: str) -> str:
 
 
 def output_root() -> Path:
-    explicit = os.environ.get("BATCHGEN_OUTPUT_ROOT")
-    return Path(explicit).expanduser() if explicit else embedded.home() / "outputs"
+    return OUTPUT_ROOT.get() or embedded.home() / "outputs"
 
 
 def check_output(raw: str) -> str:

@@ -34,7 +34,6 @@ import io
 import json
 import logging
 import os
-import re
 import secrets
 import time
 import uuid
@@ -45,6 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import redis
 
+from batchgen.jobs.environment import CACHE, CACHE_MAX_BYTES
 from batchgen.jobs.redis import embedded
 from batchgen.jobs.redis.keys import Keys, text
 from batchgen.jobs.redis.lua import LuaScript
@@ -56,45 +56,29 @@ from batchgen.jobs.storage.output_store import OutputDir
 
 log = logging.getLogger(__name__)
 
-ENV = "BATCHGEN_CACHE"
-LIMIT_ENV = "BATCHGEN_CACHE_MAX_BYTES"
-DEFAULT_LIMIT = 10 << 30
 KEY_VERSION = 1
 # What a cached row gives back: the generation's own values (the rest is the new request's).
 GENERATED = ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens",
              "cached_tokens", "structured", "logprobs", "choices")  # fmt: skip
-_SIZE = re.compile(r"(\d+)\s*([KMGT]?)I?B?", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def location(embedded_redis: bool) -> str:
     """Where the cache lives: ``$BATCHGEN_CACHE``, else ``$BATCHGEN_HOME/cache`` with the
     embedded Redis; with a shared Redis it must be given (every worker must reach it)."""
-    raw = os.environ.get(ENV, "").strip()
+    raw = (CACHE.get() or "").strip()
     if raw:
         try:
             return check_output(raw)
         except BatchgenError as exc:
             raise UsageError(
-                f"{ENV}: {str(exc).replace('--output', 'the cache location')}"
+                f"{CACHE.name}: {str(exc).replace('--output', 'the cache location')}"
             ) from None
     if not embedded_redis:
         raise UsageError(
-            f"--cache with a shared Redis needs {ENV}=URI: a folder or object-store prefix "
+            f"--cache with a shared Redis needs {CACHE.name}=URI: a folder or object-store prefix "
             "(s3://bucket/cache, a shared path) that every worker can reach"
         )
     return os.path.abspath(embedded.home() / "cache")
-
-
-def size_limit() -> int:
-    """``BATCHGEN_CACHE_MAX_BYTES``: bytes, or with K/M/G/T (binary units)."""
-    raw = os.environ.get(LIMIT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_LIMIT
-    match = _SIZE.fullmatch(raw)
-    if match is None:
-        raise UsageError(f"{LIMIT_ENV}={raw!r}: give a size like 500M, 10G or 1048576")
-    return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
 def content_key(fingerprint: str, engine: str, token_ids: list[int], sampling: dict) -> str | None:
@@ -296,7 +280,7 @@ class ResultCache:
         info = _canonical({"bytes": len(data), "job": job_id, "keys": [k for k, _ in items]})
         evicted = ADD_FILE(self.conn, index=self.ck.index, files=self.ck.files, meta=self.ck.meta,
                            stats=self.ck.stats, name=name, now=repr(time.time()),
-                           limit=size_limit(), info=info)  # fmt: skip
+                           limit=CACHE_MAX_BYTES.get(), info=info)  # fmt: skip
         self._delete([text(n) for n in evicted])
 
     def stats(self) -> Stats:
@@ -306,7 +290,7 @@ class ResultCache:
         pipe.hgetall(self.ck.stats)
         entries, files, raw = pipe.execute()
         counts = {text(k): int(v) for k, v in raw.items()}
-        return Stats(self.uri, int(entries), int(files), counts.get("bytes", 0), size_limit(),
+        return Stats(self.uri, int(entries), int(files), counts.get("bytes", 0), CACHE_MAX_BYTES.get(),
                      counts.get("hits", 0), counts.get("misses", 0), counts.get("stored", 0),
                      counts.get("evicted", 0))  # fmt: skip
 
