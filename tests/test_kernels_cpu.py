@@ -4,6 +4,9 @@ checked against a loop over heads and positions), the other ops against naive ma
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -197,6 +200,97 @@ def test_the_kernel_compiles_where_there_is_a_compiler():
     if cpu_native._compiler() is None:
         pytest.skip("no C compiler on this machine")
     assert cpu_native.load() is not None
+
+
+# A process loads the library and prints what its decode attention gives, bit for bit.
+_LOAD_AND_DECODE = """
+import hashlib, logging, sys, torch
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from batchgen.kernels.cpu import native
+from batchgen.kernels.cpu.decode_native import plan_kernel_decode
+gen = torch.Generator().manual_seed(7)
+k_cache, v_cache = (torch.randn(24, 16, 2, 32, generator=gen) for _ in range(2))
+tables = torch.randperm(24, generator=gen)[:20].view(4, 5).to(torch.int32)
+lens = torch.tensor([80, 33, 1, 57], dtype=torch.int32)
+q = torch.randn(4, 8, 32, generator=gen)
+plan = plan_kernel_decode(tables, lens, k_cache, v_cache)
+print(hashlib.sha256(plan(q, k_cache, v_cache, 0.17).numpy().tobytes()).hexdigest())
+"""
+
+
+def _counting_compiler(tmp_path):
+    """$CC for a child: the machine's compiler, each run of it a line in a file."""
+    real = cpu_native._compiler()
+    if real is None:
+        pytest.skip("no C compiler on this machine")
+    count = tmp_path / "compiler-runs"
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\necho run >> "{count}"\nexec "{real}" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper, count
+
+
+def _runs(count):
+    return len(count.read_text().splitlines()) if count.exists() else 0
+
+
+def _load_in_a_process(tmp_path, wrapper):
+    env = {**os.environ, "CC": str(wrapper), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    return subprocess.Popen([sys.executable, "-c", _LOAD_AND_DECODE], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def _decoded(proc):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return out.strip(), err
+
+
+def test_the_library_is_compiled_once_and_loaded_from_the_cache_after(tmp_path):
+    wrapper, count = _counting_compiler(tmp_path)
+    first, _ = _decoded(_load_in_a_process(tmp_path, wrapper))
+    compiled = _runs(count)
+    assert compiled >= 1  # one run per set of flags tried, until one builds
+    (entry,) = (tmp_path / "cache" / "batchgen" / "kernels").iterdir()
+    assert sorted(p.name for p in entry.iterdir()) == [cpu_native.LIBRARY, cpu_native.DIGEST]
+    second, err = _decoded(_load_in_a_process(tmp_path, wrapper))
+    assert _runs(count) == compiled, "the second process ran the compiler"
+    assert "compiling" not in err
+    assert second == first
+
+
+def test_processes_building_at_once_all_get_the_whole_library(tmp_path):
+    wrapper, _ = _counting_compiler(tmp_path)
+    procs = [_load_in_a_process(tmp_path, wrapper) for _ in range(3)]
+    results = {_decoded(proc)[0] for proc in procs}
+    assert len(results) == 1
+    # one entry, whole; every build's temporary folder is gone
+    (entry,) = (tmp_path / "cache" / "batchgen" / "kernels").iterdir()
+    assert cpu_native._intact(entry)
+
+
+def test_a_truncated_cached_library_is_built_again_not_loaded(tmp_path):
+    wrapper, count = _counting_compiler(tmp_path)
+    first, _ = _decoded(_load_in_a_process(tmp_path, wrapper))
+    (entry,) = (tmp_path / "cache" / "batchgen" / "kernels").iterdir()
+    library = entry / cpu_native.LIBRARY
+    whole = library.read_bytes()
+    library.write_bytes(whole[: len(whole) // 2])  # as a crash or a full disk leaves it
+    compiled = _runs(count)
+    again, err = _decoded(_load_in_a_process(tmp_path, wrapper))
+    assert "is damaged: replacing it" in err
+    assert _runs(count) > compiled
+    assert again == first  # exact: the same bits as before
+    assert cpu_native._intact(entry) and library.read_bytes() == whole
+
+
+def test_an_unwritable_cache_compiles_for_the_process_only(tmp_path):
+    wrapper, _ = _counting_compiler(tmp_path)
+    (tmp_path / "cache").write_text("a file where the cache folder would be")
+    expected, _ = _decoded(_load_in_a_process(tmp_path / "elsewhere", wrapper))
+    got, err = _decoded(_load_in_a_process(tmp_path, wrapper))
+    assert "cannot be used" in err and "compiling for this process only" in err
+    assert got == expected
 
 
 def test_the_kernel_refuses_block_ids_and_lengths_it_cannot_read():

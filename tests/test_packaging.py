@@ -44,6 +44,11 @@ def test_wheel_has_only_batchgen_at_the_top(tmp_path: Path):
     for path in static.iterdir():
         assert f"batchgen/serve/static/{path.name}" in names
         assert "http://" not in path.read_text() and "https://" not in path.read_text()
+    # and the CPU path's C sources, which it compiles where it runs
+    c_sources = sorted(p.name for p in (REPO / "kernels" / "cpu").glob("*.[ch]"))
+    assert c_sources == ["decode_attention.c", "elementwise.c", "exp8.h"]
+    for name in c_sources:
+        assert f"batchgen/kernels/cpu/{name}" in names
 
 
 def test_editable_install_imports_from_the_repo(tmp_path: Path):

@@ -1,4 +1,4 @@
-"""Paged decode attention through the C function of ``decode_source.py`` (built by ``native.py``).
+"""Paged decode attention through the C function of ``decode_attention.c`` (built by ``native.py``).
 
 The C code trusts every block id, length and pointer it is given; the plan
 checks them once per step, before any layer calls it.

@@ -1,27 +1,35 @@
-"""The C source of the CPU path's paged decode attention, compiled with the rest
-of the CPU path's C functions by ``native.py``.
+/* The CPU path's paged decode attention, compiled with elementwise.c into one
+   library by native.py and called from decode_native.py, which checks what the C
+   code trusts.
 
-Torch can only attend over paged K/V by first gathering each sequence's
-blocks into a dense copy (every layer, every step) and reading the copy
-again; this reads K and V once, straight from the blocks the table names
-(with a sliding window, only the window's): the scores of all query heads
-of a position (GQA: head h reads KV head h // group), a softmax per head
-(with its sink's column when there are sinks, gpt-oss), the weighted sum
-of V. The blocks lie anywhere in the cache, where the hardware's prefetchers
-(which stop at page boundaries) do not follow: the next block's K and each
-position's V are asked for ahead of their use, which took a step's decode
-attention from ~420 to ~250 us a layer on tiny (most of its K/V comes from
-memory, not cache). The softmax's exponentials are taken eight at a time
-(``exp8``). When a step has enough K/V to read, its rows are taken one at a time
-by the calling thread and up to torch's thread count - 1 helpers, from a
-pool that lives as long as the process and sleeps between calls (threads
-started per call cost ~30 us each, and on a busy machine wait to be
-scheduled); a row is done by one thread, so results do not depend on the
-thread count, and a helper not yet scheduled takes no row and is not waited
-for. The headers and ``exp8`` it needs come first, from ``native.py``.
-"""
+   Torch can only attend over paged K/V by first gathering each sequence's
+   blocks into a dense copy (every layer, every step) and reading the copy
+   again; this reads K and V once, straight from the blocks the table names
+   (with a sliding window, only the window's): the scores of all query heads
+   of a position (GQA: head h reads KV head h // group), a softmax per head
+   (with its sink's column when there are sinks, gpt-oss), the weighted sum
+   of V. The blocks lie anywhere in the cache, where the hardware's prefetchers
+   (which stop at page boundaries) do not follow: the next block's K and each
+   position's V are asked for ahead of their use, which took a step's decode
+   attention from ~420 to ~250 us a layer on tiny (most of its K/V comes from
+   memory, not cache). The softmax's exponentials are taken eight at a time
+   (exp8, exp8.h). When a step has enough K/V to read, its rows are taken one at a time
+   by the calling thread and up to torch's thread count - 1 helpers, from a
+   pool that lives as long as the process and sleeps between calls (threads
+   started per call cost ~30 us each, and on a busy machine wait to be
+   scheduled); a row is done by one thread, so results do not depend on the
+   thread count, and a helper not yet scheduled takes no row and is not waited
+   for. */
 
-DECODE_SOURCE = r"""
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "exp8.h"
+
 /* q (S, H, D) with row/head strides, unit stride in D; k/v caches contiguous
    (num_blocks, BS, HK, D); tables (S, >= ceil(ctx / BS)) int32 rows; lens (S,)
    int32; out (S, H, D) contiguous. */
@@ -235,5 +243,3 @@ int paged_decode_attention_f32(
     pthread_mutex_unlock(&caller);
     return status;
 }
-
-"""
