@@ -13,8 +13,8 @@ from benchmarks.gpu_bench import TARGET_FRACTION, Bench, compare
 def correctness(b: Bench) -> dict[str, Any]:
     from batchgen.kernels import dense
     from batchgen.kernels import reference as ref
-    from batchgen.kernels.triton import TRITON_OPS as ops
     from batchgen.kernels.triton.decode_attention import decode_attention
+    from batchgen.kernels.triton.op_set import TRITON_OPS as ops
 
     torch, s = b.torch, b.shapes
     hq, hk = s.num_heads, s.num_kv_heads

@@ -63,7 +63,7 @@ def _run_case(b: Bench, case: MoeCase, dry: bool) -> dict[str, Any]:
     from batchgen.kernels.cpu.routed_experts import fused_moe as grouped_torch
     from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights
     from batchgen.kernels.routing import softmax_topk
-    from batchgen.kernels.triton import TRITON_OPS
+    from batchgen.kernels.triton.op_set import TRITON_OPS
 
     torch = b.torch
     e, h, i = case.num_experts, case.hidden, case.inter

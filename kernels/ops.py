@@ -66,6 +66,8 @@ def select_ops(device: torch.device, use_triton: bool | None = None) -> KernelOp
         use_triton = device.type == "cuda"
     if not use_triton:
         return CPU_OPS
-    from batchgen.kernels.triton import TRITON_OPS
+    # here, not at the top: importing the op set defines the kernels and imports triton,
+    # which a CPU run never needs, and which must come after TRITON_INTERPRET is set
+    from batchgen.kernels.triton.op_set import TRITON_OPS
 
     return TRITON_OPS

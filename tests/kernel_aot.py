@@ -111,8 +111,8 @@ def realistic_calls() -> None:
     """Each op at Llama-like shapes in bf16, attention also at head_dim 64/80 and fp32."""
     import torch
 
-    from batchgen.kernels.triton import TRITON_OPS as ops
     from batchgen.kernels.triton.decode_attention import decode_attention
+    from batchgen.kernels.triton.op_set import TRITON_OPS as ops
 
     def zeros(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return torch.zeros(*shape, dtype=dtype)

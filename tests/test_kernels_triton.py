@@ -30,8 +30,8 @@ from batchgen.kernels.reference import PAD_SLOT_ID
 
 pytest.importorskip("triton")
 
-from batchgen.kernels.triton import TRITON_OPS
 from batchgen.kernels.triton.decode_attention import decode_attention
+from batchgen.kernels.triton.op_set import TRITON_OPS
 from batchgen.kernels.triton.prefill_attention import prefill_attention
 from batchgen.kernels.triton.split_k import choose_num_splits
 

@@ -15,8 +15,8 @@ from batchgen.kernels import reference as ref
 
 pytest.importorskip("triton")
 
-from batchgen.kernels.triton import TRITON_OPS
 from batchgen.kernels.triton.fused_moe import sort_by_expert
+from batchgen.kernels.triton.op_set import TRITON_OPS
 from tests.test_moe_kernels import GPT_OSS, make_experts, make_routing
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,37 +1,7 @@
-"""The Triton op set: same signatures and semantics as ``batchgen.kernels.reference``.
+"""The Triton kernels, one op to a module (``store_kv.store_kv``, ...), gathered into
+the op set ``TRITON_OPS`` by ``op_set.py``.
 
-Kernels are defined when this package is imported; to run them on the CPU
-through the Triton interpreter, set TRITON_INTERPRET=1 before that import.
-The package's attributes stay the modules (``store_kv`` is the module, its op
-is ``store_kv.store_kv``); the ops are reached through ``TRITON_OPS``.
+Importing this package defines no kernel and imports no triton: a kernel is defined
+when its module is imported; to run them on the CPU through the Triton interpreter,
+set TRITON_INTERPRET=1 before that import.
 """
-
-from __future__ import annotations
-
-from batchgen.kernels.ops import KernelOps
-from batchgen.kernels.triton import (
-    activation,
-    decode_attention,
-    fused_moe,
-    norm,
-    prefill_attention,
-    rotary,
-    step,
-    store_kv,
-)
-
-TRITON_OPS = KernelOps(
-    name="triton",
-    rms_norm=norm.rms_norm,
-    fused_add_rms_norm=norm.fused_add_rms_norm,
-    silu_and_mul=activation.silu_and_mul,
-    apply_rotary=rotary.apply_rotary,
-    store_kv=store_kv.store_kv,
-    paged_decode_attention=decode_attention.paged_decode_attention,
-    paged_prefill_attention=prefill_attention.paged_prefill_attention,
-    attention=step.TritonAttention,
-    fused_moe=fused_moe.fused_moe,
-    attention_limits=step.attention_limits,
-)
-
-__all__ = ["TRITON_OPS"]
