@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -104,37 +105,82 @@ def test_a_higher_class_goes_first_and_a_new_job_gets_no_credit_for_idle_time(re
     assert got == {"low2": 16, "low3": 16}
 
 
-def test_urgent_jobs_go_first_earliest_deadline_first(redis_url, tmp_path):
+def measured_rate(conn, now: float, tokens_per_s: float = 10.0) -> None:
+    """The deadline check measures the fleet at ``tokens_per_s`` from ``now`` on."""
+    conn.hincrbyfloat(QK.fair, "work", 0.0)
+    deadlines.check(conn, KEYS, QK, now=now)  # first sample of the committed work
+    conn.hincrbyfloat(QK.fair, "work", tokens_per_s)  # commits add each row's cost here
+    deadlines.check(conn, KEYS, QK, now=now + 1)
+
+
+def runs(deliveries) -> list[tuple[str, int]]:
+    """The jobs in dispatch order, as (job, how many in a row)."""
+    return [(j, len(list(g))) for j, g in groupby(jobs_of(deliveries))]
+
+
+def test_at_risk_jobs_go_first_within_half_the_model_earliest_deadline_first(redis_url, tmp_path):
     """A fleet doing 10 tokens/s: the job due in 100 s cannot finish at its share (a
-    third), the one due in an hour can; once both are urgent, the earlier goes first."""
+    third) but can at half the model, so it is at risk: served first, but urgent picks
+    take at most half the tokens, so the fair order gets every other turn."""
     conn = rconn(redis_url)
     now = time.time()
     job(conn, tmp_path, "bulk", 500, max_tokens=8)
     job(conn, tmp_path, "later", 40, Schedule(deadline=now + 3600), max_tokens=8)
     job(conn, tmp_path, "soon", 40, Schedule(deadline=now + 100), max_tokens=8)
     cost = load_job(conn, KEYS, "soon").cost
-    conn.hincrbyfloat(QK.fair, "work", 0.0)
-    deadlines.check(conn, KEYS, QK, now=now)  # first sample of the committed work
-    conn.hincrbyfloat(QK.fair, "work", 10.0)  # commits add each row's cost here
-    deadlines.check(conn, KEYS, QK, now=now + 1)  # 10 tokens/s
+    measured_rate(conn, now)
     soon, later = load_job(conn, KEYS, "soon"), load_job(conn, KEYS, "later")
-    assert (soon.urgent, later.urgent) == (True, False)
-    assert 40 * cost / (10 / 3) > 100  # at its share it would be late
-    assert soon.eta == pytest.approx(now + 1 + 40 * cost / 10)  # first in line: the whole fleet
+    assert (soon.urgent, soon.late, later.urgent, later.late) == (True, False, False, False)
+    assert now + 1 + 40 * cost / (10 / 3) > now + 100 >= now + 1 + 40 * cost / 5
+    assert soon.eta == pytest.approx(now + 1 + 40 * cost / 5)  # at half the model
     assert later.eta == pytest.approx(now + 1 + 40 * cost / (10 / 3))  # a third of it
     on_track = {"deadline": now + 3600, "state": "on_track", "eta": later.eta, "expire": False}
     assert deadlines.deadline_view(later, now + 1) == on_track
-    assert jobs_of(read_new(conn, QK, "w", 40)) == ["soon"] * 40
-    # later becomes urgent too (its deadline is near now); the two go by deadline
-    job(conn, tmp_path, "sooner", 10, Schedule(deadline=now + 50), max_tokens=8)
-    conn.hset(QK.job("later").job, "deadline", repr(now + 60))
+    assert runs(read_new(conn, QK, "w", 40)) == [("soon", 16), ("bulk", 16), ("soon", 8)]
+    # a job due sooner is at risk too: urgent picks go by deadline, fair picks between
+    job(conn, tmp_path, "sooner", 10, Schedule(deadline=now + 40), max_tokens=8)
+    conn.hincrbyfloat(QK.fair, "work", 10.0)
     deadlines.check(conn, KEYS, QK, now=now + 2)
-    order = jobs_of(read_new(conn, QK, "w", 60))
-    assert order == ["sooner"] * 10 + ["later"] * 40 + ["bulk"] * 10
+    assert [load_job(conn, KEYS, j).urgent for j in ("soon", "sooner", "later")] == [
+        True, True, False]  # fmt: skip
+    assert runs(read_new(conn, QK, "w", 64)) == [
+        ("later", 16), ("sooner", 10), ("later", 16), ("soon", 16), ("bulk", 6)]  # fmt: skip
     view = deadlines.deadline_view(load_job(conn, KEYS, "sooner"), now + 2)
     assert view is not None and view["state"] == "at_risk"
-    view = deadlines.deadline_view(load_job(conn, KEYS, "sooner"), now + 51)
+    view = deadlines.deadline_view(load_job(conn, KEYS, "sooner"), now + 41)
     assert view is not None and view["state"] == "late"
+
+
+def test_a_job_that_cannot_make_its_deadline_is_late_and_served_at_its_fair_share(
+    redis_url, tmp_path
+):
+    """1,000 lines due in 10 minutes at 10 tokens/s would not make it with the whole
+    model: it is late (status says so) and shares by weight; another tenant's 10-line
+    job does not wait for it."""
+    conn = rconn(redis_url)
+    now = time.time()
+    job(conn, tmp_path, "huge", 1000, Schedule(tenant="a", deadline=now + 600), max_tokens=8)
+    job(conn, tmp_path, "small", 10, Schedule(tenant="b"), max_tokens=8)
+    measured_rate(conn, now)
+    huge = load_job(conn, KEYS, "huge")
+    assert (huge.urgent, huge.late) == (False, True)
+    assert huge.eta == pytest.approx(now + 1 + 1000 * huge.cost / 5)  # half: two tenants
+    view = deadlines.deadline_view(huge, now + 1)
+    assert view is not None and view["state"] == "late"
+    assert runs(read_new(conn, QK, "w", 32)) == [("huge", 16), ("small", 10), ("huge", 6)]
+
+
+def test_a_deadline_gives_no_urgency_over_a_higher_class(redis_url, tmp_path):
+    """A priority -1000 job due in a second waits for the priority 1000 job: its class
+    has no share while a higher one has work, so it is late, not urgent."""
+    conn = rconn(redis_url)
+    now = time.time()
+    job(conn, tmp_path, "low", 5, Schedule(priority=-1000, deadline=now + 1.5), max_tokens=8)
+    job(conn, tmp_path, "high", 20, Schedule(priority=1000), max_tokens=8)
+    measured_rate(conn, now)
+    low = load_job(conn, KEYS, "low")
+    assert (low.urgent, low.late) == (False, True)
+    assert runs(read_new(conn, QK, "w", 25)) == [("high", 20), ("low", 5)]
 
 
 def test_expire_cancels_at_the_deadline_and_keeps_running_without_it(redis_url, tmp_path):

@@ -43,6 +43,8 @@ from typing import Any
 
 import redis
 
+from batchgen.jobs.ops.deadlines import URGENT_SHARE
+from batchgen.jobs.ops.fair_index import FAIR_INDEX
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.keys import BACKLOG_GROUPS, GROUP, QueueKeys
 from batchgen.jobs.schema.entry import LUA_FIELDS
@@ -61,8 +63,9 @@ DISPATCH = script(
         ("me", "this consumer"),
         ("count", "requests this worker can admit now"),
         ("groups", "this worker's prefix groups, comma-separated, in order; '*': all"),
+        ("urgent_share", "the most of the model's tokens urgent jobs take (deadlines.py)"),
     ],
-    prelude=LUA_FIELDS,
+    prelude=LUA_FIELDS + FAIR_INDEX,
     body=f"""
 -- replies go back as one JSON string: Redis turns a Lua table of entries into a reply
 -- several times slower than cjson encodes it
@@ -71,41 +74,80 @@ local n = tonumber(count)
 local first = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', n, 'STREAMS', stream, '>')
 if first then for _, e in ipairs(first[1][2]) do out[#out + 1] = e end end
 if #out >= n then return cjson.encode(out) end
-local ids = redis.call('SMEMBERS', ready)
-if #ids == 0 then return cjson.encode(out) end
-
+local base = string.sub(stream, 1, #stream - 6)  -- 'P:{{TAG}}:' (the stream is P:{{TAG}}:stream)
+local classes = base .. 'classes'
 local mine, own = {{}}, {{}}
 if groups == '*' then groups = '{",".join(str(g) for g in range(BACKLOG_GROUPS))}' end
 for g in string.gmatch(groups, '%d+') do mine[#mine + 1] = g; own[g] = true end
-local base = string.sub(stream, 1, #stream - 6)  -- 'P:{{TAG}}:' (the stream is P:{{TAG}}:stream)
-local clock = tonumber(redis.call('HGET', fair, 'clock') or '0')
-local tv, weight, jclock, jobs = {{}}, {{}}, {{}}, {{}}
-for _, id in ipairs(ids) do
-  local key = base .. 'job:' .. id
-  local v = redis.call('HMGET', key, 'state', 'closed', 'backlog', 'tenant', 'priority', 'urgent',
-                       'deadline', 'vtime', 'cost')
-  if (v[1] ~= S.QUEUED and v[1] ~= S.RUNNING) or v[2] == '1' or tonumber(v[3] or '0') <= 0 then
-    redis.call('SREM', ready, id)
-  else
-    local t = v[4] or ''
-    if tv[t] == nil then
-      tv[t] = math.max(tonumber(redis.call('HGET', fair, 't:' .. t) or '0'), clock)
-      weight[t] = tonumber(redis.call('HGET', fair, 'w:' .. t) or '1')
-      jclock[t] = tonumber(redis.call('HGET', fair, 'c:' .. t) or '0')
-    end
-    jobs[#jobs + 1] = {{id = id, key = key, tenant = t, priority = tonumber(v[5] or '0'),
-      urgent = v[6] == '1', deadline = tonumber(v[7] or '0'),
-      vtime = math.max(tonumber(v[8] or '0'), jclock[t]), cost = math.max(tonumber(v[9] or '1'), 1)}}
+local f = redis.call('HMGET', fair, 'clock', 'urgent_debt')
+local clock, debt = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+local share = tonumber(urgent_share)
+local tv, weight, jclock = {{}}, {{}}, {{}}
+local function tenant(t)
+  if tv[t] == nil then
+    local v = redis.call('HMGET', fair, 't:' .. t, 'w:' .. t, 'c:' .. t)
+    tv[t], weight[t], jclock[t] = tonumber(v[1] or '0'), tonumber(v[2] or '1'), tonumber(v[3] or '0')
   end
 end
 
-local function before(a, b)
-  if a.urgent ~= b.urgent then return a.urgent end
-  if a.urgent and a.deadline ~= b.deadline then return a.deadline < b.deadline end
-  if a.priority ~= b.priority then return a.priority > b.priority end
-  if tv[a.tenant] ~= tv[b.tenant] then return tv[a.tenant] < tv[b.tenant] end
-  if a.vtime ~= b.vtime then return a.vtime < b.vtime end
-  return a.id < b.id
+-- a job dispatch can take from: its record's fields, else nil
+local function live(id)
+  local v = redis.call('HMGET', base .. 'job:' .. id, 'state', 'closed', 'backlog', 'vtime', 'cost',
+                       'urgent', 'tenant')
+  if (v[1] ~= S.QUEUED and v[1] ~= S.RUNNING) or v[2] == '1' or tonumber(v[3] or '0') <= 0 then
+    return nil
+  end
+  return v
+end
+local function drop(id, c, t)  -- out of the index and the ready set
+  fx_leave(base, id, c, t)
+  redis.call('SREM', ready, id)
+end
+
+-- the next job to take from: the top class's earliest-deadline urgent job while urgent
+-- picks are within their share, else the class's tenant and job of least virtual time
+local function next_job()
+  while true do
+    local c = redis.call('ZRANGE', classes, 0, 0)[1]
+    if not c then return nil end
+    local tenants = base .. 'tenants:' .. c
+    local u = debt <= 0 and redis.call('ZRANGE', base .. 'urgent:' .. c, 0, 0)[1]
+    local picked = false
+    if u then
+      local v = live(u)
+      if v and v[6] == '1' then
+        tenant(v[7] or '')
+        return {{id = u, class = c, tenant = v[7] or '', urgent = true, vtime = tonumber(v[4] or '0'),
+                cost = math.max(tonumber(v[5] or '1'), 1)}}
+      end
+      redis.call('ZREM', base .. 'urgent:' .. c, u)
+      picked = true  -- look again
+    end
+    if not picked then
+      local head = redis.call('ZRANGE', tenants, 0, 0, 'WITHSCORES')
+      if #head == 0 then
+        redis.call('ZREM', classes, c)
+      else
+        local t, score = head[1], tonumber(head[2])
+        tenant(t)
+        if tv[t] > score then
+          redis.call('ZADD', tenants, fx_num(tv[t]), t)  -- charged in another class meanwhile
+        else
+          local id = redis.call('ZRANGE', base .. 'jobs:' .. c .. ':' .. t, 0, 0)[1]
+          if not id then
+            redis.call('ZREM', tenants, t)
+          else
+            local v = live(id)
+            if v then
+              return {{id = id, class = c, tenant = t, urgent = false, vtime = tonumber(v[4] or '0'),
+                      cost = math.max(tonumber(v[5] or '1'), 1)}}
+            end
+            drop(id, c, t)
+          end
+        end
+      end
+    end
+  end
 end
 
 local function pop(list, want, got)
@@ -157,16 +199,18 @@ local function take(key, want)
 end
 
 local need, added, charged = n - #out, 0, {{}}
-while need > 0 and #jobs > 0 do
-  local at = 1
-  for i = 2, #jobs do if before(jobs[i], jobs[at]) then at = i end end
-  local j = jobs[at]
+while need > 0 do
+  local j = next_job()
+  if not j then break end
+  local t = j.tenant
+  local key = base .. 'job:' .. j.id
+  local tvirtual, jvirtual = math.max(tv[t], clock), math.max(j.vtime, jclock[t])
   if not j.urgent then  -- the clocks follow fair picks only
-    clock = math.max(clock, tv[j.tenant])
-    jclock[j.tenant] = math.max(jclock[j.tenant], j.vtime)
+    clock = tvirtual
+    jclock[t] = math.max(jclock[t], jvirtual)
   end
   local want = math.min(need, {QUANTUM})
-  local items = take(j.key, want)
+  local items = take(key, want)
   local id
   for _, item in ipairs(items) do
     local a = string.find(item, ' ', 1, true)
@@ -179,20 +223,22 @@ while need > 0 and #jobs > 0 do
   end
   if #items > 0 then
     local cost = #items * j.cost
-    j.vtime = j.vtime + cost
-    tv[j.tenant] = tv[j.tenant] + cost / weight[j.tenant]
-    charged[j.tenant] = true
-    redis.call('HSET', j.key, 'vtime', j.vtime, 'last_id', id)
-    redis.call('HINCRBY', j.key, 'backlog', -#items)
+    if j.urgent then debt = debt + cost else debt = math.max(debt - cost * share / (1 - share), 0) end
+    jvirtual = jvirtual + cost
+    tv[t] = tvirtual + cost / weight[t]
+    charged[t] = true
+    redis.call('HSET', key, 'vtime', fx_num(jvirtual), 'last_id', id)
+    redis.call('HINCRBY', key, 'backlog', -#items)
+    redis.call('ZADD', base .. 'jobs:' .. j.class .. ':' .. t, fx_num(jvirtual), j.id)
+    redis.call('ZADD', base .. 'tenants:' .. j.class, fx_num(tv[t]), t)
     need, added = need - #items, added + #items
   end
-  if #items < want then  -- its backlog is empty
-    redis.call('SREM', ready, j.id)
-    table.remove(jobs, at)
-  end
+  if #items < want then drop(j.id, j.class, t) end  -- its backlog is empty
 end
-redis.call('HSET', fair, 'clock', clock)
-for t in pairs(charged) do redis.call('HSET', fair, 't:' .. t, tv[t], 'c:' .. t, jclock[t]) end
+redis.call('HSET', fair, 'clock', fx_num(clock), 'urgent_debt', fx_num(debt))
+for t in pairs(charged) do
+  redis.call('HSET', fair, 't:' .. t, fx_num(tv[t]), 'c:' .. t, fx_num(jclock[t]))
+end
 if added > 0 then
   local more = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', added, 'STREAMS', stream, '>')
   for _, e in ipairs(more[1][2]) do out[#out + 1] = e end
@@ -209,7 +255,7 @@ def dispatch(
     them); ``groups``: its prefix groups in order (None: every group, in order)."""
     order = ",".join(str(g) for g in groups) if groups is not None else "*"
     raw = DISPATCH(conn, stream=qk.stream, ready=qk.ready, fair=qk.fair, group=GROUP,
-                   me=consumer, count=count, groups=order)  # fmt: skip
+                   me=consumer, count=count, groups=order, urgent_share=URGENT_SHARE)  # fmt: skip
     entries: Any = json.loads(raw)
     if not isinstance(entries, list):  # cjson encodes an empty table as {}
         return []

@@ -15,7 +15,7 @@ worker takes first from the lists rendezvous hashing gives it
 
 The job record's ``backlog`` counts what its lists hold; the model's ``ready``
 set names the jobs whose backlog is not empty (dispatch removes a job once it
-finds its lists empty). Cancel and delete drop a job's backlog whole.
+finds its lists empty), and fair_index.py keeps them in dispatch order. Cancel and delete drop a job's backlog whole.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 
 import redis
 
+from batchgen.jobs.ops.fair_index import FAIR_INDEX
 from batchgen.jobs.redis.keys import BACKLOG_GROUPS, QueueKeys, text
 from batchgen.jobs.schema.entry import backlog_item, parse_backlog_item
 
@@ -35,16 +36,21 @@ PREFIX_BYTES = 256  # ~64 tokens: prompts that share this much likely share far 
 _STARTS = (b'{"p":', b',"p":', b'{"m":', b',"m":', b'{"e":', b',"e":')
 _SAMPLING = b',"s":'
 
-# Lua: append packed items to a job's backlog, count them, mark the job ready and ring
-# the workers (their keeper threads listen on the events channel).
-BACKLOG_PUSH = """
+# Lua: append packed items to a job's backlog, count them, mark the job ready, enter it
+# in the fair-share index and ring the workers (their keeper threads listen on the events
+# channel).
+BACKLOG_PUSH = (
+    FAIR_INDEX
+    + """
 local function push_backlog(job, job_id, ready, events, backlogs, items)
   for k = 1, #items, 2 do redis.call('RPUSH', backlogs[tonumber(items[k]) + 1], items[k + 1]) end
   redis.call('HINCRBY', job, 'backlog', #items / 2)
   redis.call('SADD', ready, job_id)
+  fx_enter(string.sub(ready, 1, #ready - 5), job, job_id)  -- ready is P:{TAG}:ready
   redis.call('PUBLISH', events, 'work')
 end
 """
+)
 
 
 def prefix_group(request: bytes) -> int:

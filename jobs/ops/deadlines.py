@@ -28,6 +28,7 @@ from typing import Any
 import redis
 
 from batchgen.jobs.ops.cancellation import cancel
+from batchgen.jobs.ops.fair_index import FAIR_INDEX
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
@@ -36,83 +37,113 @@ from batchgen.jobs.schema.errors import JobConflict, JobNotFound
 log = logging.getLogger(__name__)
 
 RATE_TAU_S = 30.0  # the rate's moving average forgets over about this long
+URGENT_SHARE = 0.5  # the most of a model's tokens its at-risk jobs take together
+CHECK_BATCH = 100  # deadline jobs a check looks at: all of them in turns of this many
 
 CHECK = script(
     "deadlines",
     keys=[
         ("fair", "the model's fair-share state: committed work, the rate"),
         ("ready", "the model's jobs with a backlog"),
-        ("active", "the model's unfinished jobs"),
     ],
-    args=[("now", "unix s"), ("tau", "the rate average's time constant, s")],
+    args=[
+        ("now", "unix s"),
+        ("tau", "the rate average's time constant, s"),
+        ("urgent_share", "the most of the model urgent jobs take"),
+        ("batch", "deadline jobs looked at in one run"),
+    ],
+    prelude=FAIR_INDEX,
     body="""
 local t = tonumber(now)
-local f = redis.call('HMGET', fair, 'checked_at', 'work', 'rate', 'rate_at', 'rate_work')
+local f = redis.call('HMGET', fair, 'checked_at', 'work', 'rate', 'rate_at', 'rate_work',
+                     'deadline_cursor')
 if t - tonumber(f[1] or '0') < 0.5 then return {} end  -- another worker just did it
 redis.call('HSET', fair, 'checked_at', t)
 local work, rate = tonumber(f[2] or '0'), tonumber(f[3] or '0')
 local at, was = tonumber(f[4] or '0'), tonumber(f[5] or '0')
-local ready_ids = redis.call('SMEMBERS', ready)
 if at == 0 then
   redis.call('HSET', fair, 'rate_at', t, 'rate_work', work)
 elseif t - at >= 1 then
   local inst = (work - was) / (t - at)
-  if inst > 0 or #ready_ids > 0 then  -- an idle fleet keeps the rate it last had
+  if inst > 0 or redis.call('SCARD', ready) > 0 then  -- an idle fleet keeps the rate it last had
     if rate > 0 then rate = rate + (1 - math.exp(-(t - at) / tonumber(tau))) * (inst - rate)
     else rate = inst end
   end
   redis.call('HSET', fair, 'rate', rate, 'rate_at', t, 'rate_work', work)
 end
 local base = string.sub(fair, 1, #fair - 4)  -- 'P:{TAG}:'
-local function job_of(id)
-  local v = redis.call('HMGET', base .. 'job:' .. id, 'state', 'priority', 'tenant', 'deadline',
-                       'total', 'done', 'failed', 'cost', 'expire')
-  return {id = id, key = base .. 'job:' .. id, state = v[1], priority = tonumber(v[2] or '0'),
-    tenant = v[3] or '', deadline = tonumber(v[4] or '0'),
-    left = (tonumber(v[5] or '0') - tonumber(v[6] or '0') - tonumber(v[7] or '0'))
-           * math.max(tonumber(v[8] or '1'), 1), expire = v[9] == '1'}
+local n, share_cap = tonumber(batch), tonumber(urgent_share)
+local function active(state) return state == S.QUEUED or state == S.RUNNING end
+
+-- jobs past the deadline they asked to expire at (they leave once cancelled)
+local expired = {}
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', base .. 'expiry', '-inf', t, 'LIMIT', 0, n)) do
+  if active(redis.call('HGET', base .. 'job:' .. id, 'state')) then expired[#expired + 1] = id
+  else redis.call('ZREM', base .. 'expiry', id) end
 end
--- who competes: the ready jobs by class and tenant
-local top, in_class = nil, {}
-local readyset = {}
-for _, id in ipairs(ready_ids) do
-  local j = job_of(id)
-  readyset[id] = j
-  if not top or j.priority > top then top = j.priority end
+
+-- the next `batch` deadline jobs, in turns: each one's fair share, and where it stands
+local top = redis.call('ZRANGE', base .. 'classes', 0, 0)[1]
+top = top and tonumber(top)
+local weights = {}
+local function weight(tenant)
+  if not weights[tenant] then weights[tenant] = tonumber(redis.call('HGET', fair, 'w:' .. tenant) or '1') end
+  return weights[tenant]
 end
-local function weight(tenant) return tonumber(redis.call('HGET', fair, 'w:' .. tenant) or '1') end
-local function share(j)
-  if top and j.priority < top then return 0 end
-  local tenants, total_w, mine = {}, 0, readyset[j.id] and 0 or 1
-  for _, r in pairs(readyset) do
-    if r.priority == j.priority then
-      if not tenants[r.tenant] then tenants[r.tenant] = true; total_w = total_w + weight(r.tenant) end
-      if r.tenant == j.tenant then mine = mine + 1 end
+local class_weight = {}  -- the weights of the tenants with ready jobs in a class, summed
+local function total_weight(c)
+  if not class_weight[c] then
+    local sum = 0
+    for _, tenant in ipairs(redis.call('ZRANGE', base .. 'tenants:' .. c, 0, -1)) do
+      sum = sum + weight(tenant)
+    end
+    class_weight[c] = sum
+  end
+  return class_weight[c]
+end
+local deadlines = base .. 'deadlines'
+local from, total = tonumber(f[6] or '0'), redis.call('ZCARD', deadlines)
+if from >= total or total <= n then from = 0 end
+local turn = redis.call('ZRANGE', deadlines, from, from + n - 1)
+local after = from + #turn
+if #turn < n and from > 0 then  -- wrap around to the first ones
+  after = math.min(n - #turn, from)
+  for _, id in ipairs(redis.call('ZRANGE', deadlines, 0, after - 1)) do turn[#turn + 1] = id end
+end
+redis.call('HSET', fair, 'deadline_cursor', after)
+for _, id in ipairs(turn) do
+  local key = base .. 'job:' .. id
+  local v = redis.call('HMGET', key, 'state', 'priority', 'tenant', 'deadline', 'total', 'done',
+                       'failed', 'cost')
+  local c, tenant, deadline = v[2] or '0', v[3] or '', tonumber(v[4] or '0')
+  local urgent = base .. 'urgent:' .. c
+  if not active(v[1]) then
+    redis.call('ZREM', deadlines, id)
+    redis.call('ZREM', urgent, id)
+  elseif rate > 0 then
+    local left = (tonumber(v[5] or '0') - tonumber(v[6] or '0') - tonumber(v[7] or '0'))
+                 * math.max(tonumber(v[8] or '1'), 1)
+    local s = 0  -- its fair share: none while a higher class has work
+    if not top or tonumber(c) >= top then
+      local jobs = base .. 'jobs:' .. c .. ':' .. tenant
+      local total = total_weight(c)
+      if not redis.call('ZSCORE', base .. 'tenants:' .. c, tenant) then total = total + weight(tenant) end
+      local mine = redis.call('ZCARD', jobs)
+      if not redis.call('ZSCORE', jobs, id) then mine = mine + 1 end
+      s = weight(tenant) / total / mine
+    end
+    local fair_eta = s > 0 and t + left / (rate * s) or 0
+    if s > 0 and fair_eta <= deadline then  -- on track at its share
+      redis.call('HSET', key, 'urgent', '0', 'late', '0', 'eta', fair_eta)
+      redis.call('ZREM', urgent, id)
+    elseif s > 0 and t + left / (rate * math.max(s, share_cap)) <= deadline then  -- at risk
+      redis.call('HSET', key, 'urgent', '1', 'late', '0', 'eta', t + left / (rate * math.max(s, share_cap)))
+      redis.call('ZADD', urgent, fx_num(deadline), id)
+    else  -- it cannot make it at any share it may take: back to its fair share
+      redis.call('HSET', key, 'urgent', '0', 'late', '1', 'eta', fair_eta)
+      redis.call('ZREM', urgent, id)
     end
   end
-  if not tenants[j.tenant] then total_w = total_w + weight(j.tenant) end
-  return weight(j.tenant) / total_w / mine
-end
-local expired, urgent = {}, {}
-for _, id in ipairs(redis.call('SMEMBERS', active)) do
-  local j = readyset[id] or job_of(id)
-  if (j.state == S.QUEUED or j.state == S.RUNNING) and j.deadline > 0 then
-    if j.expire and t >= j.deadline then expired[#expired + 1] = id end
-    local s = share(j)
-    local late = rate > 0 and (s == 0 or t + j.left / (rate * s) > j.deadline)
-    if late then
-      urgent[#urgent + 1] = j
-    else
-      local eta = (rate > 0) and (t + j.left / (rate * s)) or 0
-      redis.call('HSET', j.key, 'urgent', '0', 'eta', eta)
-    end
-  end
-end
-table.sort(urgent, function(a, b) return a.deadline < b.deadline end)
-local ahead = 0
-for _, j in ipairs(urgent) do
-  ahead = ahead + j.left
-  redis.call('HSET', j.key, 'urgent', '1', 'eta', t + ahead / rate)
 end
 return expired
 """,
@@ -123,8 +154,9 @@ def check(conn: redis.Redis, keys: Keys, qk: QueueKeys, now: float | None = None
     """Mark the model's jobs that need to go first, set their ETAs, and cancel the ones
     past a deadline they asked to expire at; the cancelled job ids."""
     now = time.time() if now is None else now
-    expired = [text(i) for i in CHECK(conn, fair=qk.fair, ready=qk.ready, active=qk.active,
-                                      now=repr(now), tau=RATE_TAU_S)]  # fmt: skip
+    expired = [text(i) for i in CHECK(conn, fair=qk.fair, ready=qk.ready, now=repr(now),
+                                      tau=RATE_TAU_S, urgent_share=URGENT_SHARE,
+                                      batch=CHECK_BATCH)]  # fmt: skip
     done = []
     for job_id in expired:
         try:
@@ -147,7 +179,7 @@ def deadline_view(record: JobRecord, now: float) -> dict[str, Any] | None:
         end = record.finished_at or now
         state = "met" if end <= record.deadline and record.state.value == "completed" else "missed"
         eta = None
-    elif now > record.deadline:
+    elif now > record.deadline or record.late:
         state = "late"
     elif record.urgent:
         state = "at_risk"

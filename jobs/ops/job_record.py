@@ -70,7 +70,8 @@ class JobRecord:
     cost: float = 0.0  # estimated tokens a request costs (input + max_tokens): fair share
     backlog: int = 0  # requests in its backlog, not yet dispatched to the stream
     vtime: float = 0.0  # its virtual time: tokens charged at dispatch (within its tenant)
-    urgent: bool = False  # it would miss its deadline at its fair share: dispatched first (EDF)
+    urgent: bool = False  # it would miss its deadline at its fair share: served first (EDF)
+    late: bool = False  # it cannot make its deadline at any share it may take: served fairly
     eta: float = 0.0  # unix s it should finish at the rate it is served; 0.0: unknown
     engine_us: int = 0  # engine time its committed rows took (usage)
 

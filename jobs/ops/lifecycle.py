@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 
+from batchgen.jobs.ops.fair_index import FAIR_INDEX
 from batchgen.jobs.redis.lua import LuaScript, lua_moves
 
 
@@ -183,12 +184,15 @@ if state == S.QUEUED or state == S.RUNNING then
   move(job, state, S.CANCELLING, 'cancelled_at', now, 'backlog', 0, 'urgent', '0')
   redis.call('DEL', unpack(backlogs))
   redis.call('SREM', ready, job_id)
+  local v = redis.call('HMGET', job, 'priority', 'tenant')
+  fx_leave(string.sub(ready, 1, #ready - 5), job_id, v[1] or '0', v[2] or '')
   redis.call('SADD', cancelled, job_id)
   redis.call('PUBLISH', events, 'cancel:' .. job_id)
   return S.CANCELLING
 end
 return state
 """,
+    prelude=FAIR_INDEX,
 )
 
 MARK_LOST = script(

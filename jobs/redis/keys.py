@@ -11,6 +11,12 @@ Layout (prefix ``P``, default ``bg``, from ``BATCHGEN_PREFIX``)::
     P:{TAG}:stream                stream  dispatched requests of one model; group "workers"
     P:{TAG}:ready                 set   jobs whose backlog holds requests (dispatch picks)
     P:{TAG}:fair                  hash  fair-share clocks, tenant weights, the fleet's rate
+    P:{TAG}:classes               zset  priority classes with ready jobs (fair_index.py)
+    P:{TAG}:tenants:C             zset  tenants with ready jobs in class C -> virtual time
+    P:{TAG}:jobs:C:T              zset  tenant T's ready jobs in class C -> virtual time
+    P:{TAG}:urgent:C              zset  class C's jobs at risk of missing their deadline
+    P:{TAG}:deadlines             zset  unfinished jobs with a deadline -> deadline
+    P:{TAG}:expiry                zset  those of them that expire at it -> deadline
     P:{TAG}:usage                 hash  "TENANT|counter" -> committed usage on this model
     P:{TAG}:active                set   unfinalized jobs of this model
     P:{TAG}:cancelled             set   cancelled jobs workers must drop

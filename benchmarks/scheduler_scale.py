@@ -1,0 +1,170 @@
+"""What the scheduler costs Redis as jobs pile up: N queued jobs on one model (a third
+with deadlines, several tenants), on a private redis-server.
+
+    .venv/bin/python -m benchmarks.scheduler_scale                  # N = 100, 1000, 5000
+    .venv/bin/python -m benchmarks.scheduler_scale --jobs 100 2000 --calls 200
+
+For each N: the Redis time of each dispatch call (a worker asking for 16 requests;
+SLOWLOG at a 0 µs threshold records every EVALSHA's time inside Redis), per call and
+per dispatched request; the Redis time of each deadline check; and the round-trip
+latency of another client's PING meanwhile (p50, p99, max). Jobs are created by the
+real create and append-chunk scripts (no files: submit's parsing is not what this
+measures), each with ``--lines`` requests. Prints a table, then one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import redis
+
+from batchgen.jobs.consumer.dispatch import DISPATCH, dispatch
+from batchgen.jobs.ops import backlog, deadlines
+from batchgen.jobs.ops.chunk_append import APPEND_CHUNK
+from batchgen.jobs.ops.job_record import JobRecord
+from batchgen.jobs.ops.lifecycle import CREATE
+from batchgen.jobs.redis.keys import Keys, QueueKeys
+from batchgen.jobs.redis.redis_server import RedisServer
+from batchgen.jobs.redis.stream import ensure_group
+from batchgen.jobs.schema.entry import Request
+from batchgen.jobs.schema.sampling import DEFAULTS
+
+KEYS = Keys("scale")
+MODEL = "scale-model"
+TENANTS = 4
+
+
+def populate(conn: redis.Redis, qk: QueueKeys, n: int, lines: int, now: float) -> None:
+    """``n`` jobs of ``lines`` requests, tenants t0..t3 in turn, every third with a
+    deadline between 1 and 24 h from ``now``."""
+    ensure_group(conn, qk)
+    encoded = [Request(prompt=f"line {i}", sampling=dict(DEFAULTS)).encode() for i in range(lines)]
+    items = backlog.items(enumerate(encoded), queued_ms=int(now * 1000))
+    pipe = conn.pipeline(transaction=False)
+    for k in range(n):
+        job_id = f"j{k:05d}"
+        record = JobRecord(id=job_id, model=MODEL, queue=MODEL, total=lines,
+                           tenant=f"t{k % TENANTS}", cost=20.0)  # fmt: skip
+        if k % 3 == 0:
+            record.deadline = now + 3600 * (1 + (k * 7919) % 23)
+        jk = qk.job(job_id)
+        fields = [x for f, v in record.to_hash().items() if f != "state" for x in (f, v)]
+        CREATE(pipe, job=jk.job, active=qk.active, job_id=job_id, fields=fields)
+        APPEND_CHUNK(pipe, job=jk.job, ready=qk.ready, backlogs=jk.backlogs, job_id=job_id,
+                     events=qk.events, start=0, items=items)  # fmt: skip
+        if k % 200 == 199:
+            pipe.execute()
+    pipe.execute()
+
+
+def slowlog_us(conn: redis.Redis, sha: str) -> list[int]:
+    """Redis time (µs) of each logged EVALSHA of the script ``sha``, oldest first."""
+    entries = conn.slowlog_get(100_000)
+    wanted = sha.encode()
+    found = [e for e in entries if len(e["command"].split()) > 1
+             and e["command"].split()[1] == wanted]  # fmt: skip
+    return [int(e["duration"]) for e in reversed(found)]
+
+
+class Pinger(threading.Thread):
+    """Another client: a PING every millisecond, its round trips in ms."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.conn = redis.Redis.from_url(url, socket_timeout=600)
+        self.stop = threading.Event()
+        self.ms: list[float] = []
+        self.busy = 0  # BUSY replies: a script ran past lua-time-limit
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            t = time.perf_counter()
+            try:
+                self.conn.ping()
+            except redis.ResponseError:
+                self.busy += 1
+            self.ms.append((time.perf_counter() - t) * 1000)
+            time.sleep(0.001)
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p * len(ordered)))] if ordered else 0.0
+
+
+def measure(url: str, n: int, lines: int, calls: int, checks: int) -> dict[str, Any]:
+    conn = redis.Redis.from_url(url, socket_timeout=600)
+    conn.flushall()
+    qk = KEYS.queue_for_model(MODEL)
+    now = time.time()
+    populate(conn, qk, n, lines, now)
+    conn.hset(qk.fair, "work", 0.0)
+    deadlines.check(conn, KEYS, qk, now=now)  # the rate's first sample, then 1,000 tokens/s
+    conn.hincrbyfloat(qk.fair, "work", 1000.0)
+    conn.config_set("slowlog-max-len", 100_000)
+    conn.config_set("slowlog-log-slower-than", 0)
+    conn.slowlog_reset()
+    pinger = Pinger(url)
+    pinger.start()
+    time.sleep(0.2)
+    dispatched = 0
+    for c in range(calls):
+        dispatched += len(dispatch(conn, qk, f"w{c % 4}", 16, None))
+    for k in range(checks):
+        deadlines.check(conn, KEYS, qk, now=now + 1 + k)
+    time.sleep(0.2)
+    pinger.stop.set()
+    pinger.join()
+    conn.config_set("slowlog-log-slower-than", 10_000)
+    dispatch_us = slowlog_us(conn, DISPATCH.script.sha)
+    check_us = slowlog_us(conn, deadlines.CHECK.script.sha)
+    return {
+        "jobs": n, "dispatch_calls": len(dispatch_us), "dispatched": dispatched,
+        "dispatch_ms_median": statistics.median(dispatch_us) / 1000,
+        "dispatch_ms_max": max(dispatch_us) / 1000,
+        "dispatch_us_per_request": sum(dispatch_us) / max(dispatched, 1),
+        "check_ms_median": statistics.median(check_us) / 1000,
+        "check_ms_max": max(check_us) / 1000,
+        "ping_ms_p50": pct(pinger.ms, 0.5), "ping_ms_p99": pct(pinger.ms, 0.99),
+        "ping_ms_max": max(pinger.ms), "pings": len(pinger.ms),
+        "busy_replies": pinger.busy,
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, nargs="+", default=[100, 1000, 5000])
+    parser.add_argument("--lines", type=int, default=4, help="requests a job")
+    parser.add_argument("--calls", type=int, default=100, help="dispatch calls of 16 requests")
+    parser.add_argument("--checks", type=int, default=10, help="deadline checks")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(tmp, appendonly=False)
+        server.start()
+        try:
+            for n in args.jobs:
+                results.append(measure(server.url, n, args.lines, args.calls, args.checks))
+                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+        finally:
+            server.stop()
+    print("| jobs | dispatch ms (median / max) | Redis µs / request | deadline check ms "
+          "(median / max) | other client's PING ms (p50 / p99 / max) | BUSY replies |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        print(f"| {r['jobs']:,} | {r['dispatch_ms_median']:.2f} / {r['dispatch_ms_max']:.2f} | "
+              f"{r['dispatch_us_per_request']:.0f} | {r['check_ms_median']:.2f} / "
+              f"{r['check_ms_max']:.2f} | {r['ping_ms_p50']:.2f} / {r['ping_ms_p99']:.2f} / "
+              f"{r['ping_ms_max']:.2f} | {r['busy_replies']} |")  # fmt: skip
+    print(json.dumps({"results": results}))
+
+
+if __name__ == "__main__":
+    main()
