@@ -380,7 +380,8 @@ def test_the_compose_block_matches_the_compose_file(tmp_path: Path):
 
 BENCHMARK_BLOCKS = ["bench-engine", "bench-embed", "bench-pipeline", "bench-cache",
                     "bench-tables", "bench-serve", "gpu-check", "soak", "bench-moe", "bench-backend",
-                    "bench-fair-share", "bench-prefix-affinity", "serve-storm"]  # fmt: skip
+                    "bench-fair-share", "bench-prefix-affinity", "serve-storm",
+                    "bench-scheduler-scale"]  # fmt: skip
 PARSE_ONLY = """
 import argparse, json, runpy, sys
 class Parsed(Exception):

@@ -4,16 +4,19 @@ A worker asks for as many requests as its engine can admit. The script first
 reads the stream (XREADGROUP ``>``): entries handed back with their tokens go
 first, since work already begun is never set aside. It fills the rest from the backlogs of the
 model's ready jobs (backlog.py), ``QUANTUM`` requests at a time from the job that
-comes first in this order:
+comes first in this order, kept in sorted sets (fair_index.py):
 
-1. urgent jobs (deadlines.py: they would miss their deadline at their fair share),
-   earliest deadline first;
-2. higher priority class;
-3. the tenant with the smallest virtual time (tokens charged / its weight);
+1. the highest priority class with ready jobs;
+2. within it, its at-risk jobs (deadlines.py: they would miss their deadline at their
+   fair share), earliest deadline first, as long as urgent picks have taken at most
+   ``urgent_share`` of the tokens (``urgent_debt`` in the fair hash: an urgent pick
+   adds its tokens, a fair pick pays them back at share / (1 - share) a token);
+3. else the tenant with the smallest virtual time (tokens charged / its weight);
 4. within the tenant, the job with the smallest virtual time (tokens charged).
 
 Each request moved is charged its job's estimated cost (tokens: input estimate
-and max_tokens), so shares are shares of tokens, not of requests. A tenant or job
+and max_tokens), so shares are shares of tokens, not of requests; an urgent job's
+tokens count against its own and its tenant's virtual time too. A tenant or job
 that had no work gets its virtual time raised to the clock (the smallest charged
 when last picked) before it competes, so idle time is not credit to spend later.
 Within the chosen job the worker takes its own prefix groups first
@@ -26,13 +29,14 @@ The moved requests are XADDed to the stream (``j i r q``, or ``j i r x`` for a
 retried request, whose backlog item carries its earlier deliveries: entry.py) and
 read by this worker in the same script, so from there on everything is as before:
 the entry is pending at the worker (refresh, reclaim, hand-back, dead-letter and
-commit unchanged). Redis per call: one XREADGROUP, SMEMBERS of the ready set and an
-HMGET per ready job, a LINDEX per own group of each job it takes from, then per
-request an LPOP, a LINDEX (the merge in input order), an XADD and the final
-XREADGROUP's share.
+commit unchanged). Redis per call: one XREADGROUP, per job taken from a few ZRANGEs
+(class, tenant, job: O(log jobs)), an HMGET of its record, a LINDEX per own group and
+two ZADDs, then per request an LPOP, a LINDEX (the merge in input order), an XADD
+and the final XREADGROUP's share. A finished, cancelled or deleted job that comes
+first leaves the index then, once.
 
-The job records are found from the ready set's ids (same hash tag, so the same
-slot as the stream: Redis Cluster runs it on the model's shard).
+The index's keys are built from the stream's (same hash tag, so the same slot:
+Redis Cluster runs it on the model's shard).
 """
 
 from __future__ import annotations
@@ -211,6 +215,7 @@ while need > 0 do
   end
   local want = math.min(need, {QUANTUM})
   local items = take(key, want)
+  local emptied = #items < want  -- or its backlog count says so, below
   local id
   for _, item in ipairs(items) do
     local a = string.find(item, ' ', 1, true)
@@ -228,12 +233,12 @@ while need > 0 do
     tv[t] = tvirtual + cost / weight[t]
     charged[t] = true
     redis.call('HSET', key, 'vtime', fx_num(jvirtual), 'last_id', id)
-    redis.call('HINCRBY', key, 'backlog', -#items)
+    if redis.call('HINCRBY', key, 'backlog', -#items) <= 0 then emptied = true end
     redis.call('ZADD', base .. 'jobs:' .. j.class .. ':' .. t, fx_num(jvirtual), j.id)
     redis.call('ZADD', base .. 'tenants:' .. j.class, fx_num(tv[t]), t)
     need, added = need - #items, added + #items
   end
-  if #items < want then drop(j.id, j.class, t) end  -- its backlog is empty
+  if emptied then drop(j.id, j.class, t) end
 end
 redis.call('HSET', fair, 'clock', fx_num(clock), 'urgent_debt', fx_num(debt))
 for t in pairs(charged) do

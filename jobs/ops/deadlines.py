@@ -1,21 +1,30 @@
-"""Deadlines: which jobs would miss theirs at their fair share, served first, and ETAs.
+"""Deadlines: which jobs would miss theirs at their fair share, served first within
+bounds, and ETAs.
 
 Every worker runs ``check`` about once a second (at most one run a second per
-model does the work); one script, on the model's keys:
+model does the work); one script, on the model's keys, O(CHECK_BATCH x log jobs)
+however many jobs wait:
 
 1. the fleet's rate: the model's committed work (each committed row adds its job's
    estimated cost in tokens, commit.py) per second, a moving average over ~30 s;
-2. each unfinished job with a deadline: its fair share (nothing while a higher
-   priority class has work; else its tenant's weight over the weights of the
-   tenants with work in its class, split among the tenant's jobs there), and the
-   time its remaining work takes at that share. A job that would finish after its
-   deadline is ``urgent``: dispatch serves urgent jobs first, earliest deadline
-   first (dispatch.py), until the estimate says it fits its share again. Its
-   ``eta`` is where it stands in that order; another's is at its share;
-3. jobs past their deadline that asked to ``expire`` are returned, and cancelled
-   (finished rows kept, the rest cancelled rows). A job from ``batchgen serve``
-   expires at its batch's ``expires_at`` by serve's own sweep (as OpenAI's do); a
-   CLI job without ``--expire`` keeps running and ``status`` reports it late.
+2. the next ``CHECK_BATCH`` unfinished jobs with a deadline (fair_index.py's
+   ``deadlines``, in turns: each job is looked at every jobs / CHECK_BATCH runs):
+   its fair share ``s`` (nothing while a higher priority class has work; else its
+   tenant's weight over the weights of the tenants with work in its class, split
+   among the tenant's jobs there), and the time its remaining work takes:
+
+   - it fits at ``s``: on track (``eta`` at its share);
+   - it fits only at ``URGENT_SHARE`` of the model: ``urgent``, at risk; dispatch
+     serves the class's at-risk jobs first, earliest deadline first, but with at most
+     ``URGENT_SHARE`` of the tokens together, and never ahead of a higher class
+     (dispatch.py); ``eta`` at that share;
+   - it does not fit even then (or its class has no share now): ``late``; it goes
+     on at its fair share and takes nothing from the others (``eta`` at its share);
+3. jobs past their deadline that asked to ``expire`` are returned (``expiry``, by
+   deadline), and cancelled (finished rows kept, the rest cancelled rows). A job
+   from ``batchgen serve`` expires at its batch's ``expires_at`` by serve's own sweep
+   (as OpenAI's do); a CLI job without ``--expire`` keeps running and ``status``
+   reports it late.
 """
 
 from __future__ import annotations

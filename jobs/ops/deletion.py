@@ -28,7 +28,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from batchgen.jobs.intake.kept import KEPT
-from batchgen.jobs.ops import tenants
+from batchgen.jobs.ops import fair_index, tenants
 from batchgen.jobs.ops.cancellation import cancel
 from batchgen.jobs.ops.finalize_tasks import finalize_queue
 from batchgen.jobs.ops.job_record import JobRecord, queue_of_job
@@ -108,6 +108,7 @@ def delete_entries(conn: redis.Redis, qk: QueueKeys, job_id: str) -> int:
     """Drop the job's backlog, and ack and delete its entries in the model's stream
     (scanned in batches)."""
     jk = qk.job(job_id)
+    fair_index.leave(conn, qk, job_id)
     pipe = conn.pipeline(transaction=True)
     for key in jk.backlogs:
         pipe.llen(key)

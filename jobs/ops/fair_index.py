@@ -22,9 +22,16 @@ leaving is lazy: dispatch and the deadline check look at a member's record when 
 comes first, and drop a job that is finished, deleted or out of backlog (and a tenant
 or class left without jobs); every dropped member costs O(log jobs) once. A tenant's score can lag
 its virtual time (charged in another class meanwhile): dispatch corrects it when the
-tenant comes first. Scores go through ``fx_num`` (17 digits) wherever they are written,
+tenant comes first. ``leave`` takes a deleted job out of every set. Scores go through ``fx_num`` (17 digits) wherever they are written,
 so a score and the fair hash's copy compare exactly.
 """
+
+from __future__ import annotations
+
+import redis
+
+from batchgen.jobs.redis.keys import QueueKeys
+from batchgen.jobs.redis.lua import LuaScript
 
 FAIR_INDEX = """
 local function fx_num(x) return string.format('%.17g', x) end
@@ -52,3 +59,24 @@ local function fx_leave(base, job_id, c, t)
   if redis.call('EXISTS', tenants) == 0 then redis.call('ZREM', base .. 'classes', c) end
 end
 """
+
+# a deleted job leaves every part of the index at once (its record still there)
+LEAVE = LuaScript.define(
+    "leave fair index",
+    keys=[("job", "the job record"), ("ready", "the model's jobs with a backlog")],
+    args=[("job_id", "")],
+    prelude=FAIR_INDEX,
+    body="""
+local base = string.sub(ready, 1, #ready - 5)  -- ready is P:{TAG}:ready
+local v = redis.call('HMGET', job, 'priority', 'tenant')
+fx_leave(base, job_id, v[1] or '0', v[2] or '')
+redis.call('ZREM', base .. 'deadlines', job_id)
+redis.call('ZREM', base .. 'expiry', job_id)
+redis.call('SREM', ready, job_id)
+""",
+)
+
+
+def leave(conn: redis.Redis, qk: QueueKeys, job_id: str) -> None:
+    """Take a job out of the model's dispatch order and deadline sets (delete)."""
+    LEAVE(conn, job=qk.job(job_id).job, ready=qk.ready, job_id=job_id)
