@@ -167,6 +167,8 @@ def test_a_job_that_cannot_make_its_deadline_is_late_and_served_at_its_fair_shar
     assert huge.eta == pytest.approx(now + 1 + 1000 * huge.cost / 5)  # half: two tenants
     view = deadlines.deadline_view(huge, now + 1)
     assert view is not None and view["state"] == "late"
+    assert "(it cannot make it at any share it may take: served at its fair share)" in (
+        deadlines.describe(view))  # fmt: skip
     assert runs(read_new(conn, QK, "w", 32)) == [("huge", 16), ("small", 10), ("huge", 6)]
 
 

@@ -15,7 +15,8 @@ worker takes first from the lists rendezvous hashing gives it
 
 The job record's ``backlog`` counts what its lists hold; the model's ``ready``
 set names the jobs whose backlog is not empty (dispatch removes a job once it
-finds its lists empty), and fair_index.py keeps them in dispatch order. Cancel and delete drop a job's backlog whole.
+empties them), and fair_index.py keeps them in dispatch order. Cancel and delete
+drop a job's backlog whole.
 """
 
 from __future__ import annotations

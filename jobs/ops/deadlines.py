@@ -211,6 +211,8 @@ def describe(view: dict[str, Any]) -> str:
     line = f"{at(view['deadline'])}: {words[view['state']]}"
     if view["eta"]:
         line += f", ETA {at(view['eta'])}"
+    if view["state"] == "late" and view["eta"] and view["eta"] > view["deadline"]:
+        line += " (it cannot make it at any share it may take: served at its fair share)"
     if view["state"] == "late":
         line += (
             "; cancelled at the deadline"
