@@ -9,8 +9,11 @@ Text is the tokens joined by spaces.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+from batchgen.worker.loop.engine_api import EngineLike
 
 
 class RequestRejected(ValueError):
@@ -27,8 +30,8 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    stop: tuple = ()
-    stop_token_ids: tuple = ()
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -50,7 +53,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] | None = None
-    samples: list[Any] = field(default_factory=list)
+    samples: list[RequestOutput] = field(default_factory=list)  # the double never has n > 1
     embedding: list[float] | None = None
 
 
@@ -92,24 +95,34 @@ class FakeEngine:
     capacity_log: list[int] = field(default_factory=list)
     poison: str | None = None  # a prompt substring that kills the process in step()
     fail_step: bool = False
-    on_step: Any = None  # called with the step number before each step
+    on_step: Callable[[int], object] | None = None  # called with the step number before each step
     raise_on: str | None = None  # step() raises while a request with this prompt runs
     _stats: EngineStats = field(default_factory=EngineStats)
 
     def token_text(self, token_id: int) -> str:
         return str(token_id)
 
-    def encode(self, prompt: Any) -> list[int]:
+    def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
         if isinstance(prompt, list):
             prompt = "".join(f"<{m['role']}>{m['content']}" for m in prompt) + "<assistant>"
         if "\x07" in prompt:
             raise ValueError("bell characters are not in the vocabulary")
         return [ord(c) % 256 for c in prompt]
 
-    def add_embedding(self, request_id, prompt, dimensions=None):
+    def add_embedding(
+        self, request_id: str, prompt: str | list[int], dimensions: int | None = None
+    ) -> None:
         raise RequestRejected(request_id, "the engine double does not embed")
 
-    def add_request(self, request_id, prompt, params, *, resume_token_ids=None, priority=0):
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        resume_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> None:
         assert isinstance(prompt, list)
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise RequestRejected(
@@ -154,11 +167,11 @@ class FakeEngine:
             del self.running[out.request_id]
         return done
 
-    def abort(self, request_id):
+    def abort(self, request_id: str) -> RequestOutput | None:
         req = self.running.pop(request_id, None)
         return None if req is None else self._out(req, "abort")
 
-    def drain(self):
+    def drain(self) -> list[RequestOutput]:
         outs = [self._out(r, "abort") for r in self.running.values()]
         self.running.clear()
         return outs
@@ -174,3 +187,7 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         self._stats.num_running = len(self.running)
         return self._stats
+
+
+if TYPE_CHECKING:  # mypy checks the double against the interface the loop is written to
+    _: EngineLike[SamplingParams] = FakeEngine()

@@ -1,22 +1,82 @@
 """What the loop needs from the engine, and loading the real one lazily.
 
-The loop is written against ``EngineLike`` (the engine's public interface); the
-real ``batchgen.worker.engine.Engine`` is imported only when a worker starts, so this
-package imports without torch.
+The loop is written against ``EngineLike`` (the engine's public interface) and
+reads what it hands back through ``EngineOutput`` and ``EngineCounters``; the
+real ``batchgen.worker.engine.Engine`` satisfies them (mypy checks it in
+``load_engine``), and so does the tests' double (tests/engine_double.py). The
+engine is imported only when a worker starts, so this package imports without
+torch.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import Field, dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from batchgen.worker.engine_config import EngineConfig
 
+Params = TypeVar("Params")  # the engine's sampling parameters, opaque to the loop
+ParamsIn = TypeVar("ParamsIn", contravariant=True)
 
-class EngineLike(Protocol):
-    max_model_len: int
+
+class EngineSample(Protocol):
+    """One of an output's n completions."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def finish_reason(self) -> str: ...
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None: ...
+
+
+class EngineOutput(Protocol):
+    """A finished (or aborted) request; the top-level fields are its first sample's."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def finish_reason(self) -> str: ...  # "stop", "length" or "abort"
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_cached_tokens(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None: ...
+    @property
+    def samples(self) -> Sequence[EngineSample]: ...  # every sample when n > 1
+    @property
+    def embedding(self) -> list[float] | None: ...
+
+
+class EngineCounters(Protocol):
+    """The engine's counters, a dataclass: the heartbeat carries all its fields."""
+
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+
+    @property
+    def num_steps(self) -> int: ...
+    @property
+    def generation_tokens(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+
+
+class EngineLike(Protocol[ParamsIn]):
+    @property
+    def max_model_len(self) -> int: ...
 
     def encode(self, prompt: str | list[dict[str, str]]) -> list[int]: ...
 
@@ -25,8 +85,8 @@ class EngineLike(Protocol):
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
-        params: Any,
+        prompt: list[int],
+        params: ParamsIn,
         *,
         resume_token_ids: list[int] | None = None,
         priority: int = 0,
@@ -36,27 +96,32 @@ class EngineLike(Protocol):
         self, request_id: str, prompt: str | list[int], dimensions: int | None = None
     ) -> None: ...
 
-    def step(self) -> list[Any]: ...
+    def step(self) -> Sequence[EngineOutput]: ...
 
-    def abort(self, request_id: str) -> Any: ...
+    def abort(self, request_id: str) -> EngineOutput | None: ...
 
-    def drain(self) -> list[Any]: ...
+    def drain(self) -> Sequence[EngineOutput]: ...
 
     def has_unfinished(self) -> bool: ...
 
     def free_capacity(self) -> int: ...
 
-    def stats(self) -> Any: ...
+    def stats(self) -> EngineCounters | None: ...  # None: an engine that keeps none
 
 
 @dataclass(slots=True)
-class EngineAPI:
-    engine: EngineLike
-    sampling_params: Callable[..., Any]  # SamplingParams(**request.sampling); ValueError when bad
+class EngineAPI(Generic[Params]):
+    engine: EngineLike[Params]
+    sampling_params: Callable[
+        ..., Params
+    ]  # SamplingParams(**request.sampling); ValueError when bad
     rejected: tuple[type[BaseException], ...]  # add_request's "can never run" errors
 
 
-def load_engine(model: str, config: EngineConfig) -> EngineAPI:
-    engine_package: Any = importlib.import_module("batchgen.worker.engine")
+def load_engine(model: str, config: EngineConfig) -> EngineAPI[Any]:
+    if TYPE_CHECKING:
+        import batchgen.worker.engine as engine_package
+    else:
+        engine_package = importlib.import_module("batchgen.worker.engine")
     engine = engine_package.Engine.from_config(model, config)
     return EngineAPI(engine, engine_package.SamplingParams, (engine_package.RequestRejected,))

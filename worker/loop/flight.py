@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from batchgen.jobs.consumer.queue import Delivery
 from batchgen.jobs.schema.constraints import kind_of
 from batchgen.jobs.schema.rows import FinishReason, Row
+from batchgen.worker.loop.engine_api import EngineOutput
 
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
@@ -43,7 +45,9 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def output_row(flight: Flight, out, worker: str, token_text: Callable[[int], str]) -> Row:
+def output_row(
+    flight: Flight, out: EngineOutput, worker: str, token_text: Callable[[int], str]
+) -> Row:
     """The row of a finished engine output (``RequestOutput``); ``token_text``: a token
     id's text alone, for the logprobs columns."""
     d = flight.delivery
@@ -51,7 +55,7 @@ def output_row(flight: Flight, out, worker: str, token_text: Callable[[int], str
     token_ids = list(out.token_ids)
     top_k = d.request.param("logprobs")
     samples = out.samples if len(out.samples) > 1 else []
-    choices = [
+    choices: list[dict[str, Any]] = [
         {"index": i, "text": s.text, "token_ids": list(s.token_ids),
          "finish_reason": s.finish_reason,
          "logprobs": _logprobs(s.token_ids, s.logprobs, top_k, token_text)}
@@ -81,7 +85,7 @@ def output_row(flight: Flight, out, worker: str, token_text: Callable[[int], str
 
 
 def _logprobs(
-    token_ids: list[int], entries: list[dict[int, float]] | None, top_k: int | None,
+    token_ids: Sequence[int], entries: list[dict[int, float]] | None, top_k: int | None,
     token_text: Callable[[int], str],
 ) -> list[dict] | None:  # fmt: skip
     """The logprobs column: per token {token_id, token, logprob, top: the top_k best}."""

@@ -50,7 +50,7 @@ _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 class QueueLoop:
-    def __init__(self, conn: redis.Redis, api: EngineAPI, config: LoopConfig) -> None:
+    def __init__(self, conn: redis.Redis, api: EngineAPI[Any], config: LoopConfig) -> None:
         self.conn = conn
         self.api = api
         self.engine = api.engine
@@ -225,11 +225,7 @@ class QueueLoop:
     def activity(self) -> dict[str, Any]:
         """The loop's part of the heartbeat: requests held per job, rows, counters, engine."""
         stats = self.engine.stats()
-        engine = (
-            dataclasses.asdict(stats)
-            if dataclasses.is_dataclass(stats) and not isinstance(stats, type)
-            else {}
-        )
+        engine = dataclasses.asdict(stats) if stats is not None else {}
         return {
             "in_flight": self.requests.per_job(),
             "cancels": dict(self.requests.cancel_seen),

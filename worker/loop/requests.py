@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -24,7 +24,7 @@ from batchgen.jobs.consumer.queue import Delivery, HandBack
 from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.schema.rows import Row, cached_input_tokens
 from batchgen.worker.loop.caching import LoopCache
-from batchgen.worker.loop.engine_api import EngineAPI
+from batchgen.worker.loop.engine_api import EngineAPI, EngineOutput
 from batchgen.worker.loop.flight import Flight, error_row, now_ms, output_row, resumable
 from batchgen.worker.loop.isolation import Isolation
 from batchgen.worker.loop.loop_config import LoopConfig
@@ -38,7 +38,7 @@ REFUSED_PAUSE_S = 1.0  # no reads this long after handing back a refused job's r
 class Requests:
     def __init__(
         self,
-        api: EngineAPI,
+        api: EngineAPI[Any],
         sink: PartSink,
         config: LoopConfig,
         job: Callable[[str], JobInfo | None],  # a job's output, None if the job is gone
@@ -260,7 +260,7 @@ class Requests:
         for flight in self.flights.values():
             flight.engine_us += share
 
-    def finished(self, out) -> None:
+    def finished(self, out: EngineOutput) -> None:
         self.isolation.forget(out.request_id)
         flight = self.flights.pop(out.request_id, None)
         if flight is None:
@@ -320,7 +320,7 @@ class Requests:
                 items.append(HandBack(flight.delivery, resumable(flight.delivery, tokens)))
         return items
 
-    def take_all(self, outputs: list[Any], failed: bool, error: str) -> list[HandBack]:
+    def take_all(self, outputs: Sequence[EngineOutput], failed: bool, error: str) -> list[HandBack]:
         """Shutdown: every request it holds, to hand back. ``outputs``: the engine's drain;
         ``failed``: the engine raised, so this attempt counts as a failure."""
         items = []
