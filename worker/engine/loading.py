@@ -14,7 +14,7 @@ import torch
 
 from batchgen.jobs.schema.errors import ModelNotLoadable
 from batchgen.jobs.schema.model_files import check_config, check_files
-from batchgen.kernels.ops import select_ops
+from batchgen.kernels.ops import KernelOps, select_ops
 from batchgen.openmp_waits import wait_policy_missed
 from batchgen.worker.cpu_threads import ContentionWatch, choose_threads, usable_cpus
 from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
@@ -25,8 +25,8 @@ from batchgen.worker.engine.sampler import Sampler
 from batchgen.worker.engine_config import DTYPES, EngineConfig
 from batchgen.worker.models import CausalLM, UnsupportedModelError, build_model
 from batchgen.worker.models.hf_backend import HfCausalLM
-from batchgen.worker.models.hf_config import read_hf_config
-from batchgen.worker.models.implementation import choose_implementation
+from batchgen.worker.models.hf_config import HFConfig, read_hf_config
+from batchgen.worker.models.implementation import Implementation, choose_implementation
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -120,58 +120,21 @@ def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]
 
 
 def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEngine:
-    """Tokenizer, model, KV pool, CUDA graphs, pooling and runner for ``path`` as ``config`` says."""
-    from transformers import AutoTokenizer
+    """Tokenizer, model, KV pool, CUDA graphs, pooling and runner for ``path`` as ``config`` says.
 
-    try:
-        root = check_config(path)
-    except ModelNotLoadable as exc:
-        raise UnsupportedModelError(str(exc)) from None
-    hf = read_hf_config(root)
-    # what the config alone refuses is refused before the tokenizer and weights load
-    impl = choose_implementation(hf, config.model_impl)
-    limit = impl.max_positions or config.max_model_len
-    if limit is None:
-        raise UnsupportedModelError(
-            f"{root / 'config.json'} gives no max_position_embeddings; set max_model_len"
-        )
-    max_model_len = _max_model_len(config, limit)
+    What the config alone refuses is refused before the tokenizer and weights load."""
+    root, hf, impl = _read_config(path, config)
+    max_model_len = _context(root, impl, config)
     dev = pick_device(config.device)
     threads = set_threads(config.threads, dev)
     torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
     ops = select_ops(dev, config.use_triton)
     if impl.native is not None:  # the kernels' limits, known from the config alone
         a = impl.native.attention
-        problem = ops.attention_limits(a.num_heads, a.num_kv_heads, a.head_dim)
-        if problem is not None:
-            raise UnsupportedModelError(
-                f"{impl.native.family} on the {ops.name} kernels: {problem}"
-            )
-    try:
-        check_files(path, root)  # the tokenizer and weights are there, before either is read
-    except ModelNotLoadable as exc:
-        raise UnsupportedModelError(str(exc)) from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(root))
-    except (OSError, ValueError) as exc:
-        raise UnsupportedModelError(f"cannot load the tokenizer from {root}: {exc}") from exc
-    max_num_batched_tokens = config.max_num_batched_tokens or (4096 if dev.type == "cuda" else 2048)
+        _check_kernels(ops, impl.native.family, a.num_heads, a.num_kv_heads, a.head_dim)
+    tokenizer = _load_tokenizer(path, root)
+    model = _load_model(root, hf, impl, ops, dev, torch_dtype, max_model_len)
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
-
-    model: CausalLM
-    if impl.native is not None:
-        model = build_model(root, impl.native, dev, torch_dtype, ops, max_model_len)
-    else:
-        try:
-            model = HfCausalLM.load(root, hf.hf, ops, dev, torch_dtype)
-        except UnsupportedModelError as exc:
-            raise impl.refusal(exc) from exc
-        shape = model.config
-        problem = ops.attention_limits(shape.num_heads, shape.num_kv_heads, shape.head_dim)
-        if problem is not None:
-            raise UnsupportedModelError(
-                f"{shape.architecture} on the {ops.name} kernels: {problem}"
-            )
     num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
         model.config, block_size, torch_dtype, dev, config.kv_cache_bytes,
         config.gpu_memory_utilization,
@@ -205,7 +168,8 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     limits = EngineLimits(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_batched_tokens=config.max_num_batched_tokens
+        or (4096 if dev.type == "cuda" else 2048),
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
         threads=threads,
@@ -217,11 +181,68 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     )
 
 
-def _max_model_len(config: EngineConfig, limit: int) -> int:
-    """The context: what the model supports (``limit``), or less if asked."""
+def _read_config(
+    path: str | os.PathLike[str], config: EngineConfig
+) -> tuple[Path, HFConfig, Implementation]:
+    """The checkpoint's directory, its config, and which implementation runs it."""
+    try:
+        root = check_config(path)
+    except ModelNotLoadable as exc:
+        raise UnsupportedModelError(str(exc)) from None
+    hf = read_hf_config(root)
+    return root, hf, choose_implementation(hf, config.model_impl)
+
+
+def _context(root: Path, impl: Implementation, config: EngineConfig) -> int:
+    """The context: what the model supports, or less if asked."""
+    limit = impl.max_positions or config.max_model_len
+    if limit is None:
+        raise UnsupportedModelError(
+            f"{root / 'config.json'} gives no max_position_embeddings; set max_model_len"
+        )
     max_model_len = config.max_model_len or limit
     if max_model_len > limit:
         raise UnsupportedModelError(
             f"max_model_len {max_model_len} exceeds what the model supports ({limit})"
         )
     return max_model_len
+
+
+def _check_kernels(
+    ops: KernelOps, name: str, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """Refuse an attention shape the kernels cannot run (``KernelOps.attention_limits``)."""
+    problem = ops.attention_limits(num_heads, num_kv_heads, head_dim)
+    if problem is not None:
+        raise UnsupportedModelError(f"{name} on the {ops.name} kernels: {problem}")
+
+
+def _load_tokenizer(path: str | os.PathLike[str], root: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer, once the tokenizer and weight files are known to be there."""
+    from transformers import AutoTokenizer
+
+    try:
+        check_files(path, root)  # the tokenizer and weights are there, before either is read
+    except ModelNotLoadable as exc:
+        raise UnsupportedModelError(str(exc)) from None
+    try:
+        return AutoTokenizer.from_pretrained(str(root))
+    except (OSError, ValueError) as exc:
+        raise UnsupportedModelError(f"cannot load the tokenizer from {root}: {exc}") from exc
+
+
+def _load_model(
+    root: Path, hf: HFConfig, impl: Implementation, ops: KernelOps, dev: torch.device,
+    dtype: torch.dtype, max_model_len: int,
+) -> CausalLM:  # fmt: skip
+    """The native family's model, or transformers' (whose attention shape is known, and
+    checked against the kernels, only once it is loaded)."""
+    if impl.native is not None:
+        return build_model(root, impl.native, dev, dtype, ops, max_model_len)
+    try:
+        model = HfCausalLM.load(root, hf.hf, ops, dev, dtype)
+    except UnsupportedModelError as exc:
+        raise impl.refusal(exc) from exc
+    shape = model.config
+    _check_kernels(ops, shape.architecture, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+    return model
