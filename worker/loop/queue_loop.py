@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 from batchgen.jobs.backoff import backoff_delay
-from batchgen.jobs.consumer.queue import Delivery, HandBack, hand_back, read_new
+from batchgen.jobs.consumer.queue import HandBack, hand_back, read_new
 from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.redis.keys import Keys, queue_tag
@@ -39,11 +39,12 @@ from batchgen.jobs.redis.stream import ensure_group
 from batchgen.worker.loop.affinity import Affinity
 from batchgen.worker.loop.caching import LoopCache, numerics
 from batchgen.worker.loop.engine_api import EngineAPI
+from batchgen.worker.loop.job_book import JobBook
 from batchgen.worker.loop.keeper import Keeper
 from batchgen.worker.loop.loop_config import ENGINE_FAILED_EXIT, LoopConfig
 from batchgen.worker.loop.outages import StorageOutages
 from batchgen.worker.loop.requests import Requests
-from batchgen.worker.loop.upkeep import LoopView, Upkeep
+from batchgen.worker.loop.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
@@ -57,9 +58,9 @@ class QueueLoop:
         self.config = config
         self.keys = Keys(config.prefix)
         self.qk = self.keys.queue(queue_tag(config.queue_name))
-        self.outages = StorageOutages(
-            conn, self.qk, config.name, config.storage_outage_s, self._count
-        )
+        self.counters: dict[str, int] = {}  # first: every part below bumps them
+        count = self._count
+        self.outages = StorageOutages(conn, self.qk, config.name, config.storage_outage_s, count)
         self.engine_failed = False
         self.engine_error = ""  # what the failed step raised, kept with the hand-backs
         self.sink = PartSink(
@@ -68,41 +69,29 @@ class QueueLoop:
             flush_rows=config.flush_rows,
             flush_interval_s=config.flush_interval_s,
         )
-        self.upkeep = Upkeep(
-            conn,
-            self.keys,
-            self.qk,
-            config,
-            LoopView(
-                admit=self._admit_reclaimed,
-                capacity=lambda: self.requests.capacity(),
-                count=self._count,
-                activity=self.activity,
-                stopping=lambda: self.stopping,
-            ),
-        )
+        self.jobs = JobBook(conn, self.keys, self.qk, config, count)
         self.requests = Requests(
             api,
             self.sink,
             config,
-            job=self.upkeep.job,
-            dead_letter=self.upkeep.dead_letter,
+            job=self.jobs.job,
+            dead_letter=self.jobs.dead_letter,
             hand_back=lambda items: hand_back(conn, self.qk, config.name, items),
-            count=self._count,
+            count=count,
             cache=LoopCache(
                 conn,
                 self.keys,
-                self.upkeep.fingerprint,
+                self.jobs.fingerprint,
                 numerics(self.engine, config),
                 config.name,
-                self._count,
+                count,
             ),
         )
         self.keeper = Keeper(conn, self.keys, self.qk, config)
+        self.upkeep = Upkeep(conn, self.keys, self.qk, config, self.requests, self.keeper, count)
         self.affinity = Affinity(conn, self.keys, self.qk, config.name, config.heartbeat_s)
         self.stopping = False
         self.finished_jobs = False  # the last flush completed a job (``until`` may hold now)
-        self.counters: dict[str, int] = {}
         self._backoff_until = 0.0
         self._redis_failures = 0  # in a row; the next wait doubles with each
 
@@ -141,7 +130,7 @@ class QueueLoop:
     def tick(self) -> int:
         """One iteration; how many entries were read."""
         self._sync_keeper()
-        self.upkeep.run()
+        self.upkeep.run(self.stopping)
         read = 0
         block = None
         requests = self.requests
@@ -194,15 +183,6 @@ class QueueLoop:
 
     # -- what the keeper thread learned -------------------------------------------
 
-    def _admit_reclaimed(self, deliveries: list[Delivery]) -> None:
-        """Entries taken over from a dead worker: a cancel before the claim must be seen.
-
-        One this worker holds itself (it looked idle: the keeper was starved of CPU past
-        the claim timeout) is ours already: claiming it only refreshed it."""
-        held = set(self.requests.held())
-        self.requests.cancel(self.keeper.poll_cancelled())
-        self.requests.admit([d for d in deliveries if d.entry_id not in held])
-
     def start_keeper(self) -> None:
         """Start the thread that keeps claims and heartbeat fresh and hears cancels (once)."""
         if self.keeper.ident is None:
@@ -214,13 +194,13 @@ class QueueLoop:
         if beat:
             self.keeper.held = self.requests.held()
         if beat or self.upkeep.due("heartbeat", self.config.heartbeat_s / 2):
-            self.keeper.payload = self.upkeep.payload()
+            self.keeper.payload = self.upkeep.payload(self.activity())
         stolen = self.keeper.take_stolen()
         if stolen:
             self.requests.release(stolen)
         self.requests.cancel(self.keeper.cancelled)
 
-    # -- what upkeep sees (LoopView) ---------------------------------------------
+    # -- the heartbeat ----------------------------------------------------------
 
     def activity(self) -> dict[str, Any]:
         """The loop's part of the heartbeat: requests held per job, rows, counters, engine."""

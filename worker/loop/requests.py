@@ -27,8 +27,8 @@ from batchgen.worker.loop.caching import LoopCache
 from batchgen.worker.loop.engine_api import EngineAPI, EngineOutput
 from batchgen.worker.loop.flight import Flight, error_row, now_ms, output_row, resumable
 from batchgen.worker.loop.isolation import Isolation
+from batchgen.worker.loop.job_book import JobInfo
 from batchgen.worker.loop.loop_config import LoopConfig
-from batchgen.worker.loop.upkeep import JobInfo
 
 log = logging.getLogger(__name__)
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
@@ -76,6 +76,16 @@ class Requests:
     def capacity(self) -> int:
         """How many more entries to take now (none while a set must run alone)."""
         return 0 if self.isolation.busy else self.engine.free_capacity()
+
+    def admit_reclaimed(self, deliveries: list[Delivery], cancelled: frozenset[str]) -> None:
+        """Entries taken over from a dead worker; ``cancelled``: the jobs cancelled now (a
+        cancel before the claim must be seen).
+
+        One this worker holds itself (it looked idle: the keeper was starved of CPU past
+        the claim timeout) is ours already: claiming it only refreshed it."""
+        held = set(self.held())
+        self.cancel(cancelled)
+        self.admit([d for d in deliveries if d.entry_id not in held])
 
     def admit(self, deliveries: list[Delivery]) -> None:
         suspects: list[Delivery] = []
