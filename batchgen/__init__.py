@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from batchgen.worker.engine import (
         Engine,
         EngineConfig,
+        EngineFinishReason,
         EngineStats,
-        FinishReason,
         InvalidEngineConfig,
         RequestOutput,
         RequestRejected,
@@ -44,8 +44,8 @@ quiet_openmp_waits()
 __all__ = [
     "Engine",
     "EngineConfig",
+    "EngineFinishReason",
     "EngineStats",
-    "FinishReason",
     "InvalidEngineConfig",
     "RequestOutput",
     "RequestRejected",

@@ -25,7 +25,7 @@ from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.schedule import Schedule
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import BACKLOG_GROUPS, GROUP, Keys
-from batchgen.jobs.schema.entry import Request
+from batchgen.jobs.schema.entry import QueuedRequest
 from batchgen.jobs.schema.sampling import DEFAULTS
 from batchgen.worker.loop.affinity import owned
 from batchgen.worker.loop.loop_config import LoopConfig
@@ -218,7 +218,7 @@ def test_each_worker_takes_its_own_prefix_groups_first_and_steals_when_they_are_
     job(conn, tmp_path, "fs", 64, prompt="{i}")
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
-    group = [prefix_group(Request(prompt=p, sampling=dict(DEFAULTS)).encode()) for p in lines]
+    group = [prefix_group(QueuedRequest(prompt=p, sampling=dict(DEFAULTS)).encode()) for p in lines]
     assert len({group[i] for i in range(8)}) > 1 and all(
         group[i] == group[i % 8] for i in range(64))  # fmt: skip
     mine = {w: owned(w, {"w1", "w2"}) for w in ("w1", "w2")}

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from batchgen import Engine, SamplingParams
-from batchgen.worker.engine.request import Request
+from batchgen.worker.engine.request import EngineRequest
 from batchgen.worker.engine.scheduler import pick_victim
 
 
@@ -53,7 +53,7 @@ def test_preemption_storm_leaves_no_request_starved(llama):
 
 def test_pick_victim_is_least_important_then_latest():
     def req(priority, order):
-        return Request(f"r{order}", [1], 1, SamplingParams(), order, priority=priority)
+        return EngineRequest(f"r{order}", [1], 1, SamplingParams(), order, priority=priority)
 
     a, b, c = req(0, 0), req(0, 5), req(1, 2)
     assert pick_victim([a, b, c]) is c  # lower priority value runs first, so c goes

@@ -20,7 +20,7 @@ import redis
 from batchgen.jobs.intake.duplicate_ids import MEMORY_BYTES, IdLog, find_duplicates
 from batchgen.jobs.redis import embedded
 from batchgen.jobs.redis.redis_server import RedisServer
-from batchgen.jobs.schema.entry import Request
+from batchgen.jobs.schema.entry import QueuedRequest
 from tests.cli_session import Shell, shells, write_jsonl
 
 
@@ -227,7 +227,7 @@ def test_repeated_ids_are_found_the_same_in_buckets_as_in_memory(tmp_path):
     for part in range(3):  # three validating processes' logs
         log = IdLog(tmp_path / f"ids-{part}")
         for where in range(part * 2000, min((part + 1) * 2000, 5000)):
-            log.add(Request(id=f"id{ids[where]}", prompt="p").encode(), where)
+            log.add(QueuedRequest(id=f"id{ids[where]}", prompt="p").encode(), where)
         log.close()
         logs.append(tmp_path / f"ids-{part}")
     first_seen: dict[int, int] = {}

@@ -264,14 +264,14 @@ def test_a_mixed_file_through_a_worker_gives_logprobs_and_choices(
 def test_n_samples_restart_rather_than_resume_from_one_token_list(engine):
     from batchgen import RequestRejected
     from batchgen.jobs.consumer.queue import Delivery
-    from batchgen.jobs.schema.entry import Request
+    from batchgen.jobs.schema.entry import QueuedRequest
     from batchgen.worker.loop.flight import resumable
 
     with pytest.raises(RequestRejected, match="only a request with n = 1 resumes from tokens"):
         engine.add_request("n2", "hi", SamplingParams(n=2), resume_token_ids=[5, 6])
 
     def delivery(n: int) -> Delivery:
-        request = Request(prompt="hi", sampling={"n": n})
+        request = QueuedRequest(prompt="hi", sampling={"n": n})
         return Delivery(entry_id="1-0", job_id="j", index=0, request=request)
 
     assert resumable(delivery(1), [5, 6]) == [5, 6]

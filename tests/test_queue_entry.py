@@ -15,7 +15,7 @@ from batchgen.jobs.consumer.queue import Delivery, HandBack, dead_letter, hand_b
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.stream import ensure_group
-from batchgen.jobs.schema.entry import EntryError, QueueEntry, Request
+from batchgen.jobs.schema.entry import EntryError, QueuedRequest, QueueEntry
 from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.jobs.schema.sampling import DEFAULTS
 
@@ -62,7 +62,7 @@ LINES_AND_BYTES = [
 @pytest.mark.parametrize(("line", "wire"), LINES_AND_BYTES)
 def test_submit_writes_the_bytes_the_release_before_wrote(line: dict, wire: bytes) -> None:
     assert parse_line(1, json.dumps(line).encode(), dict(DEFAULTS)) == wire
-    assert Request.decode(wire).encode() == wire
+    assert QueuedRequest.decode(wire).encode() == wire
 
 
 def test_a_native_embedding_line_with_an_id_lists_the_id_first_now() -> None:
@@ -72,19 +72,23 @@ def test_a_native_embedding_line_with_an_id_lists_the_id_first_now() -> None:
     line = {"task": "embed", "input": [1, 2, 3], "id": 9, "metadata": {"k": 1}}
     now = parse_line(1, json.dumps(line).encode(), dict(DEFAULTS))
     assert now == b'{"id":"9","e":[1,2,3],"md":{"k":1}}'
-    assert len(now) == len(before) and Request.decode(before) == Request.decode(now)
+    assert len(now) == len(before) and QueuedRequest.decode(before) == QueuedRequest.decode(now)
 
 
 def test_requests_read_as_typed_fields() -> None:
     wire = LINES_AND_BYTES[0][1]
-    assert Request.decode(wire) == Request(
+    assert QueuedRequest.decode(wire) == QueuedRequest(
         id="row-1", prompt="Tell me about café ☕",
         sampling={"max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 7,
                   "stop": ["\n\n"], "logit_bias": {"50256": -100.0}, "logprobs": 2, "n": 2},
         metadata={"user": "ü", "n": 3},
     )  # fmt: skip
-    assert Request.decode(LINES_AND_BYTES[5][1]) == Request(id="e1", embed="hello", dimensions=8)
-    assert Request.decode(b"{}") == Request()  # an empty request reads (its row is an error)
+    assert QueuedRequest.decode(LINES_AND_BYTES[5][1]) == QueuedRequest(
+        id="e1", embed="hello", dimensions=8
+    )
+    assert (
+        QueuedRequest.decode(b"{}") == QueuedRequest()
+    )  # an empty request reads (its row is an error)
 
 
 # Entries exactly as the release before this module handed them back (its hand_back,
@@ -121,7 +125,7 @@ def test_entries_the_release_before_wrote_still_read() -> None:
                              b"q": b"1796169345225"}
     )  # fmt: skip
     assert fresh == Delivery(
-        entry_id="1796169345226-1", job_id="j", index=2, request=Request.decode(
+        entry_id="1796169345226-1", job_id="j", index=2, request=QueuedRequest.decode(
             LINES_AND_BYTES[0][1]), queued_at=1796169345225,
     )  # fmt: skip
     back = Delivery.parse(b"1796169345226-0", OLD_HANDED_BACK, deliveries=2)
@@ -132,7 +136,7 @@ def test_entries_the_release_before_wrote_still_read() -> None:
     )  # fmt: skip
     assert (back.attempts, back.failed_attempts) == (3, 3)
     carried = Delivery.parse(b"1796169345226-1", OLD_WITH_ROW)
-    assert carried.request == Request.decode(LINES_AND_BYTES[1][1])
+    assert carried.request == QueuedRequest.decode(LINES_AND_BYTES[1][1])
     assert (carried.resume, carried.prior_runs, carried.prior_failures) == ([5, 6], 1, 0)
     assert carried.finished == ROW
 
@@ -171,7 +175,7 @@ _MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "sy
                                             "content": _TEXT}, optional={"name": _TEXT}),
                      min_size=1, max_size=3)  # fmt: skip
 REQUESTS = st.builds(
-    Request,
+    QueuedRequest,
     id=st.none() | _TEXT,
     prompt=st.none() | _TEXT,
     messages=st.none() | _MESSAGES,
@@ -209,7 +213,7 @@ def _as_redis(flat: list[str]) -> dict[bytes, bytes]:
 @settings(max_examples=200, deadline=None)
 @given(ENTRIES)
 def test_every_field_round_trips(entry: QueueEntry) -> None:
-    assert Request.decode(entry.request.encode()) == entry.request
+    assert QueuedRequest.decode(entry.request.encode()) == entry.request
     assert QueueEntry.decode(_as_redis(entry.handed_back_fields()), "5-0") == entry
     dispatched = {**_as_redis(entry.request_fields()), b"q": b"5"}  # as dispatch.py writes it
     plain = QueueEntry.decode(dispatched, "9-0")
@@ -227,7 +231,7 @@ def test_hand_back_and_dead_letter_write_the_entry_through_lua(redis_url: str) -
     ensure_group(conn, QK)
     job = QK.job("j")
     conn.hset(job.job, mapping={"state": "running", "done": 0, "failed": 0, "total": 3})
-    request = Request(id="α", prompt="emoji 😀 and \x00 nul", sampling={"n": 1, "stop": ["😀"]},
+    request = QueuedRequest(id="α", prompt="emoji 😀 and \x00 nul", sampling={"n": 1, "stop": ["😀"]},
                       metadata={"k": ["ü", 1.5]})  # fmt: skip
     conn.xadd(QK.stream, {"j": "j", "i": 0, "r": request.encode(), "q": 1})
     conn.xadd(QK.stream, {"j": "j", "i": 1, "r": request.encode(), "q": 1})
@@ -242,5 +246,5 @@ def test_hand_back_and_dead_letter_write_the_entry_through_lua(redis_url: str) -
     )  # fmt: skip
     dead_letter(conn, QK, second, "poison", "w1", json.dumps(ROW.to_dict()))
     ((_, fields),) = conn.xrange(job.dead)
-    assert (fields[b"j"], fields[b"i"], Request.decode(fields[b"r"])) == (b"j", b"1", request)
+    assert (fields[b"j"], fields[b"i"], QueuedRequest.decode(fields[b"r"])) == (b"j", b"1", request)
     assert (fields[b"reason"], fields[b"deliveries"], fields[b"worker"]) == (b"poison", b"1", b"w1")

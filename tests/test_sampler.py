@@ -10,13 +10,13 @@ import torch
 
 from batchgen import SamplingParams
 from batchgen.jobs.schema.sampling import FIELDS, ParamError, check
-from batchgen.worker.engine.request import Request
+from batchgen.worker.engine.request import EngineRequest
 from batchgen.worker.engine.sampler import Sampler, seeded_uniform
 
 
-def _req(params: SamplingParams, prompt=(1, 2), output=()) -> Request:
+def _req(params: SamplingParams, prompt=(1, 2), output=()) -> EngineRequest:
     tokens = [*prompt, *output]
-    return Request("r", tokens, len(prompt), params, 0)
+    return EngineRequest("r", tokens, len(prompt), params, 0)
 
 
 def test_greedy_is_argmax():

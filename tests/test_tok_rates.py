@@ -13,7 +13,7 @@ from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.status_report import job_status
 from batchgen.jobs.redis.keys import Keys
-from batchgen.serve.series import Sampler
+from batchgen.serve.series import RateSampler
 
 KEYS = Keys("bg")
 
@@ -27,7 +27,7 @@ def put(conn: Any, record: JobRecord) -> None:
 
 def test_a_job_shorter_than_an_interval_peaks_at_its_own_rate(redis_url):
     conn: Any = redis.Redis.from_url(redis_url)
-    sampler = Sampler(conn, KEYS, interval_s=5.0)
+    sampler = RateSampler(conn, KEYS, interval_s=5.0)
     put(conn, JobRecord(id="short", model="m", total=3, enqueued=3, created_at=90.0))
     assert sampler.sample(now=100.0) is None  # the first sample only sets the baseline
     # it ran from 100.5 (its first request read) to 103.5 and made 900 tokens
@@ -43,7 +43,7 @@ def test_a_job_shorter_than_an_interval_peaks_at_its_own_rate(redis_url):
 def test_a_job_made_and_finished_between_two_samples_has_its_point(redis_url):
     """A job created after the last sample (so not in its baseline) still gets its point."""
     conn: Any = redis.Redis.from_url(redis_url)
-    sampler = Sampler(conn, KEYS, interval_s=5.0)
+    sampler = RateSampler(conn, KEYS, interval_s=5.0)
     assert sampler.sample(now=100.0) is None
     put(conn, JobRecord(id="quick", model="m", state=JobState.COMPLETED, total=1, enqueued=1,
                         done=1, completion_tokens=50, created_at=101.0, started_at=101.5,

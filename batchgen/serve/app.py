@@ -30,7 +30,7 @@ from batchgen.serve.batches import Batches
 from batchgen.serve.files import FileStore
 from batchgen.serve.guard import Guard
 from batchgen.serve.openai_errors import APIError
-from batchgen.serve.series import Sampler
+from batchgen.serve.series import RateSampler
 from batchgen.serve.settings import ServeConfig
 from batchgen.serve.sweep import Sweep
 from batchgen.serve.validation import Validator
@@ -49,7 +49,7 @@ def create_app(config: ServeConfig, conn: redis.Redis, keys: Keys) -> FastAPI:
     pool = ThreadPoolExecutor(VALIDATORS, thread_name_prefix="batchgen-validate")
     validator = Validator(batches, owner)
     sweep = Sweep(batches, validator.validate, owner, pool)
-    sampler = Sampler(conn, keys, config.sample_s)
+    sampler = RateSampler(conn, keys, config.sample_s)
     stop = threading.Event()
 
     @contextlib.asynccontextmanager
@@ -145,7 +145,7 @@ async def _on_redis_down(_request: Request, exc: Exception) -> JSONResponse:
     return openai_errors.response(503, f"Redis is unreachable: {exc}", "redis_unavailable")
 
 
-def _background(sweep: Sweep, sampler: Sampler, config: ServeConfig,
+def _background(sweep: Sweep, sampler: RateSampler, config: ServeConfig,
                 stop: threading.Event) -> None:  # fmt: skip
     """Expire and finish batches every tick; sample tok/s every sample_s."""
     next_sample = 0.0

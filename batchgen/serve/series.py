@@ -27,7 +27,7 @@ WORKER_WINDOW_S = 30.0  # heartbeats carry a worker's counters every few seconds
 MIN_ACTIVE_S = 0.01  # a job that ran shorter than this within an interval: counted as this long
 
 
-class Sampler:
+class RateSampler:
     def __init__(self, conn: redis.Redis, keys: Keys, interval_s: float) -> None:
         self.conn, self.keys, self.interval_s = conn, keys, interval_s
         self.last_t = 0.0

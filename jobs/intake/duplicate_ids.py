@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 PAIR = np.dtype([("hash", "<u8"), ("where", "<i8")])
-_PREFIX = b'{"id":"'  # an entry with an id starts so (Request.encode writes it first)
+_PREFIX = b'{"id":"'  # an entry with an id starts so (QueuedRequest.encode writes it first)
 _FLUSH = 1 << 16  # pairs held before they are written
 MEMORY_BYTES = 64 << 20  # what finding the repeats may hold at once (docs/input.md says it)
 # bytes a bucket's sort holds per byte of its pairs: 3.8 measured with tracemalloc, and a

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.jobs.schema.entry import Request
+from batchgen.jobs.schema.entry import QueuedRequest
 from batchgen.jobs.schema.sampling import show
 
 MAX_DIMENSIONS = 1 << 16
@@ -50,7 +50,7 @@ def dimensions(value: Any, field: str = "dimensions") -> int:
     return value
 
 
-def body_request(body: dict[str, Any]) -> Request:
+def body_request(body: dict[str, Any]) -> QueuedRequest:
     """The request of a ``/v1/embeddings`` body (its keys already known)."""
     if "input" not in body:
         raise EmbeddingError("input", "/v1/embeddings needs body.input")
@@ -61,7 +61,7 @@ def body_request(body: dict[str, Any]) -> Request:
         raise EmbeddingError("encoding_format", f"body.encoding_format = "
                              f"{show(body['encoding_format'])} is not supported by batchgen "
                              '(only "float")')  # fmt: skip
-    request = Request(embed=embedding_input(body["input"], "input"))
+    request = QueuedRequest(embed=embedding_input(body["input"], "input"))
     if "dimensions" in body:
         request.dimensions = dimensions(body["dimensions"])
     return request

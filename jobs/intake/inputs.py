@@ -13,7 +13,7 @@ Unknown fields are errors (a typo such as ``max_token`` would otherwise be
 silently ignored). An OpenAI body's dialect (fields accepted and ignored, fields
 refused as not supported, chat's logprobs) is ``openai_body``'s.
 
-A line becomes a ``Request`` (jobs/schema/entry.py): the prompt or messages, every
+A line becomes a ``QueuedRequest`` (jobs/schema/entry.py): the prompt or messages, every
 sampling parameter (job defaults merged with the line's own), id and metadata, so a
 worker needs nothing else.
 """
@@ -34,7 +34,7 @@ from batchgen.jobs.intake.lines import LineError
 from batchgen.jobs.intake.openai_body import FIELDS as BODY_FIELDS
 from batchgen.jobs.intake.openai_body import PARAMS, BodyError, body_params
 from batchgen.jobs.schema.constraints import from_response_format
-from batchgen.jobs.schema.entry import Request, compact_json
+from batchgen.jobs.schema.entry import QueuedRequest, compact_json
 from batchgen.jobs.schema.sampling import CHECKS, ParamError, check_together
 
 MAX_ID_CHARS = 1024
@@ -62,7 +62,7 @@ class FieldError(Exception):
 def parse_line(
     number: int, raw: bytes, defaults: dict[str, Any], vocab_size: int | None = None
 ) -> bytes | LineError:
-    """The request of one line's content, encoded for the queue (``Request.encode``), or
+    """The request of one line's content, encoded for the queue (``QueuedRequest.encode``), or
     what is wrong with it. ``vocab_size``: the model's, when known at submit (logit_bias ids are
     checked against it; else the worker refuses an id outside it as an error row)."""
     try:
@@ -102,11 +102,11 @@ def native_entry(
 
 def _native(
     value: dict[str, Any], defaults: dict[str, Any], line_chars: int, vocab_size: int | None
-) -> Request:
+) -> QueuedRequest:
     if "task" in value or "input" in value:
         return _native_embedding(value, line_chars)
     _reject_unknown(value, NATIVE_FIELDS, ())
-    request = Request()
+    request = QueuedRequest()
     if "id" in value:
         request.id = _row_id(value["id"], ("id",))
     has_prompt, has_messages = "prompt" in value, "messages" in value
@@ -125,7 +125,7 @@ def _native(
     return request
 
 
-def _native_embedding(value: dict[str, Any], line_chars: int) -> Request:
+def _native_embedding(value: dict[str, Any], line_chars: int) -> QueuedRequest:
     """``{"input", "task": "embed", "dimensions"?, "id"?, "metadata"?}``."""
     _reject_unknown(value, EMBED_FIELDS, ())
     if value.get("task") != "embed":
@@ -135,7 +135,7 @@ def _native_embedding(value: dict[str, Any], line_chars: int) -> Request:
     if "input" not in value:
         raise FieldError((), '"task": "embed" needs "input"')
     try:
-        request = Request(embed=embedding_input(value["input"]))
+        request = QueuedRequest(embed=embedding_input(value["input"]))
         if "dimensions" in value:
             request.dimensions = embedding_dimensions(value["dimensions"])
     except EmbeddingError as exc:
@@ -149,7 +149,7 @@ def _native_embedding(value: dict[str, Any], line_chars: int) -> Request:
 
 def _openai(
     value: dict[str, Any], defaults: dict[str, Any], line_chars: int, vocab_size: int | None
-) -> Request:
+) -> QueuedRequest:
     _reject_unknown(value, OPENAI_FIELDS, ())
     for name in ("custom_id", "method", "url", "body"):
         if name not in value:
@@ -178,7 +178,7 @@ def _openai(
         raise FieldError(("body", other), f"{value['url']} takes body.{kind}, not body.{other}")
     if kind not in body:
         raise FieldError(("body",), f"{value['url']} needs body.{kind}")
-    request = Request(id=row_id)
+    request = QueuedRequest(id=row_id)
     if kind == "prompt":
         request.prompt = _prompt(body["prompt"], ("body", "prompt"))
     else:

@@ -50,7 +50,7 @@ from batchgen.jobs.intake.validate import (
     procs_for,
     run_ranges,
 )
-from batchgen.jobs.schema.entry import Request
+from batchgen.jobs.schema.entry import QueuedRequest
 from batchgen.jobs.schema.errors import UsageError
 
 BATCH_ROWS = 16_384
@@ -200,7 +200,7 @@ def _validate_range(
     pieces: list[tuple[int, list[int]]] | None,
 ) -> tuple[int, int, list[RowError]]:  # fmt: skip
     """(rows, invalid, first errors) of one range; entries written to ``spool`` (an
-    invalid row's as its error, ``Request.rejected``), the kept columns to ``kept_part``."""
+    invalid row's as its error, ``QueuedRequest.rejected``), the kept columns to ``kept_part``."""
     dataset = open_dataset(found)
     parsed = template.parse(template_text) if template_text else None
     error_count = 0
@@ -216,7 +216,9 @@ def _validate_range(
                     error_count += 1
                     if len(errors) < SHOWN_ERRORS:
                         errors.append(entry)
-                    rejected = Request.rejected(str(entry), str(entry.row) if numbered else None)
+                    rejected = QueuedRequest.rejected(
+                        str(entry), str(entry.row) if numbered else None
+                    )
                     out.write(rejected.encode() + b"\n")
                     continue
                 if not numbered:

@@ -37,7 +37,7 @@ from batchgen.jobs.environment import SPOOL_DIR, SUBMIT_PROCS
 from batchgen.jobs.intake.duplicate_ids import DuplicateIds, IdLog, find_duplicates
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES, InputError, LineError, read_lines
-from batchgen.jobs.schema.entry import Request
+from batchgen.jobs.schema.entry import QueuedRequest
 
 SHOWN_ERRORS = 20
 PARALLEL_MIN_BYTES = 32 << 20  # below this, one process is quicker than starting more
@@ -56,7 +56,7 @@ RangeResult = tuple[int, int, list[E]]  # (lines, invalid, first errors) of one 
 @dataclass(slots=True)
 class Validation(Generic[E]):
     total: int = 0  # lines (or rows), invalid ones included: each has an entry in the spool
-    error_count: int = 0  # of them, invalid (their entries are Request.rejected)
+    error_count: int = 0  # of them, invalid (their entries are QueuedRequest.rejected)
     errors: list[E] = field(default_factory=list)  # the first SHOWN_ERRORS
     sha256: str = ""  # of the spooled entries, in order: the job's fingerprint
     spools: list[Path] = field(default_factory=list)  # entry files, in input order
@@ -79,7 +79,7 @@ def _validate_range(
     max_line_bytes: int, spool: str, vocab_size: int | None = None,
 ) -> tuple[int, int, list[LineError]]:  # fmt: skip
     """(lines, invalid, first errors) of one range; entries written to ``spool``, an
-    invalid line's as its error (``Request.rejected``), so every line keeps its index."""
+    invalid line's as its error (``QueuedRequest.rejected``), so every line keeps its index."""
     total = error_count = 0
     errors: list[LineError] = []
     ids = IdLog(ids_log(Path(spool)))
@@ -99,7 +99,7 @@ def _validate_range(
                 error_count += 1
                 if len(errors) < SHOWN_ERRORS:
                     errors.append(entry)
-                entry = Request.rejected(str(entry)).encode()
+                entry = QueuedRequest.rejected(str(entry)).encode()
             else:
                 ids.add(entry, number)
             write(entry + b"\n")

@@ -32,7 +32,7 @@ from batchgen.jobs.redis.keys import BACKLOG_GROUPS, QueueKeys, text
 from batchgen.jobs.schema.entry import backlog_item, parse_backlog_item
 
 PREFIX_BYTES = 256  # ~64 tokens: prompts that share this much likely share far more
-# Where a request's prompt starts in its encoding (Request.encode writes "id" first and
+# Where a request's prompt starts in its encoding (QueuedRequest.encode writes "id" first and
 # then one of these); inside a JSON string a quote is always escaped, so a match is a key.
 _STARTS = (b'{"p":', b',"p":', b'{"m":', b',"m":', b'{"e":', b',"e":')
 _SAMPLING = b',"s":'

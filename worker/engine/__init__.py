@@ -3,15 +3,20 @@
 from batchgen.jobs.schema.constraints import StructuredOutput
 from batchgen.worker.engine.engine import Engine
 from batchgen.worker.engine.outputs import EngineStats
-from batchgen.worker.engine.request import FinishReason, RequestOutput, RequestRejected, Sample
+from batchgen.worker.engine.request import (
+    EngineFinishReason,
+    RequestOutput,
+    RequestRejected,
+    Sample,
+)
 from batchgen.worker.engine.sampling_params import SamplingParams
 from batchgen.worker.engine_config import EngineConfig, InvalidEngineConfig
 
 __all__ = [
     "Engine",
     "EngineConfig",
+    "EngineFinishReason",
     "EngineStats",
-    "FinishReason",
     "InvalidEngineConfig",
     "RequestOutput",
     "RequestRejected",

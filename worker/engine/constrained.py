@@ -26,7 +26,7 @@ from batchgen.jobs.schema.constraints import StructuredOutput, grammar_text
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
-    from batchgen.worker.engine.request import Request
+    from batchgen.worker.engine.request import EngineRequest
 
 MAX_COMPILED = 256  # distinct grammars kept compiled per engine
 
@@ -102,7 +102,7 @@ class TokenMasks:
         self.fill_seconds = 0.0  # spent filling masks (on the thread)
         self.wait_seconds = 0.0  # of that, what the step waited for after the model ran
 
-    def start(self, requests: list[Request]) -> Future[torch.Tensor] | None:
+    def start(self, requests: list[EngineRequest]) -> Future[torch.Tensor] | None:
         """Begins the masks of ``requests`` (rows in that order; None: none is constrained)."""
         rows = [(r.matcher, i) for i, r in enumerate(requests) if r.matcher is not None]
         if not rows:

@@ -26,8 +26,8 @@ from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.outputs import EngineStats, build_output
 from batchgen.worker.engine.request import (
     EmbedTask,
-    FinishReason,
-    Request,
+    EngineFinishReason,
+    EngineRequest,
     RequestOutput,
     RequestRejected,
     RequestStatus,
@@ -80,8 +80,8 @@ class Engine:
             self.block_manager.num_blocks,
         )  # fmt: skip
         self.grammars = Grammars(tokenizer, runner.model.config.vocab_size, eos_token_ids)
-        self._requests: dict[str, list[Request]] = {}  # id -> its samples (n of them)
-        self._parked: list[Request] = []  # siblings waiting for the first sample's prompt
+        self._requests: dict[str, list[EngineRequest]] = {}  # id -> its samples (n of them)
+        self._parked: list[EngineRequest] = []  # siblings waiting for the first sample's prompt
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._num_steps = 0
@@ -148,7 +148,7 @@ class Engine:
         check_fits(self._capacity, request_id, prompt_ids, resumed, params)
         samples = []
         for i in range(params.n):
-            req = Request(
+            req = EngineRequest(
                 request_id=request_id if params.n == 1 else f"{request_id}#{i}",
                 token_ids=prompt_ids + resumed,
                 num_prompt_tokens=len(prompt_ids),
@@ -215,7 +215,7 @@ class Engine:
             raise RequestRejected(request_id, "an embedding input is a string or token ids")
         params = _EMBED_PARAMS
         check_fits(self._capacity, request_id, prompt_ids, [], params, generates=False)
-        req = Request(
+        req = EngineRequest(
             request_id=request_id,
             token_ids=prompt_ids,
             num_prompt_tokens=len(prompt_ids),
@@ -241,14 +241,14 @@ class Engine:
         sampling, result = self.runner.run(plan)
         grown = self.scheduler.update(plan, result.token_ids)
         assert grown == sampling
-        finished: list[Request] = []
+        finished: list[EngineRequest] = []
         for req, logprobs in zip(grown, result.logprobs):
             self._generated += 1
             if req.logprobs is not None and logprobs is not None:
                 req.logprobs.append(logprobs)
             if req.matcher is not None and not req.matcher.consume_token(req.token_ids[-1]):
                 # cannot happen while masks apply; ends the request rather than the worker
-                req.finish_reason = FinishReason.ABORT
+                req.finish_reason = EngineFinishReason.ABORT
                 self.scheduler.finish(req)
                 finished.append(req)
                 continue
@@ -259,7 +259,7 @@ class Engine:
                 finished.append(req)
         for req in plan.embeds:  # pooled by the runner; blocks freed at once
             if req.num_computed_tokens == req.num_tokens:
-                req.finish_reason = FinishReason.STOP
+                req.finish_reason = EngineFinishReason.STOP
                 self.scheduler.finish(req)
                 finished.append(req)
         return self._collect(finished)
@@ -278,7 +278,7 @@ class Engine:
             self.scheduler.add(req)
 
     # -- outputs --------------------------------------------------------------
-    def _collect(self, finished: list[Request]) -> list[RequestOutput]:
+    def _collect(self, finished: list[EngineRequest]) -> list[RequestOutput]:
         """Outputs of the top-level requests whose every sample has finished."""
         outputs = []
         for req in finished:
@@ -301,7 +301,7 @@ class Engine:
                 self._parked.remove(s)
                 s.status = RequestStatus.FINISHED
             if not s.is_finished:
-                s.finish_reason = FinishReason.ABORT
+                s.finish_reason = EngineFinishReason.ABORT
                 self.scheduler.finish(s)
         return build_output(request_id, samples, self.tokenizer)
 

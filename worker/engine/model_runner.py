@@ -17,7 +17,7 @@ from batchgen.kernels.batch import AttentionBatch
 from batchgen.worker.cpu_threads import ContentionWatch
 from batchgen.worker.engine.constrained import TokenMasks
 from batchgen.worker.engine.pooling import EmbedSpan, Pooling, pool_step
-from batchgen.worker.engine.request import Request
+from batchgen.worker.engine.request import EngineRequest
 from batchgen.worker.engine.sampler import Sampler, SampleResult
 from batchgen.worker.engine.scheduler import SchedulerPlan
 from batchgen.worker.models import CausalLM
@@ -29,7 +29,7 @@ class StepInputs:
     positions: torch.Tensor  # (num_tokens,) int64
     batch: AttentionBatch
     logits_indices: torch.Tensor  # (num_sampling,) rows whose logits we need
-    sampling: list[Request]  # the requests those rows belong to
+    sampling: list[EngineRequest]  # the requests those rows belong to
     embeds: list[EmbedSpan]  # embedding requests' rows; empty in a generation-only step
 
 
@@ -43,7 +43,7 @@ class DecodeGraphs(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _block_table_array(requests: list[Request], num_blocks: int) -> np.ndarray:
+def _block_table_array(requests: list[EngineRequest], num_blocks: int) -> np.ndarray:
     """(num_requests, num_blocks) int32; each row's tail repeats its own last
     block, so attention never reads another request's blocks."""
     table = np.empty((len(requests), max(num_blocks, 1)), dtype=np.int32)
@@ -115,7 +115,7 @@ class ModelRunner:
         slots = np.concatenate([d_slot, *p_slot_parts]) if p_slot_parts else d_slot
 
         # logits rows: every decode that reached its end, the last token of each finishing chunk
-        sampling: list[Request] = []
+        sampling: list[EngineRequest] = []
         rows: list[int] = []
         for i, req in enumerate(decodes):
             if req.num_computed_tokens + 1 == req.num_tokens:
@@ -157,8 +157,8 @@ class ModelRunner:
 
     @staticmethod
     def _split_embeds(
-        plan: SchedulerPlan, p_qsl: np.ndarray, sampling: list[Request], rows: list[int]
-    ) -> tuple[list[EmbedSpan], list[Request], list[int]]:
+        plan: SchedulerPlan, p_qsl: np.ndarray, sampling: list[EngineRequest], rows: list[int]
+    ) -> tuple[list[EmbedSpan], list[EngineRequest], list[int]]:
         """The embedding requests' row spans; they leave the sampling rows."""
         nd = len(plan.decodes)
         spans = [
@@ -173,7 +173,7 @@ class ModelRunner:
         kept = [(r, row) for r, row in zip(sampling, rows) if r.embed is None]
         return spans, [r for r, _ in kept], [row for _, row in kept]
 
-    def run(self, plan: SchedulerPlan) -> tuple[list[Request], SampleResult]:
+    def run(self, plan: SchedulerPlan) -> tuple[list[EngineRequest], SampleResult]:
         """Runs one step; returns the requests that get a token and what they got.
         Embedding requests get none: their rows are pooled (``pool_step``)."""
         if self.contention is not None:

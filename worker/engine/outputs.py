@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.worker.engine.request import FinishReason, Request, RequestOutput, Sample
+from batchgen.worker.engine.request import EngineFinishReason, EngineRequest, RequestOutput, Sample
 
 
 @dataclass(slots=True)
@@ -22,7 +22,7 @@ class EngineStats:
     cuda_graph_replays: int  # decode steps replayed from a captured CUDA graph
 
 
-def build_output(request_id: str, samples: list[Request], tokenizer: Any) -> RequestOutput:
+def build_output(request_id: str, samples: list[EngineRequest], tokenizer: Any) -> RequestOutput:
     """One output for a request's n samples; the top-level fields are the first's."""
     done = []
     for s in samples:
@@ -31,7 +31,7 @@ def build_output(request_id: str, samples: list[Request], tokenizer: Any) -> Req
             text = tokenizer.decode(
                 s.output_token_ids, skip_special_tokens=s.params.skip_special_tokens
             )
-        reason = s.finish_reason or FinishReason.ABORT
+        reason = s.finish_reason or EngineFinishReason.ABORT
         done.append(Sample(s.output_token_ids, text, reason.value, s.logprobs))
     first = samples[0]
     return RequestOutput(

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from batchgen.worker.engine.request import Request
+from batchgen.worker.engine.request import EngineRequest
 
 _MODES = {
     "pooling_mode_mean_tokens": "mean",
@@ -107,7 +107,7 @@ class EmbedSpan:
     """One embedding request's rows in a step: hidden rows [row, row + n) hold
     its positions [start, start + n)."""
 
-    request: Request
+    request: EngineRequest
     row: int
     start: int
     n: int

@@ -16,7 +16,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class EngineFinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # taken out by abort()/drain(), tokens so far kept
@@ -46,7 +46,7 @@ class EmbedTask:
 
 
 @dataclass(slots=True, eq=False)
-class Request:
+class EngineRequest:
     """Prompt and output live in one token list; prefill is not a separate kind.
 
     The engine computes tokens until ``num_computed_tokens`` catches up with
@@ -67,9 +67,9 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_resumed_tokens: int = 0  # generated elsewhere before, handed to us
-    finish_reason: FinishReason | None = None
+    finish_reason: EngineFinishReason | None = None
     # a sibling of an n > 1 request waits until this one's prompt is computed
-    wait_for: Request | None = None
+    wait_for: EngineRequest | None = None
     num_hashed_blocks: int = 0  # head of block_table already in the prefix cache
     # head of block_table handed back: slid out of every layer's window (kv_window.py)
     num_released_blocks: int = 0

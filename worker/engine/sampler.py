@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.worker.engine.constrained import apply_masks
-from batchgen.worker.engine.request import Request
+from batchgen.worker.engine.request import EngineRequest
 
 _MASK64 = (1 << 64) - 1
 
@@ -48,7 +48,7 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request], masks: torch.Tensor | None = None
+        self, logits: torch.Tensor, requests: list[EngineRequest], masks: torch.Tensor | None = None
     ) -> SampleResult:
         """logits (num_requests, vocab) fp32, one row per request about to get a token;
         ``masks``: True where a constrained request may not take a token (``TokenMasks``).
@@ -67,7 +67,7 @@ class Sampler:
         return SampleResult(tokens, self._logprobs(raw, requests, tokens))
 
     @staticmethod
-    def _needs_processing(r: Request) -> bool:
+    def _needs_processing(r: EngineRequest) -> bool:
         p = r.params
         return (
             not p.greedy
@@ -77,7 +77,7 @@ class Sampler:
         )
 
     # -- logit processors -----------------------------------------------------
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[EngineRequest]) -> None:
         rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
         if not rows:
             return
@@ -101,7 +101,7 @@ class Sampler:
                 row -= p.presence_penalty * (counts > 0).float()
 
     @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    def _apply_logit_bias(logits: torch.Tensor, requests: list[EngineRequest]) -> None:
         for i, r in enumerate(requests):
             pairs = r.params.bias_pairs
             if pairs:
@@ -110,7 +110,7 @@ class Sampler:
                 logits[i].index_add_(0, ids, bias.to(logits.dtype))
 
     def _suppress_stop_before_min_tokens(
-        self, logits: torch.Tensor, requests: list[Request]
+        self, logits: torch.Tensor, requests: list[EngineRequest]
     ) -> None:
         for i, r in enumerate(requests):
             p = r.params
@@ -120,7 +120,7 @@ class Sampler:
                     logits[i, stops] = float("-inf")
 
     # -- choice ---------------------------------------------------------------
-    def _pick(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def _pick(self, logits: torch.Tensor, requests: list[EngineRequest]) -> list[int]:
         tokens = logits.argmax(dim=-1)
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:
@@ -137,14 +137,14 @@ class Sampler:
             tokens[index] = picked.clamp_(max=logits.shape[1] - 1)
         return tokens.tolist()
 
-    def _uniform(self, r: Request) -> float:
+    def _uniform(self, r: EngineRequest) -> float:
         if r.params.seed is None:
             return float(torch.rand((), generator=self.generator, dtype=torch.float64))
         # position of the token being drawn: the same after preemption or resumption
         return seeded_uniform(r.params.seed, r.num_tokens, r.sample_index)
 
     @staticmethod
-    def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _filtered_probs(logits: torch.Tensor, requests: list[EngineRequest]) -> torch.Tensor:
         """Temperature, top-k, top-p and min-p; returns (rows, vocab) probabilities."""
         dev = logits.device
         temps = torch.tensor([r.params.temperature for r in requests], device=dev).unsqueeze(1)
@@ -172,7 +172,7 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        raw: torch.Tensor, requests: list[Request], tokens: list[int]
+        raw: torch.Tensor, requests: list[EngineRequest], tokens: list[int]
     ) -> list[dict[int, float] | None]:
         out: list[dict[int, float] | None] = [None] * len(requests)
         rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]

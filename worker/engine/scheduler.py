@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from batchgen.worker.engine.block_manager import BlockManager
 from batchgen.worker.engine.kv_window import SlidingRelease
-from batchgen.worker.engine.request import Request, RequestStatus
+from batchgen.worker.engine.request import EngineRequest, RequestStatus
 
 
-def pick_victim(candidates: list[Request]) -> Request:
+def pick_victim(candidates: list[EngineRequest]) -> EngineRequest:
     """The least important, most recently arrived request.
 
     The oldest request of the highest priority is never chosen while others
@@ -33,12 +33,12 @@ class SchedulerPlan:
     """What one step computes. ``decodes`` get exactly one token each and come
     first in the batch; ``prefills`` get ``prefill_lens[i]`` tokens each."""
 
-    decodes: list[Request] = field(default_factory=list)
-    prefills: list[Request] = field(default_factory=list)
+    decodes: list[EngineRequest] = field(default_factory=list)
+    prefills: list[EngineRequest] = field(default_factory=list)
     prefill_lens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    first_admitted: list[Request] = field(default_factory=list)  # for prefix-hit stats
-    embeds: list[Request] = field(default_factory=list)  # embedding requests among them
+    preempted: list[EngineRequest] = field(default_factory=list)
+    first_admitted: list[EngineRequest] = field(default_factory=list)  # for prefix-hit stats
+    embeds: list[EngineRequest] = field(default_factory=list)  # embedding requests among them
 
     @property
     def num_tokens(self) -> int:
@@ -68,12 +68,14 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         # free blocks kept back from admission so running requests can grow
         self.watermark_blocks = watermark_blocks
-        self.waiting: list[tuple[int, int, Request]] = []  # heap; finished ones skipped lazily
+        self.waiting: list[
+            tuple[int, int, EngineRequest]
+        ] = []  # heap; finished ones skipped lazily
         self.num_waiting = 0
-        self.running: list[Request] = []  # sorted by (priority, arrival_order)
+        self.running: list[EngineRequest] = []  # sorted by (priority, arrival_order)
         self.num_preemptions = 0
 
-    def add(self, request: Request) -> None:
+    def add(self, request: EngineRequest) -> None:
         request.status = RequestStatus.WAITING
         heapq.heappush(self.waiting, (request.priority, request.arrival_order, request))
         self.num_waiting += 1
@@ -102,7 +104,9 @@ class Scheduler:
         plan.decodes.sort(key=lambda r: r.num_computed_tokens, reverse=True)
         return plan
 
-    def _grow(self, req: Request, num_new: int, plan: SchedulerPlan, scheduled: set[int]) -> bool:
+    def _grow(
+        self, req: EngineRequest, num_new: int, plan: SchedulerPlan, scheduled: set[int]
+    ) -> bool:
         """Makes room for num_new more tokens of req, preempting others if needed."""
         need = self.blocks.blocks_needed(req.num_computed_tokens + num_new) - len(req.block_table)
         while not self.blocks.can_allocate(need):
@@ -157,7 +161,7 @@ class Scheduler:
             self._add_to_plan(plan, req, num_new)
 
     @staticmethod
-    def _add_to_plan(plan: SchedulerPlan, req: Request, num_new: int) -> None:
+    def _add_to_plan(plan: SchedulerPlan, req: EngineRequest, num_new: int) -> None:
         if req.embed is not None:
             plan.embeds.append(req)
         if num_new == 1:
@@ -166,13 +170,13 @@ class Scheduler:
             plan.prefills.append(req)
             plan.prefill_lens.append(num_new)
 
-    def _drop_blocks(self, req: Request) -> None:
+    def _drop_blocks(self, req: EngineRequest) -> None:
         """Hands back every block the request still holds."""
         self.blocks.release(req.block_table[req.num_released_blocks :])
         req.block_table = []
         req.num_released_blocks = 0
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: EngineRequest) -> None:
         self.running.remove(req)
         self._drop_blocks(req)
         req.num_computed_tokens = 0
@@ -184,7 +188,7 @@ class Scheduler:
         self.add(req)
 
     # -- after the model ran ------------------------------------------------
-    def update(self, plan: SchedulerPlan, sampled: list[int]) -> list[Request]:
+    def update(self, plan: SchedulerPlan, sampled: list[int]) -> list[EngineRequest]:
         """Advances computed counts, caches full blocks, appends sampled tokens.
 
         ``sampled`` holds one token for each request of plan.decodes +
@@ -206,14 +210,14 @@ class Scheduler:
                 grown.append(req)
         return grown
 
-    def _release_slid_out(self, req: Request) -> None:
+    def _release_slid_out(self, req: EngineRequest) -> None:
         assert self.sliding_release is not None
         gone = self.sliding_release.releasable(req.num_computed_tokens, req.num_hashed_blocks)
         if gone > req.num_released_blocks:
             self.blocks.release(req.block_table[req.num_released_blocks : gone])
             req.num_released_blocks = gone
 
-    def finish(self, req: Request) -> None:
+    def finish(self, req: EngineRequest) -> None:
         """Takes a request out (finished or aborted) and frees its blocks."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from batchgen.worker.engine.request import FinishReason, Request
+from batchgen.worker.engine.request import EngineFinishReason, EngineRequest
 
 
 def stop_reason(
-    req: Request, eos_token_ids: tuple[int, ...], max_model_len: int
-) -> FinishReason | None:
+    req: EngineRequest, eos_token_ids: tuple[int, ...], max_model_len: int
+) -> EngineFinishReason | None:
     """Checked after each new token; None while the request goes on.
 
     EOS and stop token ids count only once min_tokens are out; a stop string
@@ -18,16 +18,16 @@ def stop_reason(
     token = req.token_ids[-1]
     if req.num_output_tokens >= p.min_tokens:
         if not p.ignore_eos and token in eos_token_ids:
-            return FinishReason.STOP
+            return EngineFinishReason.STOP
         if token in p.stop_token_ids:
-            return FinishReason.STOP
+            return EngineFinishReason.STOP
     if req.stop_matcher is not None:
         cut = req.stop_matcher.feed(req.output_token_ids)
         if cut is not None:
             req.stop_text = cut
-            return FinishReason.STOP
+            return EngineFinishReason.STOP
     if req.matcher is not None and req.matcher.is_stopped():
-        return FinishReason.STOP  # the constraint is complete and cannot go on
+        return EngineFinishReason.STOP  # the constraint is complete and cannot go on
     if req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
-        return FinishReason.LENGTH
+        return EngineFinishReason.LENGTH
     return None
