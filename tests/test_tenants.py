@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,41 @@ def test_the_fair_share_block(tmp_path, toy_model):
     assert (research["weight"], research["max_enqueued_tokens"], research["max_jobs"],
             research["jobs"]) == (3.0, 2_000_000, 10, 1)  # fmt: skip
     assert research["enqueued_tokens"] > 0
+
+
+def test_weights_are_bounded_and_the_fair_clocks_outlive_no_busy_period(redis_url, tmp_path):
+    """After a tenant of the smallest weight ran alone (its clocks raced ahead a thousand
+    times its tokens), two tenants at 3:1 get exactly 3:1; so they do after clocks an
+    older version left at 5e302 (a weight of 1e-300 ran alone)."""
+    conn = rconn(redis_url)
+    for weight in ("1e-300", "1e-320", "inf", "nan", "0", "-1", "0.0009", "1001"):
+        out = cli("tenant", "set", "tiny", "--weight", weight, "--redis", redis_url)
+        assert out.exit_code == 2, (weight, out.output)
+        shown = f"{float(weight):g}"
+        assert out.output == (f"batchgen: error: tenant 'tiny': --weight {shown}: give a weight "
+                              "from 0.001 to 1000\n"), out.output  # fmt: skip
+    assert not conn.exists(KEYS.tenant("tiny").settings)
+    with pytest.raises(UsageError, match=r"give a weight from 0\.001 to 1000"):
+        tenants.save(conn, KEYS, tenants.Tenant("tiny", weight=float("inf")))
+    for name, weight in (("tiny", "0.001"), ("heavy", "3"), ("light", "1")):
+        assert cli("tenant", "set", name, "--weight", weight, "--redis", redis_url).exit_code == 0
+
+    def job(job_id: str, tenant: str, n: int) -> None:
+        out = submit(redis_url, tmp_path, job_id, n, "--tenant", tenant)
+        assert out.exit_code == 0, out.output
+
+    def shares(reads: int) -> Counter:
+        return Counter(d.job_id for _ in range(reads) for d in read_new(conn, QK, "w", 16))
+
+    job("alone", "tiny", 200)
+    assert shares(13) == {"alone": 200}  # the last read empties its backlog: the model idles
+    assert conn.hkeys(QK.fair) == [b"w:tiny"]  # its clocks are gone, its weight stays
+    job("h1", "heavy", 800)
+    job("l1", "light", 800)
+    assert shares(32) == {"h1": 384, "l1": 128}  # 3 quanta of 16 to 1, every 4 quanta
+    assert shares(68) == {"h1": 416, "l1": 672}  # the rest of both: the model idles again
+    conn.hset(QK.fair, mapping={"clock": 5e302, "t:tiny": 5e302, "c:tiny": 5e302})
+    assert read_new(conn, QK, "w", 16) == []  # a worker's poll finds the model idle
+    job("h2", "heavy", 800)
+    job("l2", "light", 800)
+    assert shares(32) == {"h2": 384, "l2": 128}

@@ -33,7 +33,12 @@ def tenant() -> None:
 
 @tenant.command("set")
 @click.argument("name")
-@click.option("--weight", type=float, default=None, help="Its share against other tenants (1).")
+@click.option(
+    "--weight",
+    type=float,
+    default=None,
+    help="Its share against other tenants, from 0.001 to 1000 (1).",
+)
 @click.option("--max-enqueued-tokens", "max_tokens", metavar="N|none", default=None,
               help="Estimated input tokens its unfinished jobs may hold together.")  # fmt: skip
 @click.option("--max-jobs", metavar="N|none", default=None, help="Unfinished jobs at once.")

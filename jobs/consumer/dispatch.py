@@ -18,7 +18,8 @@ Each request moved is charged its job's estimated cost (tokens: input estimate
 and max_tokens), so shares are shares of tokens, not of requests; an urgent job's
 tokens count against its own and its tenant's virtual time too. A tenant or job
 that had no work gets its virtual time raised to the clock (the smallest charged
-when last picked) before it competes, so idle time is not credit to spend later.
+when last picked) before it competes, so idle time is not credit to spend later;
+the clocks start again from 0 once no job has a backlog (fair_clock.py).
 Within the chosen job the worker takes its own prefix groups first
 (worker/loop/affinity.py), in input order across them, and takes from the fullest
 other group only when those are empty: affinity reorders a job's requests, never
@@ -49,6 +50,7 @@ import redis
 
 from batchgen.jobs.ops.deadlines import URGENT_SHARE
 from batchgen.jobs.ops.fair_index import FAIR_INDEX
+from batchgen.jobs.consumer.fair_clock import REST_FAIR_CLOCKS
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.keys import BACKLOG_GROUPS, GROUP, QueueKeys
 from batchgen.jobs.schema.entry import LUA_FIELDS
@@ -69,7 +71,7 @@ DISPATCH = script(
         ("groups", "this worker's prefix groups, comma-separated, in order; '*': all"),
         ("urgent_share", "the most of the model's tokens urgent jobs take (deadlines.py)"),
     ],
-    prelude=LUA_FIELDS + FAIR_INDEX,
+    prelude=LUA_FIELDS + FAIR_INDEX + REST_FAIR_CLOCKS,
     body=f"""
 -- replies go back as one JSON string: Redis turns a Lua table of entries into a reply
 -- several times slower than cjson encodes it
@@ -80,6 +82,7 @@ if first then for _, e in ipairs(first[1][2]) do out[#out + 1] = e end end
 if #out >= n then return cjson.encode(out) end
 local base = string.sub(stream, 1, #stream - 6)  -- 'P:{{TAG}}:' (the stream is P:{{TAG}}:stream)
 local classes = base .. 'classes'
+if redis.call('SCARD', ready) == 0 then rest_fair_clocks(fair); return cjson.encode(out) end  -- fair_clock.py
 local mine, own = {{}}, {{}}
 if groups == '*' then groups = '{",".join(str(g) for g in range(BACKLOG_GROUPS))}' end
 for g in string.gmatch(groups, '%d+') do mine[#mine + 1] = g; own[g] = true end
@@ -244,6 +247,7 @@ redis.call('HSET', fair, 'clock', fx_num(clock), 'urgent_debt', fx_num(debt))
 for t in pairs(charged) do
   redis.call('HSET', fair, 't:' .. t, fx_num(tv[t]), 'c:' .. t, fx_num(jclock[t]))
 end
+if redis.call('SCARD', ready) == 0 then rest_fair_clocks(fair) end  -- fair_clock.py
 if added > 0 then
   local more = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', added, 'STREAMS', stream, '>')
   for _, e in ipairs(more[1][2]) do out[#out + 1] = e end

@@ -2,7 +2,7 @@
 
 A tenant's settings are one hash (``batchgen tenant set``): ``weight`` (its share
 of a model's workers against the other tenants with work in the same priority
-class; default 1), ``max_enqueued_tokens`` (OpenAI's batch queue limit: the
+class; default 1, within ``WEIGHTS``), ``max_enqueued_tokens`` (OpenAI's batch queue limit: the
 estimated input tokens of its unfinished jobs together) and ``max_jobs`` (its
 unfinished jobs at once). A tenant without settings has weight 1 and no limits.
 
@@ -34,6 +34,7 @@ from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 from batchgen.jobs.redis.lua import LuaScript
 from batchgen.jobs.schema.errors import QuotaExceeded, UsageError
 
+WEIGHTS = (1e-3, 1e3)  # a weight's bounds: 1e6 to 1 at most between two tenants
 ORPHAN_S = 60  # a share this old whose job does not exist is a submit that died
 
 # OpenAI's code for a batch past the queue limit; its API has no limit on concurrent
@@ -50,8 +51,12 @@ class Tenant:
     max_jobs: int | None = None  # None: no limit
 
     def check(self) -> Tenant:
-        if not self.weight > 0:
-            raise UsageError(f"tenant {self.name!r}: --weight must be above 0")
+        low, high = WEIGHTS
+        if not low <= self.weight <= high:  # inf and nan too
+            raise UsageError(
+                f"tenant {self.name!r}: --weight {self.weight:g}: give a weight from {low:g} "
+                f"to {high:g}"
+            )
         for name in ("max_enqueued_tokens", "max_jobs"):
             value = getattr(self, name)
             if value is not None and value < 0:
