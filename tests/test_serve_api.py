@@ -399,8 +399,25 @@ def test_a_batch_past_its_tenants_queue_limit_fails_with_openais_code(stack, cli
             client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
                                   completion_window="24h", metadata={"priority": "high"})  # fmt: skip
         assert caught.value.body["param"] == "metadata"  # type: ignore[index]
+        # a key that is not an admin's may ask for the normal class at most by default
+        for priority, limit in (("1000", 0), ("1", 0)):
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h", metadata={"priority": priority})  # fmt: skip
+            assert caught.value.body == {
+                "message": f"priority {priority}: tenant {who.tenant!r} may ask for class {limit} "
+                "at most (an API key's tenant without --max-priority); nothing was queued",
+                "type": "invalid_request_error", "param": "metadata", "code": "invalid_priority",
+            }  # fmt: skip
     finally:
-        tenants.save(conn, keys, tenants.Tenant(who.tenant))
+        tenants.save(conn, keys, tenants.Tenant(who.tenant, max_priority=3))
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                              completion_window="24h", metadata={"priority": "4"})  # fmt: skip
+    assert caught.value.body["message"] == (  # type: ignore[index]
+        f"priority 4: tenant {who.tenant!r} may ask for class 3 at most (its --max-priority); "
+        "nothing was queued"
+    )
     batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
                                   completion_window="24h", metadata={"priority": "3"})  # fmt: skip
     batch = wait_done(client, batch.id)

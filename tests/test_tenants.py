@@ -56,7 +56,10 @@ def test_a_submit_past_a_quota_is_refused_before_anything_is_queued(redis_url, t
     out = cli("tenant", "set", "acme", "--max-jobs", "2", "--max-enqueued-tokens", "1000",
               "--weight", "2", "--redis", redis_url)  # fmt: skip
     assert out.exit_code == 0, out.output
-    assert out.output == "tenant acme: weight 2, max enqueued tokens 1000, max jobs 2\n"
+    assert (
+        out.output
+        == "tenant acme: weight 2, max enqueued tokens 1000, max jobs 2, max priority none\n"
+    )
     first = submit(redis_url, tmp_path, "a1", 10, "--tenant", "acme")
     assert first.exit_code == 0, first.output
     # each line's request is {"p":"<40 chars>","s":{...}}: 47 bytes before the sampling
@@ -88,8 +91,47 @@ def test_a_submit_past_a_quota_is_refused_before_anything_is_queued(redis_url, t
     # a3 and a4 hold both jobs acme may have; 'none' lifts the limit
     assert submit(redis_url, tmp_path, "a5", 1, "--tenant", "acme").exit_code == 3
     out = cli("tenant", "set", "acme", "--max-jobs", "none", "--redis", redis_url)
-    assert out.output == "tenant acme: weight 2, max enqueued tokens 1000, max jobs none\n"
+    assert out.output == (
+        "tenant acme: weight 2, max enqueued tokens 1000, max jobs none, max priority none\n"
+    )
     assert submit(redis_url, tmp_path, "a5", 1, "--tenant", "acme").exit_code == 0
+
+
+def test_a_class_above_the_tenants_max_priority_is_refused(redis_url, tmp_path):
+    """From the CLI a tenant without --max-priority may ask for any class (serve's keys:
+    tests/test_serve_api.py); with one, a job above it is refused before anything is
+    queued, one at it runs."""
+    conn = rconn(redis_url)
+    assert (
+        submit(redis_url, tmp_path, "top", 1, "--tenant", "acme", "--priority", "1000").exit_code
+        == 0
+    )
+    assert load_job(conn, KEYS, "top").priority == 1000
+    out = cli("tenant", "set", "acme", "--max-priority", "5", "--redis", redis_url)
+    assert out.output == ("tenant acme: weight 1, max enqueued tokens none, max jobs none, "
+                          "max priority 5\n")  # fmt: skip
+    refused = submit(redis_url, tmp_path, "six", 1, "--tenant", "acme", "--priority", "6")
+    assert (refused.exit_code, refused.output) == (2, (
+        "batchgen: error: priority 6: tenant 'acme' may ask for class 5 at most (its "
+        "--max-priority); nothing was queued\n"))  # fmt: skip
+    assert conn.hget(KEYS.jobs, "six") is None and not (tmp_path / "out-six").exists()
+    assert (
+        submit(redis_url, tmp_path, "five", 1, "--tenant", "acme", "--priority", "5").exit_code == 0
+    )
+    assert (
+        submit(redis_url, tmp_path, "other", 1, "--tenant", "bravo", "--priority", "9").exit_code
+        == 0
+    )
+    (acme,) = [t for t in json.loads(cli("tenant", "list", "--json", "--redis", redis_url).output)
+               if t["tenant"] == "acme"]  # fmt: skip
+    assert acme["max_priority"] == 5
+    out = cli("tenant", "set", "acme", "--max-priority", "1001", "--redis", redis_url)
+    assert (out.exit_code, out.output) == (
+        2, "batchgen: error: priority 1001: give a class from -1000 to 1000\n")  # fmt: skip
+    cli("tenant", "set", "acme", "--max-priority", "none", "--redis", redis_url)
+    assert (
+        submit(redis_url, tmp_path, "six", 1, "--tenant", "acme", "--priority", "6").exit_code == 0
+    )
 
 
 def test_a_share_whose_job_was_never_created_is_dropped_after_a_minute(redis_url):

@@ -42,13 +42,17 @@ def tenant() -> None:
 @click.option("--max-enqueued-tokens", "max_tokens", metavar="N|none", default=None,
               help="Estimated input tokens its unfinished jobs may hold together.")  # fmt: skip
 @click.option("--max-jobs", metavar="N|none", default=None, help="Unfinished jobs at once.")
+@click.option("--max-priority", metavar="N|none", default=None,
+              help="The highest --priority class its jobs may ask for (none: serve keys the "
+              "normal class 0, the CLI and admin keys any).")  # fmt: skip
 @redis_option
 @handles_errors
 def set_tenant(
     name: str, weight: float | None, max_tokens: str | None, max_jobs: str | None,
-    redis_url: str | None,
+    max_priority: str | None, redis_url: str | None,
 ) -> None:  # fmt: skip
-    """Set NAME's weight and quotas (the ones given; the others stay)."""
+    """Set NAME's weight, quotas and highest priority class (the ones given; the others
+    stay)."""
     from batchgen.jobs.ops import tenants
     from batchgen.jobs.ops.schedule import check_tenant
 
@@ -60,11 +64,14 @@ def set_tenant(
         settings.max_enqueued_tokens = _limit(max_tokens)
     if max_jobs is not None:
         settings.max_jobs = _limit(max_jobs)
+    if max_priority is not None:
+        settings.max_priority = _limit(max_priority)
     tenants.save(conn, keys, settings)
     click.echo(
         f"tenant {name}: weight {settings.weight:g}, max enqueued tokens "
         f"{settings.max_enqueued_tokens if settings.max_enqueued_tokens is not None else 'none'}, "
-        f"max jobs {settings.max_jobs if settings.max_jobs is not None else 'none'}"
+        f"max jobs {settings.max_jobs if settings.max_jobs is not None else 'none'}, "
+        f"max priority {settings.max_priority if settings.max_priority is not None else 'none'}"
     )
 
 
@@ -84,13 +91,16 @@ def list_tenants(as_json: bool, redis_url: str | None) -> None:
     if not report:
         click.echo("no tenants")
         return
-    click.echo(f"{'TENANT':<16} {'WEIGHT':>6} {'JOBS':>9} {'ENQUEUED TOK':>17} {'IN TOK':>9} "
+    click.echo(f"{'TENANT':<16} {'WEIGHT':>6} {'MAX PRIO':>8} {'JOBS':>9} {'ENQUEUED TOK':>17} "
+               f"{'IN TOK':>9} "
                f"{'CACHED':>9} {'OUT TOK':>9} {'ENGINE S':>9}")  # fmt: skip
     for t in report:
         jobs = f"{t['jobs']}/{t['max_jobs'] if t['max_jobs'] is not None else '-'}"
         limit = t["max_enqueued_tokens"]
         enqueued = f"{t['enqueued_tokens']}/{limit if limit is not None else '-'}"
         u = t["usage"]
-        click.echo(f"{t['tenant'] or '(none)':<16} {t['weight']:>6g} {jobs:>9} {enqueued:>17} "
+        top = t["max_priority"] if t["max_priority"] is not None else "-"
+        click.echo(f"{t['tenant'] or '(none)':<16} {t['weight']:>6g} {top:>8} {jobs:>9} "
+                   f"{enqueued:>17} "
                    f"{u['input_tokens']:>9} {u['cached_input_tokens']:>9} "
                    f"{u['output_tokens']:>9} {u['engine_s']:>9.1f}")  # fmt: skip

@@ -17,16 +17,17 @@ from typing import Any
 
 import redis
 
+from batchgen.jobs.ops import tenants
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
 from batchgen.jobs.ops.job_record import JobRecord, load_job
 from batchgen.jobs.redis.keys import Keys, text, text_hash
-from batchgen.jobs.schema.errors import JobConflict, JobNotFound
+from batchgen.jobs.schema.errors import JobConflict, JobNotFound, UsageError
 from batchgen.jobs.storage.names import check_output
 from batchgen.serve import batch_lifecycle
 from batchgen.serve.api_keys import Principal
 from batchgen.serve.batch_lifecycle import BatchState
 from batchgen.serve.batch_record import BatchRecord, to_openai
-from batchgen.serve.batch_request import WINDOW_S, CreateBatch
+from batchgen.serve.batch_request import WINDOW_S, CreateBatch, priority_of
 from batchgen.serve.files import FileStore
 from batchgen.serve.openai_errors import APIError, not_found
 from batchgen.serve.settings import ServeConfig
@@ -143,6 +144,11 @@ class Batches:
         if self.store.get(file_id, who).purpose != "batch":
             raise APIError(400, f"file {file_id!r} was not uploaded with purpose 'batch'",
                            "invalid_request", "input_file_id")  # fmt: skip
+        try:  # a priority class above the tenant's limit: refused, never lowered silently
+            tenants.check_priority(self.conn, self.keys, who.tenant,
+                                   priority_of(request.metadata), keyed=not who.admin)  # fmt: skip
+        except UsageError as exc:
+            raise APIError(400, str(exc), "invalid_priority", "metadata") from None
         now = int(time.time())
         record = BatchRecord(
             id=new_batch_id(), endpoint=request.endpoint, input_file_id=file_id,

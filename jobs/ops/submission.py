@@ -107,6 +107,7 @@ def submit(
     the serve tenant whose key submitted it (job_record.py)."""
     schedule = schedule or Schedule()
     job_id = check_job_id(job_id) if job_id else new_job_id()
+    tenants.check_priority(conn, keys, schedule.tenant, schedule.priority, keyed=False)
     with SpoolDir() as spool_dir:
         checked, kept_names, fmt = validate_input(
             source_path, input_format, table, defaults, spool_dir, max_line_bytes,

@@ -4,7 +4,13 @@ A tenant's settings are one hash (``batchgen tenant set``): ``weight`` (its shar
 of a model's workers against the other tenants with work in the same priority
 class; default 1, within ``WEIGHTS``), ``max_enqueued_tokens`` (OpenAI's batch queue limit: the
 estimated input tokens of its unfinished jobs together) and ``max_jobs`` (its
-unfinished jobs at once). A tenant without settings has weight 1 and no limits.
+unfinished jobs at once), and ``max_priority`` (the highest priority class its jobs
+may ask for). A tenant without settings has weight 1 and no limits, but for the
+priority class: a batch from a serve API key that is not an admin's may ask for
+the normal class at most (``KEYED_MAX_PRIORITY``) unless its tenant's
+``max_priority`` says otherwise; a CLI submit or an admin key, with nothing set,
+for any (whoever reaches the CLI reaches Redis). A job asking above its limit is
+refused (``check_priority``), never lowered silently.
 
 Quotas are checked by one script on the tenant's own keys before a job is created
 (``reserve``): it records the job's share (its estimated input tokens) in the
@@ -35,6 +41,7 @@ from batchgen.jobs.redis.lua import LuaScript
 from batchgen.jobs.schema.errors import QuotaExceeded, UsageError
 
 WEIGHTS = (1e-3, 1e3)  # a weight's bounds: 1e6 to 1 at most between two tenants
+KEYED_MAX_PRIORITY = 0  # a serve key's tenant without max_priority: the normal class
 ORPHAN_S = 60  # a share this old whose job does not exist is a submit that died
 
 # OpenAI's code for a batch past the queue limit; its API has no limit on concurrent
@@ -49,6 +56,7 @@ class Tenant:
     weight: float = 1.0
     max_enqueued_tokens: int | None = None  # None: no limit
     max_jobs: int | None = None  # None: no limit
+    max_priority: int | None = None  # None: KEYED_MAX_PRIORITY for serve keys, else no limit
 
     def check(self) -> Tenant:
         low, high = WEIGHTS
@@ -61,6 +69,10 @@ class Tenant:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise UsageError(f"tenant {self.name!r}: {name} must be 0 or more")
+        if self.max_priority is not None:
+            from batchgen.jobs.ops.schedule import check_priority as check_class  # imports us
+
+            check_class(self.max_priority)
         return self
 
 
@@ -77,6 +89,20 @@ def save(conn: redis.Redis, keys: Keys, tenant: Tenant) -> None:
     conn.sadd(keys.tenants, tenant.name)
     for tag in conn.hkeys(keys.queues):
         publish_weight(conn, keys.queue(text(tag)), tenant)
+
+
+def check_priority(conn: redis.Redis, keys: Keys, tenant: str, priority: int, keyed: bool) -> None:
+    """Refuse (UsageError) a job of ``tenant`` asking for a class above its limit;
+    ``keyed``: it comes from a serve API key that is not an admin's."""
+    limit = load(conn, keys, tenant).max_priority
+    why = "its --max-priority"
+    if limit is None and keyed:
+        limit, why = KEYED_MAX_PRIORITY, "an API key's tenant without --max-priority"
+    if limit is not None and priority > limit:
+        raise UsageError(
+            f"priority {priority}: tenant {tenant!r} may ask for class {limit} at most ({why}); "
+            "nothing was queued"
+        )
 
 
 def publish_weight(conn: redis.Redis, qk: QueueKeys, tenant: Tenant) -> None:

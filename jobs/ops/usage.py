@@ -65,6 +65,7 @@ def tenants_report(conn: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
             "weight": settings.weight,
             "max_enqueued_tokens": settings.max_enqueued_tokens,
             "max_jobs": settings.max_jobs,
+            "max_priority": settings.max_priority,
             **tenants.holding(conn, keys, name),
             "usage": {
                 "requests": counts["requests"],
