@@ -134,6 +134,53 @@ def test_a_class_above_the_tenants_max_priority_is_refused(redis_url, tmp_path):
     )
 
 
+def test_a_retry_reserves_quota_like_a_submit_and_frees_it_when_the_job_ends(redis_url, tmp_path):
+    """A cancelled, finalized job retried with --all-failed holds one more unfinished job
+    and its retried rows' estimated tokens (12 a line here): past a quota it is refused
+    with submit's error and nothing changes; its share is freed when it ends again."""
+    conn = rconn(redis_url)
+
+    def run(*args: str) -> Any:
+        return cli(*args, "--redis", redis_url)
+
+    def held() -> tuple[int, int]:
+        (acme,) = [t for t in json.loads(run("tenant", "list", "--json").output)
+                   if t["tenant"] == "acme"]  # fmt: skip
+        return acme["jobs"], acme["enqueued_tokens"]
+
+    def end(job_id: str) -> None:
+        assert run("cancel", job_id).exit_code == 0
+        out = run("finalize", job_id)
+        assert out.exit_code == 0, out.output
+
+    assert run("tenant", "set", "acme", "--max-jobs", "1").exit_code == 0
+    assert submit(redis_url, tmp_path, "r1", 3, "--tenant", "acme").exit_code == 0
+    end("r1")
+    assert held() == (0, 0)
+    assert submit(redis_url, tmp_path, "r2", 1, "--tenant", "acme").exit_code == 0
+    refused = run("retry", "r1", "--all-failed")
+    assert (refused.exit_code, refused.output) == (3, (
+        "batchgen: error: Concurrent job limit reached for tenant 'acme': 1 unfinished jobs at "
+        "most. Please try again once one has been completed. Nothing was queued.\n"))  # fmt: skip
+    record = load_job(conn, KEYS, "r1")
+    assert (record.state.value, record.retry_rounds, held()) == ("cancelled", 0, (1, 12))
+    end("r2")
+    assert run("retry", "r1", "--all-failed").exit_code == 0
+    assert (load_job(conn, KEYS, "r1").state.value, held()) == ("running", (1, 36))
+    assert submit(redis_url, tmp_path, "r3", 1, "--tenant", "acme").exit_code == 3
+    end("r1")
+    assert held() == (0, 0)
+    assert run("finalize", "r1").exit_code == 0  # finalized again: nothing released twice
+    run("tenant", "set", "acme", "--max-jobs", "none", "--max-enqueued-tokens", "40")
+    assert submit(redis_url, tmp_path, "r3", 1, "--tenant", "acme").exit_code == 0
+    refused = run("retry", "r1", "--all-failed")
+    assert (refused.exit_code, refused.output) == (3, (
+        "batchgen: error: Enqueued token limit reached for m by tenant 'acme'. Limit: 40 "
+        "enqueued tokens; unfinished jobs hold 12 and this one needs 36 (estimated). Please try "
+        "again once some in_progress jobs have been completed. Nothing was queued.\n"))  # fmt: skip
+    assert (load_job(conn, KEYS, "r1").retry_rounds, held()) == (1, (1, 12))
+
+
 def test_a_share_whose_job_was_never_created_is_dropped_after_a_minute(redis_url):
     conn = rconn(redis_url)
     tk = KEYS.tenant("t")

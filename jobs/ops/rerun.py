@@ -12,7 +12,11 @@ row per input:
    recorded defaults, through submit's validation; the entries' sha256 must
    equal the job's (proof they are the very requests). A moved copy is given
    with ``input_path`` (``--input``) and checked the same way.
-3. The kept rows are written back from ``result.parquet`` as parts
+3. The job's tenant must have room for it, as for a submit (tenants.py): one
+   more unfinished job and the retried requests' estimated input tokens; a
+   retry past a quota is refused with submit's error and nothing changes. The
+   share is released when the job finishes again (or the retry fails before
+   4). Then the kept rows are written back from ``result.parquet`` as parts
    (carryover.py).
 4. Entries a cancel left in the stream are deleted (they would run beside
    the retried ones). One atomic step (``REOPEN_JOB``) records those parts, sets the kept
@@ -50,7 +54,7 @@ from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES
 from batchgen.jobs.intake.table_spec import TableSpec
 from batchgen.jobs.intake.validate import SpoolDir, Validation
-from batchgen.jobs.ops import backlog
+from batchgen.jobs.ops import backlog, tenants
 from batchgen.jobs.ops.backlog import BACKLOG_PUSH
 from batchgen.jobs.ops.carryover import PART_ROWS, attempts_before, carry_over, retried_mask
 from batchgen.jobs.ops.chunk_append import CHUNK_BYTES, CHUNK_ENTRIES
@@ -216,7 +220,6 @@ def _retry(
     round_ = record.retry_rounds + 1
     if not retried.any():
         return RetryResult(job_id, 0, 0, record.retry_rounds, resumed=False)
-    crash = CrashPlan.from_env()
     with SpoolDir() as spool:
         requests = _requests(record, input_path, spool)
         invalid = 0
@@ -227,24 +230,43 @@ def _retry(
         rows = int(retried.sum())
         if rows == 0:
             return RetryResult(job_id, 0, 0, record.retry_rounds, resumed=False, invalid=invalid)
-        kept = carry_over(out, job_id, round_, retried, part_rows)
-        crash.reached("after_retry_parts")
-        if conn.sismember(qk.cancelled, job_id):  # entries its cancel left must not run too
-            delete_entries(conn, qk, job_id)
-        jk = qk.job(job_id)
-        counts = {"done": kept.done, "failed": kept.failed, "cancelled": kept.cancelled,
-                  **kept.tokens, "kept": kept.rows, "retried": rows}  # fmt: skip
-        status = text(REOPEN_JOB(
-            conn, job=jk.job, done=jk.done, parts=jk.parts, errors=jk.errors, dead=jk.dead,
-            active=qk.active, expiring=qk.expiring, cancelled=qk.cancelled, job_id=job_id,
-            round=record.retry_rounds, bitmap=np.packbits(~retried).tobytes(),
-            counts=json.dumps(counts), parts_kept=[x for part in kept.parts for x in part],
-        ))  # fmt: skip
-        if status != "reopened":
-            raise JobConflict(f"job {job_id!r} changed while retrying ({status}); run it again")
-        crash.reached("after_retry_reopen")
-        record = load_job(conn, keys, job_id)
-        queued = _enqueue_rest(conn, qk, record, requests)
+        tokens = sum(backlog.estimate_input_tokens(entry)
+                     for position, entry in enumerate(requests.entries()) if retried[position])  # fmt: skip
+        tenants.reserve(conn, keys, record, tokens)  # refused (QuotaExceeded): nothing reopened
+        try:
+            return _reopen(conn, keys, qk, record, requests, retried, round_, part_rows, invalid)
+        except BaseException:
+            if load_job(conn, keys, job_id).state.terminal:  # not reopened: nothing to hold
+                tenants.release(conn, keys, record.tenant, job_id)
+            raise
+
+
+def _reopen(
+    conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord, requests: Validation,
+    retried: np.ndarray, round_: int, part_rows: int, invalid: int,
+) -> RetryResult:  # fmt: skip
+    """Steps 3 to 5: the kept rows as parts, the job reopened, the retried rows queued."""
+    job_id, rows = record.id, int(retried.sum())
+    out = OutputDir.open(record.output)
+    crash = CrashPlan.from_env()
+    kept = carry_over(out, job_id, round_, retried, part_rows)
+    crash.reached("after_retry_parts")
+    if conn.sismember(qk.cancelled, job_id):  # entries its cancel left must not run too
+        delete_entries(conn, qk, job_id)
+    jk = qk.job(job_id)
+    counts = {"done": kept.done, "failed": kept.failed, "cancelled": kept.cancelled,
+              **kept.tokens, "kept": kept.rows, "retried": rows}  # fmt: skip
+    status = text(REOPEN_JOB(
+        conn, job=jk.job, done=jk.done, parts=jk.parts, errors=jk.errors, dead=jk.dead,
+        active=qk.active, expiring=qk.expiring, cancelled=qk.cancelled, job_id=job_id,
+        round=record.retry_rounds, bitmap=np.packbits(~retried).tobytes(),
+        counts=json.dumps(counts), parts_kept=[x for part in kept.parts for x in part],
+    ))  # fmt: skip
+    if status != "reopened":
+        raise JobConflict(f"job {job_id!r} changed while retrying ({status}); run it again")
+    crash.reached("after_retry_reopen")
+    record = load_job(conn, keys, job_id)
+    queued = _enqueue_rest(conn, qk, record, requests)
     return RetryResult(job_id, rows, queued, round_, resumed=False, invalid=invalid)
 
 

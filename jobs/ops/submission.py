@@ -228,7 +228,7 @@ def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> 
     raw = conn.hgetall(jk.job)
     if raw:
         return _resume(JobRecord.from_hash(job_id, raw), record)
-    tenants.reserve(conn, keys, record)  # refused: nothing is created, nothing claimed
+    tenants.reserve(conn, keys, record, record.est_input_tokens)  # refused: nothing created
     try:
         record.output_token = new_token()
         claim(OutputDir.open(record.output), job_id, record.output_token)

@@ -19,7 +19,9 @@ can never both squeeze under one. The job's keys live in its model's hash slot
 and the tenant's in another, so this is a step of its own: a share whose job was
 never created (a submit that died in between) is dropped by the next reserve once
 it is a minute old, and a finished job's share when it finishes (``release``) or,
-failing that, at the next reserve.
+failing that, at the next reserve. ``batchgen retry`` reserves a share the same
+way for the rows it queues again, before it reopens the job: while it holds the
+job's lease a reserve leaves that share alone, and the job's next finish releases it.
 
 The weight also lives in each model's ``fair`` hash (``w:TENANT``), where the
 dispatch script reads it: written when a job is created and by ``save``.
@@ -134,13 +136,14 @@ return {1, '', 0}
 )
 
 
-def reserve(conn: redis.Redis, keys: Keys, record: JobRecord) -> None:
-    """Hold the job's share of its tenant's quotas; QuotaExceeded (nothing held) if
-    it does not fit."""
+def reserve(conn: redis.Redis, keys: Keys, record: JobRecord, tokens: int) -> None:
+    """Hold the job's share of its tenant's quotas (``tokens``: the estimated input
+    tokens it queues: a submit's whole input, a retry's retried rows); QuotaExceeded
+    (nothing held) if it does not fit."""
     tk = keys.tenant(record.tenant)
     prune(conn, keys, record.tenant)
     ok, which, held = RESERVE(conn, settings=tk.settings, jobs=tk.jobs, job_id=record.id,
-                              tokens=record.est_input_tokens, now=int(time.time()))  # fmt: skip
+                              tokens=tokens, now=int(time.time()))  # fmt: skip
     if ok:
         return
     tenant = load(conn, keys, record.tenant)
@@ -149,7 +152,7 @@ def reserve(conn: redis.Redis, keys: Keys, record: JobRecord) -> None:
         raise QuotaExceeded(
             f"Enqueued token limit reached for {record.model} by {who}. Limit: "
             f"{tenant.max_enqueued_tokens:,} enqueued tokens; unfinished jobs hold {int(held):,} "
-            f"and this one needs {record.est_input_tokens:,} (estimated). Please try again once "
+            f"and this one needs {tokens:,} (estimated). Please try again once "
             "some in_progress jobs have been completed. Nothing was queued.",
             TOKENS_CODE,
         )
@@ -177,12 +180,20 @@ def prune(conn: redis.Redis, keys: Keys, tenant: str, now: float | None = None) 
     pipe = conn.pipeline(transaction=False)
     for job_id, tag in zip(ids, tags):
         pipe.hget(keys.queue(text(tag)).job(job_id).job, "state")
-    gone = []
+    gone, ended = [], []
     for job_id, tag, state in zip(ids, tags, pipe.execute()):
         since = float(shares[job_id].split(" ")[1])
         missing = not tag or state is None
-        if (missing and now - since > ORPHAN_S) or (state and JobState(text(state)).terminal):
+        if missing and now - since > ORPHAN_S:
             gone.append(job_id)
+        elif state and JobState(text(state)).terminal:
+            ended.append((job_id, keys.queue(text(tag)).job(job_id).finalizer))
+    if ended:  # a finished job's share, unless a retry (or finalize) holds its lease: the
+        # retry reserved it for the rows it is about to queue again (rerun.py)
+        pipe = conn.pipeline(transaction=False)
+        for _, lease in ended:
+            pipe.exists(lease)
+        gone += [job_id for (job_id, _), leased in zip(ended, pipe.execute()) if not leased]
     if gone:
         conn.hdel(jobs_key, *gone)
     return gone
