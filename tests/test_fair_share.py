@@ -107,7 +107,7 @@ def test_usage_per_job_and_per_tenant_adds_up_to_the_workers_own_counters(fleet,
     assert by_tenant["t1"] == {
         "requests": 12, "input_tokens": first.prompt_tokens,
         "cached_tokens": first.cached_tokens, "output_tokens": first.completion_tokens,
-        "engine_us": first.engine_us,
+        "engine_us": first.engine_us, "failed_input_tokens": 0,
     }  # fmt: skip
     assert by_tenant["t2"]["input_tokens"] == again.prompt_tokens == first.prompt_tokens
     assert by_tenant["t2"]["cached_tokens"] == again.prompt_tokens  # all of it: cached rows
@@ -117,7 +117,7 @@ def test_usage_per_job_and_per_tenant_adds_up_to_the_workers_own_counters(fleet,
     assert totals == {
         "requests": 24, "input_tokens": counted["prompt_tokens"],
         "cached_tokens": counted["cached_tokens"], "output_tokens": counted["generation_tokens"],
-        "engine_us": counted["engine_us"],
+        "engine_us": counted["engine_us"], "failed_input_tokens": 0,
     }  # fmt: skip
 
     # the same figures where operators read them: Prometheus and the dashboard
@@ -137,5 +137,6 @@ def test_usage_per_job_and_per_tenant_adds_up_to_the_workers_own_counters(fleet,
     assert shown["t1"] == {"requests": 12, "input_tokens": first.prompt_tokens,
                            "cached_input_tokens": first.cached_tokens,
                            "output_tokens": first.completion_tokens,
-                           "engine_s": round(first.engine_us / 1e6, 3)}  # fmt: skip
+                           "engine_s": round(first.engine_us / 1e6, 3),
+                           "failed_input_tokens": 0}  # fmt: skip
     assert shown["t2"]["cached_input_tokens"] == again.prompt_tokens

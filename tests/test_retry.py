@@ -435,10 +435,12 @@ def test_kept_rows_are_written_back_in_bounded_parts(tmp_path: Path) -> None:
     read = pa.concat_tables(pq.read_table(tmp_path / n, schema=SCHEMA) for n, _ in kept.parts)
     assert read.equals(table.take(pa.array([0, 2, 3, 4, 6])))
     assert (kept.rows, kept.done, kept.failed) == (5, 4, 1)
+    # the finished rows' tokens; the cancelled row (3) is not billed: its input apart
     assert kept.tokens == {
-        "prompt_tokens": 10 * 5 + 15,
-        "completion_tokens": 15,
+        "prompt_tokens": 10 + 12 + 14 + 16,
+        "completion_tokens": 2 + 4 + 6,
         "cached_tokens": 0,
+        "failed_prompt_tokens": 13,
     }
     with pytest.raises(OutputError, match="does not hold one row per input"):
         retried_mask(out, 8, frozenset({"error"}))

@@ -25,6 +25,7 @@ from batchgen.jobs.redis import embedded
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.jobs.schema.rows import FinishReason, Row
+from batchgen.serve.batch_record import BatchRecord, to_openai
 from tests.doc_blocks import doc_block, run_sh, shell_env
 
 KEYS = Keys("bg")
@@ -196,27 +197,37 @@ def test_status_shows_class_deadline_and_usage(redis_url, tmp_path):
     out = submit(redis_url, tmp_path, "d", 3, "--tenant", "ops", "--priority", "7",
                  "--deadline", "2h", "--expire")  # fmt: skip
     assert out.exit_code == 0, out.output
-    (d,) = read_new(conn, QK, "w", 1)
+    d, e = read_new(conn, QK, "w", 2)
     row = Row(index=d.index, finish_reason=FinishReason.STOP, prompt_tokens=9, cached_tokens=4,
               completion_tokens=5)  # fmt: skip
+    # a failed request is not billed (OpenAI bills none): its input tokens counted apart
+    refused = Row(index=e.index, finish_reason=FinishReason.ERROR, prompt_tokens=600_001,
+                  error="prompt is 600001 tokens; the model's context is 2048 tokens")  # fmt: skip
     (tmp_path / "out-d" / "parts").mkdir(exist_ok=True)
-    commit(
-        conn, QK, [PartCommit("d", "parts/x.parquet", [row], [d.entry_id], 0, engine_us=[250_000])]
-    )
+    commit(conn, QK, [PartCommit("d", "parts/x.parquet", [row, refused], [d.entry_id, e.entry_id],
+                                 0, engine_us=[250_000, 0])])  # fmt: skip
     status = json.loads(cli("status", "d", "--json", "--redis", redis_url).output)
     assert (status["tenant"], status["priority"]) == ("ops", 7)
     assert status["usage"] == {"input_tokens": 9, "cached_input_tokens": 4, "output_tokens": 5,
-                               "engine_s": 0.25}  # fmt: skip
+                               "engine_s": 0.25, "failed_input_tokens": 600_001}  # fmt: skip
+    batch = BatchRecord(id="d", endpoint="/v1/completions", input_file_id="f")
+    assert to_openai(batch, load_job(conn, KEYS, "d"))["usage"] == {
+        "input_tokens": 9, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 5,
+        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 14,
+        "failed_input_tokens": 600_001,
+    }  # fmt: skip
     deadline = status["deadline"]
     assert deadline["deadline"] == pytest.approx(time.time() + 7200, abs=60)
     assert (deadline["state"], deadline["expire"]) == ("unknown", True)
     text = cli("status", "d", "--redis", redis_url).output
     assert "tenant     ops, priority 7\n" in text
-    assert "usage      in 9 tokens (4 cached), out 5, engine 0.2s\n" in text
+    assert ("usage      in 9 tokens (4 cached), out 5, engine 0.2s; failed requests' input "
+            "600001 (not billed)\n") in text  # fmt: skip
     assert "deadline   " in text and ": no rate measured yet" in text
     listed = json.loads(cli("tenant", "list", "--json", "--redis", redis_url).output)
-    assert listed[0]["usage"] == {"requests": 1, "input_tokens": 9, "cached_input_tokens": 4,
-                                  "output_tokens": 5, "engine_s": 0.25}  # fmt: skip
+    assert listed[0]["usage"] == {"requests": 2, "input_tokens": 9, "cached_input_tokens": 4,
+                                  "output_tokens": 5, "engine_s": 0.25,
+                                  "failed_input_tokens": 600_001}  # fmt: skip
 
 
 def test_flags_are_checked_before_anything_is_read(redis_url, tmp_path, monkeypatch):

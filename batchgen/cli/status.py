@@ -69,7 +69,12 @@ def _fair_share_lines(d) -> list[str]:
     lines = [
         f"tenant     {d['tenant'] or '(none)'}, priority {d['priority']}",
         f"usage      in {u['input_tokens']} tokens ({u['cached_input_tokens']} cached), out "
-        f"{u['output_tokens']}, engine {u['engine_s']:.1f}s",
+        f"{u['output_tokens']}, engine {u['engine_s']:.1f}s"
+        + (
+            f"; failed requests' input {u['failed_input_tokens']} (not billed)"
+            if u["failed_input_tokens"]
+            else ""
+        ),
     ]
     if d["deadline"]:
         lines.append(f"deadline   {describe(d['deadline'])}")

@@ -45,6 +45,7 @@ class BatchRecord:
     prompt_tokens: int = 0  # kept with the output files (the job's state may expire)
     completion_tokens: int = 0
     cached_tokens: int = 0
+    failed_prompt_tokens: int = 0  # failed requests' input tokens: not billed, counted apart
     in_progress_at: int = 0
     finalizing_at: int = 0
     completed_at: int = 0
@@ -109,6 +110,8 @@ def to_openai(record: BatchRecord, job: JobRecord | None) -> dict[str, Any]:
         "output_tokens": source.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": source.prompt_tokens + source.completion_tokens,
+        # batchgen's own: failed requests are not billed (OpenAI's rule); their input apart
+        "failed_input_tokens": source.failed_prompt_tokens,
     }
     metadata = dict(record.metadata or {})
     if record.output:

@@ -124,6 +124,7 @@ class Sweep:
             error_file_id=outputs.error_file_id, total=job.total, completed=outputs.completed,
             failed=outputs.failed, prompt_tokens=job.prompt_tokens,
             completion_tokens=job.completion_tokens, cached_tokens=job.cached_tokens,
+            failed_prompt_tokens=job.failed_prompt_tokens,
             finalizing_at=record.finalizing_at or now, **{stamp: now},
         )  # fmt: skip
 

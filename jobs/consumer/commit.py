@@ -13,7 +13,10 @@ Through Sentinel a commit then waits for one replica (sentinel.py).
 
 The same step adds what the winning rows used to the job's and its tenant's usage
 (input, cached input and output tokens, engine time): usage is counted exactly
-once, like the rows.
+once, like the rows. A failed row (error, cancelled) is not billed, as OpenAI
+bills no failed request: its input tokens are counted apart (the job's
+``failed_prompt_tokens``, the tenant's ``failed_input_tokens``), its engine time
+is counted as any row's.
 
 Idempotent: a part already recorded is not counted again (a retried commit
 after a lost reply only acks); a closed (finalized) or missing job's rows are
@@ -37,7 +40,7 @@ from batchgen.jobs.schema.rows import Row, cached_input_tokens
 # Lua: what a job's newly committed rows used, on the job and on its tenant's counters of
 # this model (``TENANT|counter``); their estimated cost, to the fleet's committed work.
 USAGE = """
-local function charge_usage(job, usage, fair, rows, input, cached, output, engine_us)
+local function charge_usage(job, usage, fair, rows, input, cached, output, engine_us, failed_in)
   if rows == 0 then return end
   local v = redis.call('HMGET', job, 'tenant', 'cost')
   local t = (v[1] or '') .. '|'
@@ -47,6 +50,10 @@ local function charge_usage(job, usage, fair, rows, input, cached, output, engin
   if cached > 0 then redis.call('HINCRBY', usage, t .. 'cached_tokens', cached) end
   if output > 0 then redis.call('HINCRBY', usage, t .. 'output_tokens', output) end
   if engine_us > 0 then redis.call('HINCRBY', usage, t .. 'engine_us', engine_us) end
+  if failed_in > 0 then
+    redis.call('HINCRBY', job, 'failed_prompt_tokens', failed_in)
+    redis.call('HINCRBY', usage, t .. 'failed_input_tokens', failed_in)
+  end
   redis.call('HINCRBYFLOAT', fair, 'work', rows * math.max(tonumber(v[2] or '1'), 1))
 end
 """
@@ -80,13 +87,17 @@ for _, part in ipairs(p.parts) do
     status = 'again'  -- a retried commit after a lost reply: only ack
   end
   local rows, lost = part.rows, {}
-  local d, f, pt, ct, cc, eu = 0, 0, 0, 0, 0, 0
+  local d, f, pt, ct, cc, eu, fpt = 0, 0, 0, 0, 0, 0, 0
   for r = 1, #rows.index do
     ids[#ids + 1] = rows.entry[r]
     if status == 'live' then
       if redis.call('SETBIT', part.done, rows.index[r], 1) == 0 then  -- first row wins
-        if rows.failed[r] == 1 then f = f + 1 else d = d + 1 end
-        pt, ct, cc, eu = pt + rows.pt[r], ct + rows.ct[r], cc + rows.cc[r], eu + rows.eu[r]
+        if rows.failed[r] == 1 then  -- not billed: its input tokens counted apart
+          f, fpt = f + 1, fpt + rows.pt[r]
+        else
+          d, pt, ct, cc = d + 1, pt + rows.pt[r], ct + rows.ct[r], cc + rows.cc[r]
+        end
+        eu = eu + rows.eu[r]
       else
         lost[#lost + 1] = rows.index[r]
       end
@@ -100,7 +111,7 @@ for _, part in ipairs(p.parts) do
     if bump(part.record, d, f, pt, ct, cc, now, part.started) then
       out.finished[#out.finished + 1] = part.job_id
     end
-    charge_usage(part.record, usage, fair, d + f, pt, cc, ct, eu)
+    charge_usage(part.record, usage, fair, d + f, pt, cc, ct, eu, fpt)
   else
     out[status][#out[status] + 1] = part.job_id
   end

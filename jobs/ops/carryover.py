@@ -42,7 +42,10 @@ class Carried:
     done: int = 0  # kept rows that finished (stop, length)
     failed: int = 0  # kept rows that did not (error, cancelled)
     cancelled: int = 0  # of those, the cancelled ones
-    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_TOKENS, 0))
+    # the finished kept rows' tokens (billed), and the failed ones' input apart (usage.py)
+    tokens: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys((*_TOKENS, "failed_prompt_tokens"), 0)
+    )
 
 
 def retried_mask(out: OutputDir, total: int, reasons: frozenset[str]) -> np.ndarray:
@@ -123,14 +126,17 @@ def _write_part(out: OutputDir, job_id: str, round_: int, table: pa.Table, c: Ca
     meta = {"rows": table.num_rows, "lo": pc.min(index).as_py(), "hi": pc.max(index).as_py(),
             "bytes": table.nbytes, "lost": []}  # fmt: skip
     c.parts.append((f"parts/{job_id}/{name}", json.dumps(meta)))
-    ok = int(pc.sum(pc.is_in(table.column("finish_reason"), value_set=_OK)).as_py() or 0)
+    finished = pc.is_in(table.column("finish_reason"), value_set=_OK)
+    ok = int(pc.sum(finished).as_py() or 0)
     c.rows += table.num_rows
     c.done += ok
     c.failed += table.num_rows - ok
     reasons = table.column("finish_reason")
     c.cancelled += int(pc.sum(pc.equal(reasons, FinishReason.CANCELLED.value)).as_py() or 0)
     for column in _TOKENS:
-        c.tokens[column] += int(pc.sum(table.column(column)).as_py() or 0)
+        c.tokens[column] += int(pc.sum(table.filter(finished).column(column)).as_py() or 0)
+    failed_in = table.filter(pc.invert(finished)).column("prompt_tokens")
+    c.tokens["failed_prompt_tokens"] += int(pc.sum(failed_in).as_py() or 0)
 
 
 def _batches(

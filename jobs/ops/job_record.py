@@ -38,7 +38,7 @@ class JobRecord:
     failed: int = 0  # rows that did not (error, cancelled): done + failed = rows so far
     cancelled_rows: int = 0  # of the failed, those cancelled before they ran (finalize's)
     skipped: int = 0  # invalid lines skipped with --skip-invalid (each an error row)
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # of the rows that finished (stop, length): billed
     completion_tokens: int = 0
     cached_tokens: int = 0
     created_at: float = 0.0
@@ -74,6 +74,7 @@ class JobRecord:
     late: bool = False  # it cannot make its deadline at any share it may take: served fairly
     eta: float = 0.0  # unix s it should finish at the rate it is served; 0.0: unknown
     engine_us: int = 0  # engine time its committed rows took (usage)
+    failed_prompt_tokens: int = 0  # input tokens of its failed rows: not billed (commit.py)
 
     @property
     def retry_incomplete(self) -> bool:

@@ -6,7 +6,9 @@ time (each engine step's time shared equally by the requests in it). Per tenant,
 on each model's ``usage`` hash (``TENANT|counter``), the same counters and the
 committed requests; a tenant's usage is the sum over the models. Work thrown
 away (a crashed worker's, a request handed back and resumed elsewhere) is not
-charged: what is counted is what the committed rows took.
+charged: what is counted is what the committed rows took. A failed row (error,
+cancelled) is not billed: its input tokens are counted apart, as
+``failed_input_tokens``, and it adds no input, cached or output tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from batchgen.jobs.ops import tenants
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 
-COUNTERS = ("requests", "input_tokens", "cached_tokens", "output_tokens", "engine_us")
+COUNTERS = ("requests", "input_tokens", "cached_tokens", "output_tokens", "engine_us",
+            "failed_input_tokens")  # fmt: skip
 
 
 def job_usage(record: JobRecord) -> dict[str, Any]:
@@ -28,6 +31,7 @@ def job_usage(record: JobRecord) -> dict[str, Any]:
         "cached_input_tokens": record.cached_tokens,
         "output_tokens": record.completion_tokens,
         "engine_s": round(record.engine_us / 1e6, 3),
+        "failed_input_tokens": record.failed_prompt_tokens,
     }
 
 
@@ -73,6 +77,7 @@ def tenants_report(conn: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
                 "cached_input_tokens": counts["cached_tokens"],
                 "output_tokens": counts["output_tokens"],
                 "engine_s": round(counts["engine_us"] / 1e6, 3),
+                "failed_input_tokens": counts["failed_input_tokens"],
             },
         })  # fmt: skip
     return report
