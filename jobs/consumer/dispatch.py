@@ -48,9 +48,9 @@ from typing import Any
 
 import redis
 
+from batchgen.jobs.consumer.fair_clock import REST_FAIR_CLOCKS
 from batchgen.jobs.ops.deadlines import URGENT_SHARE
 from batchgen.jobs.ops.fair_index import FAIR_INDEX
-from batchgen.jobs.consumer.fair_clock import REST_FAIR_CLOCKS
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.keys import BACKLOG_GROUPS, GROUP, QueueKeys
 from batchgen.jobs.schema.entry import LUA_FIELDS
