@@ -21,7 +21,9 @@ local function rest_fair_clocks(fair)
   if redis.call('HEXISTS', fair, 'clock') == 0 then return end
   for _, field in ipairs(redis.call('HKEYS', fair)) do
     local kind = string.sub(field, 1, 2)
-    if field == 'clock' or kind == 't:' or kind == 'c:' then redis.call('HDEL', fair, field) end
+    if field == 'clock' or field == 'urgent_debt' or kind == 't:' or kind == 'c:' then
+      redis.call('HDEL', fair, field)
+    end
   end
 end
 """
