@@ -36,6 +36,10 @@ two ZADDs, then per request an LPOP, a LINDEX (the merge in input order), an XAD
 and the final XREADGROUP's share. A finished, cancelled or deleted job that comes
 first leaves the index then, once.
 
+A queued job whose first requests a worker takes here becomes ``running`` (its
+``started_at`` then): status shows it running while those requests generate, not
+only once a first row commits, which for long generations is minutes later.
+
 The index's keys are built from the stream's (same hash tag, so the same slot:
 Redis Cluster runs it on the model's shard).
 """
@@ -43,6 +47,7 @@ Redis Cluster runs it on the model's shard).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,6 +75,7 @@ DISPATCH = script(
         ("count", "requests this worker can admit now"),
         ("groups", "this worker's prefix groups, comma-separated, in order; '*': all"),
         ("urgent_share", "the most of the model's tokens urgent jobs take (deadlines.py)"),
+        ("now", "unix s: a queued job whose requests this read takes is running from then"),
     ],
     prelude=LUA_FIELDS + FAIR_INDEX + REST_FAIR_CLOCKS,
     body=f"""
@@ -124,7 +130,7 @@ local function next_job()
       local v = live(u)
       if v and v[6] == '1' then
         tenant(v[7] or '')
-        return {{id = u, class = c, tenant = v[7] or '', urgent = true, vtime = tonumber(v[4] or '0'),
+        return {{id = u, class = c, state = v[1], tenant = v[7] or '', urgent = true, vtime = tonumber(v[4] or '0'),
                 cost = math.max(tonumber(v[5] or '1'), 1)}}
       end
       redis.call('ZREM', base .. 'urgent:' .. c, u)
@@ -146,7 +152,7 @@ local function next_job()
           else
             local v = live(id)
             if v then
-              return {{id = id, class = c, tenant = t, urgent = false, vtime = tonumber(v[4] or '0'),
+              return {{id = id, class = c, state = v[1], tenant = t, urgent = false, vtime = tonumber(v[4] or '0'),
                       cost = math.max(tonumber(v[5] or '1'), 1)}}
             end
             drop(id, c, t)
@@ -236,6 +242,10 @@ while need > 0 do
     tv[t] = tvirtual + cost / weight[t]
     charged[t] = true
     redis.call('HSET', key, 'vtime', fx_num(jvirtual), 'last_id', id)
+    if j.state == S.QUEUED then  -- a worker holds its first requests: running, not queued
+      move(key, j.state, S.RUNNING, 'started_at', now)
+      j.state = S.RUNNING
+    end
     if redis.call('HINCRBY', key, 'backlog', -#items) <= 0 then emptied = true end
     redis.call('ZADD', base .. 'jobs:' .. j.class .. ':' .. t, fx_num(jvirtual), j.id)
     redis.call('ZADD', base .. 'tenants:' .. j.class, fx_num(tv[t]), t)
@@ -264,7 +274,8 @@ def dispatch(
     them); ``groups``: its prefix groups in order (None: every group, in order)."""
     order = ",".join(str(g) for g in groups) if groups is not None else "*"
     raw = DISPATCH(conn, stream=qk.stream, ready=qk.ready, fair=qk.fair, group=GROUP,
-                   me=consumer, count=count, groups=order, urgent_share=URGENT_SHARE)  # fmt: skip
+                   me=consumer, count=count, groups=order, urgent_share=URGENT_SHARE,
+                   now=time.time())  # fmt: skip
     entries: Any = json.loads(raw)
     if not isinstance(entries, list):  # cjson encodes an empty table as {}
         return []
