@@ -71,6 +71,9 @@ class PacedEngine(ZeroEngine):
     def has_unfinished(self) -> bool:
         return bool(self.made)
 
+    def output_token_counts(self) -> dict[str, int]:
+        return {rid: made for rid, (made, _) in self.made.items()}
+
     def free_capacity(self) -> int:
         return self.max_num_seqs - len(self.made)
 

@@ -144,6 +144,9 @@ class ZeroEngine:
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
+    def output_token_counts(self) -> dict[str, int]:
+        return dict.fromkeys(self.running, 0)
+
     def free_capacity(self) -> int:
         return self.max_num_seqs + self.max_num_seqs // 4 - len(self.running)
 

@@ -179,6 +179,9 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
+    def output_token_counts(self) -> dict[str, int]:
+        return {rid: len(req.tokens) for rid, req in self.running.items()}
+
     def free_capacity(self) -> int:
         cap = self.max_num_seqs - len(self.running)
         self.capacity_log.append(cap)

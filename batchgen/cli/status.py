@@ -58,6 +58,10 @@ def _counts(d: dict) -> list[str]:
 def _eta(d: dict) -> str:
     if d["unserved"]:
         return "- (no live worker serves the model)"
+    if d["eta_s"] is None and d["state"] in ("queued", "running"):
+        if d["done"] + d["failed"] == 0:
+            return "- (no row finished yet)"
+        return "- (nothing made in the last minute)"
     return duration(d["eta_s"])
 
 

@@ -132,6 +132,17 @@ class PartSink:
         ids = [e for b in self.buffers.values() for e in b.entry_ids]
         return ids + [e for p in self.written for e in p.entry_ids]
 
+    def uncommitted_tokens(self) -> dict[str, list[int]]:
+        """Per job, [prompt, completion] tokens of its rows here not committed yet."""
+        tokens: dict[str, list[int]] = {}
+        held = [(job_id, b.rows) for job_id, b in self.buffers.items()]
+        for job_id, rows in held + [(p.job_id, p.rows) for p in self.written]:
+            counts = tokens.setdefault(job_id, [0, 0])
+            for row in rows:
+                counts[0] += row.prompt_tokens
+                counts[1] += row.completion_tokens
+        return tokens
+
     def rows(self, job_id: str) -> list[tuple[Delivery, Row]]:
         """A job's buffered rows, with the entries they came from."""
         buf = self.buffers.get(job_id)

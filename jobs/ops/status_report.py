@@ -1,4 +1,11 @@
-"""status: what a job (or every job) is doing, as data; the CLI renders it."""
+"""status: what a job (or every job) is doing, as data; the CLI renders it.
+
+While a job runs, its tokens, rates and ETA are live: the live workers' heartbeats
+carry, per job, the tokens of requests still generating or awaiting commit and
+the tokens and rows made per second over the last minute (worker/loop/progress.py);
+they are added to the committed counts of the job's record. Once the job stops
+running, everything comes from its record (tok/s: its tokens over its run time).
+"""
 
 from __future__ import annotations
 
@@ -25,6 +32,9 @@ class JobStatus:
     rows_per_s: float = 0.0
     tokens_per_s: float = 0.0  # completion tokens
     eta_s: float | None = None  # None: finished, not started, or no live worker serves it
+    # tokens of its rows not committed yet (generating, or awaiting commit), from heartbeats
+    pending_prompt_tokens: int = 0
+    pending_completion_tokens: int = 0
 
     @property
     def unserved(self) -> bool:
@@ -47,8 +57,9 @@ class JobStatus:
             "in_flight": self.in_flight,
             "queued": max(r.enqueued - r.finished_rows - self.in_flight, 0),
             "skipped_invalid": r.skipped,
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens,
+            # committed rows' and, while it runs, those of requests generating now
+            "prompt_tokens": r.prompt_tokens + self.pending_prompt_tokens,
+            "completion_tokens": r.completion_tokens + self.pending_completion_tokens,
             "cached_tokens": r.cached_tokens,
             "tokens_per_s": round(self.tokens_per_s, 1),
             "rows_per_s": round(self.rows_per_s, 2),
@@ -100,12 +111,35 @@ def _status(record: JobRecord, workers: list[dict[str, Any]], now: float) -> Job
     if record.state.live:
         held = sum(int(w.get("in_flight", {}).get(record.id, 0)) for w in workers)
         status.in_flight = min(held, max(record.enqueued - record.finished_rows, 0))
-    if record.started_at:
+        live = [w.get("progress", {}).get(record.id) or {} for w in workers]
+        status.pending_prompt_tokens = sum(int(p.get("prompt_tokens", 0)) for p in live)
+        status.pending_completion_tokens = sum(int(p.get("completion_tokens", 0)) for p in live)
+        status.tokens_per_s = sum(float(p.get("tokens_per_s", 0)) for p in live)
+        status.rows_per_s = sum(float(p.get("rows_per_s", 0)) for p in live)
+        if status.workers:
+            status.eta_s = _eta(status)
+    elif record.started_at:
         end = record.finished_at if record.state.terminal and record.finished_at else now
         elapsed = max(end - record.started_at, 1e-6)
         status.rows_per_s = record.finished_rows / elapsed
         status.tokens_per_s = record.completion_tokens / elapsed
-        remaining = record.total - record.finished_rows
-        if record.state.live and status.workers and status.rows_per_s > 0:
-            status.eta_s = remaining / status.rows_per_s
     return status
+
+
+def _eta(status: JobStatus) -> float | None:
+    """Seconds left at the live rate: the tokens its remaining rows take (as many per row
+    as its committed rows took, less those generated already) over the tokens made per
+    second; by rows per second when no committed row says how long a row is (an
+    embedding job, or none committed yet). None before any rate was measured."""
+    r = status.record
+    remaining = max(r.total - r.finished_rows, 0)
+    if remaining == 0:
+        return 0.0
+    if r.finished_rows and r.completion_tokens and status.tokens_per_s > 0:
+        per_row = r.completion_tokens / r.finished_rows
+        waiting = max(remaining - status.in_flight, 0)  # no token of theirs made yet
+        left = max(remaining * per_row - status.pending_completion_tokens, waiting * per_row)
+        return left / status.tokens_per_s
+    if status.rows_per_s > 0:
+        return remaining / status.rows_per_s
+    return None

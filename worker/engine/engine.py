@@ -312,6 +312,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def output_token_counts(self) -> dict[str, int]:
+        """Tokens generated so far by each unfinished request (all its samples; resumed
+        tokens included): live progress, read every few seconds for the heartbeat."""
+        return {rid: sum(len(s.output_token_ids) for s in samples)
+                for rid, samples in self._requests.items()}  # fmt: skip
+
     def free_capacity(self) -> int:
         """How many more requests to add now to keep the in-flight set full: a
         running batch of max_num_seqs plus a short queue behind it."""

@@ -24,6 +24,8 @@ class Flight:
     output: str  # the job's output URI
     prompt_tokens: int = 0
     engine_us: int = 0  # its share of the engine steps it was in (usage)
+    # its output tokens counted in the worker's progress so far (resumed ones from the start)
+    counted: int = 0
 
 
 def _metadata(delivery: Delivery) -> str | None:

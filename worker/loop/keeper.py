@@ -9,7 +9,8 @@ its own clock:
 - refresh: XCLAIM JUSTID of the entries the loop holds (a snapshot it
   publishes each tick), every claim_timeout / 4; entries another worker took
   meanwhile are reported back (``take_stolen``);
-- heartbeat: the loop's latest payload, with a TTL, every heartbeat_s;
+- heartbeat: the loop's latest payload, with a TTL, every heartbeat_s (and the
+  loop sends one itself right after it committed rows: ``beat_now``);
 - cancels: subscribed to the queue's events channel, where ``batchgen cancel``
   publishes, so the loop learns of a cancel within a step; the cancelled set
   is also read every cancel_poll_s in case a message was missed;
@@ -51,6 +52,7 @@ class Keeper(threading.Thread):
         self.payload: dict[str, Any] = {}  # set by the loop: what the heartbeat carries
         self.cancelled: frozenset[str] = frozenset()  # read by the loop
         self.work = threading.Event()  # set when new work was announced; the loop clears it
+        self._beat_lock = threading.Lock()  # one sender at a time: the newest payload lands last
         self._stolen: set[str] = set()
         self._lock = threading.Lock()  # guards _stolen and the publishing of ``cancelled``
         self._cancelled_read_at = 0.0
@@ -66,6 +68,15 @@ class Keeper(threading.Thread):
         with self._lock:
             stolen, self._stolen = self._stolen, set()
         return stolen
+
+    def beat_now(self, payload: dict[str, Any]) -> None:
+        """Send ``payload`` now, from the loop's thread (it just committed rows: their
+        tokens must leave the payload's pending ones at once, or status counts them
+        twice until the next beat). Redis down: the next beat sends it."""
+        with self._beat_lock:
+            self.payload = payload
+            with contextlib.suppress(*_REDIS_DOWN):
+                self._send()
 
     def stop(self) -> None:
         self._halt.set()
@@ -120,6 +131,10 @@ class Keeper(threading.Thread):
                 self._stolen.update(gone)
 
     def _heartbeat(self) -> None:
+        with self._beat_lock:
+            self._send()
+
+    def _send(self) -> None:
         if self.payload:
             ttl = max(int(self.config.heartbeat_s * 3), 2)
             heartbeat.beat(self.conn, self.keys, self.config.name, self.payload, ttl)

@@ -203,11 +203,13 @@ class QueueLoop:
     # -- the heartbeat ----------------------------------------------------------
 
     def activity(self) -> dict[str, Any]:
-        """The loop's part of the heartbeat: requests held per job, rows, counters, engine."""
+        """The loop's part of the heartbeat: requests held per job, live progress per job
+        (progress.py), rows, counters, engine."""
         stats = self.engine.stats()
         engine = dataclasses.asdict(stats) if stats is not None else {}
         return {
             "in_flight": self.requests.per_job(),
+            "progress": self.requests.live_progress(),
             "cancels": dict(self.requests.cancel_seen),
             "buffered_rows": self.sink.buffered,
             "counters": dict(self.counters),
@@ -228,6 +230,9 @@ class QueueLoop:
         if result is None:
             return True
         self._count("commits")
+        # the committed rows leave the heartbeat's pending tokens now, not a beat later
+        # (status adds those to the job's committed counts: it would count them twice)
+        self.keeper.beat_now(self.upkeep.payload())
         self.requests.cache.store(flushed.parts, self.requests.held)
         self._count("rows_lost_to_duplicates", result.lost)
         for job_id in result.missing:

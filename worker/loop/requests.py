@@ -29,6 +29,7 @@ from batchgen.worker.loop.flight import Flight, error_row, now_ms, output_row, r
 from batchgen.worker.loop.isolation import Isolation
 from batchgen.worker.loop.job_book import JobInfo
 from batchgen.worker.loop.loop_config import LoopConfig
+from batchgen.worker.loop.progress import Progress
 
 log = logging.getLogger(__name__)
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
@@ -60,6 +61,7 @@ class Requests:
         self.isolation = Isolation()
         self.cancelled: set[str] = set()  # jobs whose requests this worker no longer runs
         self.cancel_seen: dict[str, int] = {}  # job -> unix ms this worker applied its cancel
+        self.progress = Progress()  # tokens and rows per job as made here: the heartbeat's
         self.read_paused_until = 0.0  # monotonic: after refusing a job's requests
         self.rejections: tuple[type[BaseException], ...] = (*api.rejected, ValueError)
 
@@ -72,6 +74,23 @@ class Requests:
         for flight in self.flights.values():
             counts[flight.delivery.job_id] = counts.get(flight.delivery.job_id, 0) + 1
         return counts
+
+    def live_progress(self) -> dict[str, dict[str, float]]:
+        """The heartbeat's ``progress`` (progress.py): the tokens each job's requests
+        generated since the last call counted, and per job the tokens not committed yet
+        (of the requests in the engine and of the rows awaiting commit) and the rates."""
+        counts = self.engine.output_token_counts()
+        pending = self.sink.uncommitted_tokens()
+        for entry_id, flight in self.flights.items():
+            job_id = flight.delivery.job_id
+            tokens = counts.get(entry_id, flight.counted)
+            if tokens > flight.counted:
+                self.progress.generated(job_id, tokens - flight.counted)
+                flight.counted = tokens
+            held = pending.setdefault(job_id, [0, 0])
+            held[0] += flight.prompt_tokens
+            held[1] += tokens
+        return self.progress.report(pending)
 
     def capacity(self) -> int:
         """How many more entries to take now (none while a set must run alone)."""
@@ -203,7 +222,8 @@ class Requests:
                 reason = getattr(exc, "reason", None) or str(exc)
                 self.error(d, job.output, f"request rejected: {reason}", len(token_ids))
                 continue
-            self.flights[d.entry_id] = Flight(d, job.output, len(token_ids))
+            self.flights[d.entry_id] = Flight(d, job.output, len(token_ids), counted=len(d.resume))
+            self.progress.started(d.job_id)
 
     def _prepare(self, d: Delivery, output: str) -> tuple[Any, list[int]] | None:
         """(sampling params, prompt token ids) of a request to run; None when it was
@@ -247,6 +267,7 @@ class Requests:
             reason = getattr(exc, "reason", None) or str(exc)
             return self.error(d, output, f"request rejected: {reason}")
         self.flights[d.entry_id] = Flight(d, output)
+        self.progress.started(d.job_id)
 
     def error(self, d: Delivery, output: str, message: str, prompt_tokens: int = 0) -> None:
         row = error_row(d, message, self.config.name, prompt_tokens)
@@ -257,6 +278,7 @@ class Requests:
         """A row made here, to the sink; its usage to this worker's own counters (which
         the jobs' committed usage adds up to)."""
         self.sink.add(d, output, row, engine_us)
+        self.progress.made_row(d.job_id)
         self.count("prompt_tokens", row.prompt_tokens)
         self.count("cached_tokens", cached_input_tokens(row))
         self.count("generation_tokens", row.completion_tokens)
@@ -276,6 +298,7 @@ class Requests:
         if flight is None:
             return  # aborted meanwhile (cancelled, or claimed by another worker)
         row = output_row(flight, out, self.config.name, self.engine.token_text)
+        self.progress.generated(flight.delivery.job_id, row.completion_tokens - flight.counted)
         self.cache.finished(out.request_id, row)
         self.emit(flight.delivery, flight.output, row, flight.engine_us)
         self.count("rows_error" if row.failed else "rows_ok", 1)
