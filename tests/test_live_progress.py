@@ -2,15 +2,23 @@
 ``running`` as soon as a worker holds its requests, counts output tokens as they are
 generated (the workers' heartbeats carry them) with a tok/s over the last minute, and
 once the job ends its counts are its rows' exactly (nothing counted twice at a commit).
-A real worker on a toy checkpoint, paced so that a row takes many seconds."""
+The dashboard's chart and workers table come from the same live rates, so rows that
+commit in a burst are no spike. A real worker on a toy checkpoint, paced so that a row
+takes many seconds."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 
+from batchgen.jobs.redis.keys import Keys
+from batchgen.serve.series import Sampler
 from tests.cli_session import Shell, rows, shells, wait_for, write_jsonl
 from tests.hooks import hook_env
 
@@ -51,9 +59,29 @@ def test_status_is_live_before_any_row_commits(shell):
     assert out > 0
     assert "eta        - (no row finished yet)\n" in text
 
+    # the dashboard's chart is the workers' live rates, not the committed tokens
+    conn: Any = redis.Redis.from_url(shell.env["BATCHGEN_REDIS_URL"])
+    point = Sampler(conn, Keys("bg"), interval_s=0.001).sample()
+    assert point is not None and point["jobs"]["long"] > 0
+    assert point["fleet"] == sum(point["workers"].values()) > 0
+
     done = wait_for(lambda: (s := shell.status("long"))["state"] == "completed" and s,
                     "the job", timeout=300)  # fmt: skip
     made = rows(shell.cwd / "out" / "result.parquet")
     assert made["completion_tokens"] == [MAX_TOKENS] * ROWS
     assert done["completion_tokens"] == ROWS * MAX_TOKENS  # the rows' own: none twice
     assert done["prompt_tokens"] == sum(made["prompt_tokens"])
+
+
+def test_a_burst_of_commits_is_no_spike_in_the_chart(redis_url):
+    """Heartbeats say the rate; a job whose 600 rows commit at once adds nothing to it."""
+    conn: Any = redis.Redis.from_url(redis_url)
+    keys = Keys("bg")
+    beat = {"name": "w1", "tag": "t", "in_flight": {"j": 640},
+            "progress": {"j": {"tokens_per_s": 115.0, "rows_per_s": 0.0,
+                               "prompt_tokens": 64000, "completion_tokens": 9000}}}  # fmt: skip
+    conn.set("bg:worker:w1", json.dumps(beat), ex=60)
+    conn.zadd("bg:workers", {"w1": time.time()})
+    sampler = Sampler(conn, keys, interval_s=5.0)
+    assert sampler.sample(now=100.0) == {
+        "t": 100.0, "fleet": 115.0, "jobs": {"j": 115.0}, "workers": {"w1": 115.0}}  # fmt: skip

@@ -13,12 +13,14 @@ from batchgen.jobs.ops.status_report import all_statuses, job_status
 from batchgen.jobs.ops.usage import tenants_report
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import Keys, text
+from batchgen.serve.series import worker_rate
 
 MAX_JOBS = 200
 SHOWN_DEAD = 50
 
 
-def workers(conn: redis.Redis, keys: Keys, rates: dict[str, float]) -> list[dict[str, Any]]:
+def workers(conn: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    """The live workers; tok/s: over the last minute, as each generated them (series.py)."""
     scored: Any = conn.zrange(keys.workers, 0, -1, withscores=True)
     beats = {text(n): float(s) for n, s in scored}
     out = []
@@ -26,7 +28,7 @@ def workers(conn: redis.Redis, keys: Keys, rates: dict[str, float]) -> list[dict
         held = sum(int(n) for n in w.get("in_flight", {}).values())
         out.append({"name": w["name"], "host": w.get("host"), "model": w.get("model"),
                     "device": w.get("device"), "in_flight": held,
-                    "tokens_per_s": rates.get(w["name"], 0.0),
+                    "tokens_per_s": worker_rate(w),
                     "last_heartbeat": beats.get(w["name"]),
                     "started_at": w.get("started_at")})  # fmt: skip
     return sorted(out, key=lambda w: (w["host"] or "", w["name"]))

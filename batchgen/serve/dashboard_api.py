@@ -47,11 +47,9 @@ def router(conn: redis.Redis, keys: Keys) -> APIRouter:
 
     @api.get("/api/overview")
     def api_overview(who: Who) -> Any:
-        points = series(who)
-        rates = points[-1]["workers"] if points else {}
         return {"now": time.time(), "jobs": dashboard.jobs(conn, keys, who.sees),
-                "workers": dashboard.workers(conn, keys, rates),
-                "tenants": dashboard.tenants(conn, keys, who.sees), "series": points}  # fmt: skip
+                "workers": dashboard.workers(conn, keys),
+                "tenants": dashboard.tenants(conn, keys, who.sees), "series": series(who)}  # fmt: skip
 
     @api.get("/api/jobs")
     def api_jobs(who: Who) -> Any:
@@ -69,8 +67,7 @@ def router(conn: redis.Redis, keys: Keys) -> APIRouter:
 
     @api.get("/api/workers")
     def api_workers(who: Who) -> Any:
-        points = read_series(conn, keys)
-        return dashboard.workers(conn, keys, points[-1]["workers"] if points else {})
+        return dashboard.workers(conn, keys)
 
     @api.get("/api/series")
     def api_series(who: Who) -> Any:
