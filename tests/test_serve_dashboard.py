@@ -151,6 +151,11 @@ def test_dashboard_shows_a_job_progress_to_100_percent(stack, browser, toy_model
     cells = page.evaluate("[...document.querySelector('[data-job=\"waits\"]').children]"
                           ".map(td => td.textContent)")  # fmt: skip
     assert cells[4:8] == ["0", "0", "2", "2"]  # done, failed, cancelled, total
+    # its bar: no row done (0%), the cancelled ones a segment of their own, not a full bar
+    waits_bar = "document.querySelector('[data-job=\"waits\"] .bar')"
+    widths = page.evaluate(f"[...{waits_bar}.querySelectorAll('span')].map(s => s.style.width)")
+    assert widths == ["0%", "0%", "100%"]  # done, failed, cancelled
+    assert page.evaluate(f"{waits_bar}.dataset.pct + ' ' + {waits_bar}.textContent") == "0 0%"
 
     shot = page.screenshot(tmp_path / "dashboard.png")
     assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 20_000

@@ -84,6 +84,7 @@ def test_counts_add_up_while_workers_come_and_go(shell):
     ghost(shell, "c", 119)  # and again after the job finished
     text = shell.ok("status", "c")
     assert "state      completed\n" in text
+    assert f"progress   [{'#' * 30}] 8/8 done\n" in text
     assert counts_of(text) == ["rows       done 8, failed 0, cancelled 0",
                                "requests   in flight 0, queued 0"]  # fmt: skip
     fixed = ("state", "progress", "rows", "requests", "eta")  # paths and names vary in length
@@ -97,8 +98,12 @@ def test_cancelled_rows_are_not_failed_ones(shell):
     status = shell.status("x")
     assert (status["state"], status["done"], status["failed"], status["cancelled"]) == (
         "cancelled", 0, 0, 5)  # fmt: skip
-    assert counts_of(shell.ok("status", "x")) == ["rows       done 0, failed 0, cancelled 5",
-                                                  "requests   in flight 0, queued 0"]  # fmt: skip
+    text = shell.ok("status", "x")
+    assert counts_of(text) == ["rows       done 0, failed 0, cancelled 5",
+                               "requests   in flight 0, queued 0"]  # fmt: skip
+    # the bar shows done rows: cancelled ones are a segment of their own, not a full bar
+    assert f"progress   [{'-' * 30}] 0/5 done\n" in text
+    assert f"[{'-' * 20}] 0/5 done" in shell.ok("status").splitlines()[1]
     jobs = shell.ok("jobs").splitlines()
     assert jobs[0].split() == ["JOB", "STATE", "DONE", "FAILED", "CANCELLED", "TOTAL", "MODEL"]
     assert jobs[1].split()[:6] == ["x", "cancelled", "0", "0", "5", "5"]

@@ -7,9 +7,12 @@ import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from batchgen.jobs.ops.job_record import JobRecord
 
 REDIS_HELP = (
     "Redis URL (redis://, rediss://, unix://, redis+sentinel://HOST:PORT,.../SERVICE/DB); "
@@ -273,9 +276,18 @@ def connect(redis_url: str | None):
     return connect(target.url, wait_s=REDIS_WAIT.get()), Keys.from_env(), target
 
 
-def progress_bar(done: int, total: int, width: int = 30) -> str:
-    filled = int(width * done / total) if total else width
-    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
+def progress_bar(record: JobRecord, width: int = 30) -> str:
+    """A job's rows: ``#`` done, ``x`` failed (error rows), ``-`` cancelled, ``.`` not
+    yet; the count is of done rows. A job cancelled whole is a bar of ``-`` and
+    0/total, never a full bar beside "done 0"."""
+    total = record.total
+    marks = [("#", record.done), ("x", record.errors), ("-", record.cancelled_rows)]
+    bar, rows = "", 0
+    for mark, n in marks:
+        rows += n
+        filled = int(width * rows / total) if total else 0
+        bar += mark * (filled - len(bar))
+    return "[" + bar + "." * (width - len(bar)) + f"] {record.done}/{total} done"
 
 
 def duration(seconds: float | None) -> str:

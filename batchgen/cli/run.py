@@ -106,7 +106,7 @@ def run(
 
     def finished() -> bool:
         record = load_job(conn, keys, job_id)
-        line = f"\r{job_id} {progress_bar(record.finished_rows, record.total)} {record.state.value}"
+        line = f"\r{job_id} {progress_bar(record)} {record.state.value}"
         if tty:
             click.echo(line, err=True, nl=False)
         return record.state not in (JobState.QUEUED, JobState.RUNNING)

@@ -21,7 +21,7 @@ def _render(s) -> str:
     lines = [
         f"job        {d['job_id']}  ({d['model']})",
         f"state      {d['state']}" + note,
-        f"progress   {progress_bar(d['done'] + d['failed'] + d['cancelled'], d['total'])}",
+        f"progress   {progress_bar(s.record)}",
         *_counts(d),
         f"tokens     in {d['prompt_tokens']}, out {d['completion_tokens']}, "
         f"cached {d['cached_tokens']}; {d['tokens_per_s']} tok/s",
@@ -91,7 +91,7 @@ def _table(statuses) -> str:
     out = [f"{'JOB':<28} {'STATE':<11} {'PROGRESS':<44} {'TOK/S':>8} {'ETA':>7}"]
     for s in statuses:
         r = s.record
-        bar = progress_bar(r.finished_rows, r.total, 20)
+        bar = progress_bar(r, 20)
         eta = "no worker" if s.unserved else duration(s.eta_s)
         out.append(f"{r.id:<28} {r.state.value:<11} {bar:<44} {s.tokens_per_s:>8.0f} {eta:>7}")
     return "\n".join(out)

@@ -28,20 +28,24 @@ function fmtTime(t) {
   return t ? new Date(t * 1000).toLocaleTimeString() : "–";
 }
 
-function finishedRows(job) {
-  return job.done + job.failed + job.cancelled;
-}
-
-function percent(job) {
-  if (!job.total) return 100;
-  return Math.floor(100 * finishedRows(job) / job.total);
+function share(rows, total) {
+  return total ? 100 * rows / total : 0;
 }
 
 function setBar(bar, job) {
-  const pct = percent(job);
+  // done rows fill the bar; failed and cancelled ones are segments of their own after
+  // them: a job cancelled whole is an orange bar at 0%, never a full one
+  const pct = Math.floor(share(job.done, job.total));
   bar.className = "bar " + job.state;
   bar.dataset.pct = String(pct);
-  bar.firstChild.style.width = pct + "%";
+  bar.title = `done ${job.done}, failed ${job.failed}, cancelled ${job.cancelled} of ${job.total}`;
+  let left = 0;
+  [job.done, job.failed, job.cancelled].forEach((rows, i) => {
+    const width = share(rows, job.total);
+    bar.children[i].style.left = left + "%";
+    bar.children[i].style.width = (i ? width : pct) + "%";
+    left += width;
+  });
   bar.lastChild.textContent = pct + "%";
 }
 
@@ -56,7 +60,8 @@ function jobRow(jobId) {
   // release would swallow the click
   const row = el("tr", {class: "job", "data-job": jobId},
     ...JOB_CLASSES.map((c) => el("td", {class: c})));
-  row.children[3].append(el("div", {class: "bar"}, el("span"), el("em")));
+  row.children[3].append(el("div", {class: "bar"}, el("span", {class: "done"}),
+    el("span", {class: "failed"}), el("span", {class: "cancelled"}), el("em")));
   row.addEventListener("click", () => { selected = jobId; refresh(); });
   return row;
 }
