@@ -202,6 +202,34 @@ def test_the_dashboard_shows_a_signed_in_key_its_own_tenant(stack):
     assert batch.id in shown and shown == team_a and len(everything) > len(team_a)
 
 
+def test_a_key_is_told_why_the_workers_are_busier_than_its_jobs(stack, tmp_path):
+    """The one-key setup: the workers hold 600 requests of the user's own CLI job, which
+    the key does not see; the overview (the page shows it) says so and how to see it."""
+    conn: Any = redis.Redis.from_url(stack.redis_url)
+    (tmp_path / "cli.jsonl").write_text('{"prompt": "a job from the CLI"}\n')
+    submit(conn, Keys("bg"), source_path=str(tmp_path / "cli.jsonl"), model="no-worker-model",
+           output=str(tmp_path / "busy-out"), defaults=dict(DEFAULTS), job_id="cli-busy")  # fmt: skip
+    assert api(stack, "/api/overview", "sk-solo")[1]["notice"] is None  # nothing held yet
+    payload = {"name": "cli-worker", "model": "no-worker-model", "in_flight": {"cli-busy": 600}}
+    conn.set("bg:worker:cli-worker", json.dumps(payload), ex=60)
+    conn.zadd("bg:workers", {"cli-worker": time.time()})
+    try:
+        for key in ("sk-solo", "sk-b"):
+            status, overview = api(stack, "/api/overview", key)
+            assert status == 200 and "cli-busy" not in {j["job_id"] for j in overview["jobs"]}
+            assert overview["notice"] == (
+                "The live workers hold 600 requests of jobs this key does not see: jobs "
+                "submitted with the CLI (batchgen submit, batchgen run) belong to no tenant "
+                "and show only to an admin key, as do other tenants' jobs. Sign in with an "
+                "admin key to see them (a --keys-file line: KEY TENANT admin)."
+            )
+        status, overview = api(stack, "/api/overview", "sk-root")  # an admin sees the job
+        assert overview["notice"] is None and "cli-busy" in {j["job_id"] for j in overview["jobs"]}
+    finally:
+        conn.delete("bg:worker:cli-worker")
+        conn.zrem("bg:workers", "cli-worker")
+
+
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, *args: Any, **kwargs: Any) -> None:
         return None

@@ -40,6 +40,21 @@ def jobs(conn: redis.Redis, keys: Keys, sees: Callable[[str], bool]) -> list[dic
     return [s.to_dict() for s in shown[:MAX_JOBS]]
 
 
+def unseen_notice(conn: redis.Redis, keys: Keys, sees: Callable[[str], bool]) -> str | None:
+    """Why the live workers are busy with more than the jobs a key sees, for a key that
+    does not see every job: the requests they hold for jobs not its own (every key sees
+    the workers' in-flight counts anyway); None when they hold none."""
+    mine = {s.record.id for s in all_statuses(conn, keys) if sees(s.record.api_tenant)}
+    held = sum(int(n) for w in live_workers(conn, keys)
+               for job_id, n in w.get("in_flight", {}).items() if job_id not in mine)  # fmt: skip
+    if not held:
+        return None
+    return (f"The live workers hold {held} requests of jobs this key does not see: jobs "
+            "submitted with the CLI (batchgen submit, batchgen run) belong to no tenant and "
+            "show only to an admin key, as do other tenants' jobs. Sign in with an admin key "
+            "to see them (a --keys-file line: KEY TENANT admin).")  # fmt: skip
+
+
 def tenants(conn: redis.Redis, keys: Keys, sees: Callable[[str], bool]) -> list[dict[str, Any]]:
     """The tenants ``sees`` admits: settings, what they hold of their quotas, usage."""
     return [t for t in tenants_report(conn, keys) if sees(t["tenant"])]

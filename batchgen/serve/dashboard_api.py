@@ -4,7 +4,10 @@ A job is a tenant's when serve submitted it for that tenant's batch
 (``JobRecord.api_tenant``); jobs submitted otherwise (the CLI's) have none and only
 admins see them. Another tenant's job is a 404, as for a job never made. The
 workers are the fleet's (every key sees them); the tok/s series shows a key only
-its own jobs' lines, and the fleet's total.
+its own jobs' lines, and the fleet's total. A key that is not an admin, while the
+workers hold requests of jobs it does not see, gets the overview's ``notice``
+saying so and why, which the page shows (a one-key setup's own CLI jobs stay
+hidden from its key: whoever holds that key is a client, not Redis's owner).
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ def router(conn: redis.Redis, keys: Keys) -> APIRouter:
 
     @api.get("/api/overview")
     def api_overview(who: Who) -> Any:
+        notice = None if who.admin else dashboard.unseen_notice(conn, keys, who.sees)
         return {"now": time.time(), "jobs": dashboard.jobs(conn, keys, who.sees),
                 "workers": dashboard.workers(conn, keys),
-                "tenants": dashboard.tenants(conn, keys, who.sees), "series": series(who)}  # fmt: skip
+                "tenants": dashboard.tenants(conn, keys, who.sees), "series": series(who),
+                "notice": notice}  # fmt: skip
 
     @api.get("/api/jobs")
     def api_jobs(who: Who) -> Any:

@@ -238,6 +238,9 @@ async function refresh() {
     const running = data.jobs.filter((j) => j.state === "running" || j.state === "queued").length;
     document.getElementById("summary").textContent =
       `${data.jobs.length} jobs, ${running} active · ${data.workers.length} live workers`;
+    const notice = document.getElementById("notice");
+    notice.textContent = data.notice || "";
+    notice.hidden = !data.notice;
     renderJobs(data.jobs);
     renderWorkers(data.workers, data.now);
     renderTenants(data.tenants);
