@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from batchgen.jobs.redis.keys import Keys
-from batchgen.serve.series import Sampler
+from batchgen.serve.series import RateSampler
 from tests.cli_session import Shell, rows, shells, wait_for, write_jsonl
 from tests.hooks import hook_env
 
@@ -61,7 +61,7 @@ def test_status_is_live_before_any_row_commits(shell):
 
     # the dashboard's chart is the workers' live rates, not the committed tokens
     conn: Any = redis.Redis.from_url(shell.env["BATCHGEN_REDIS_URL"])
-    point = Sampler(conn, Keys("bg"), interval_s=0.001).sample()
+    point = RateSampler(conn, Keys("bg"), interval_s=0.001).sample()
     assert point is not None and point["jobs"]["long"] > 0
     assert point["fleet"] == sum(point["workers"].values()) > 0
 
@@ -82,6 +82,6 @@ def test_a_burst_of_commits_is_no_spike_in_the_chart(redis_url):
                                "prompt_tokens": 64000, "completion_tokens": 9000}}}  # fmt: skip
     conn.set("bg:worker:w1", json.dumps(beat), ex=60)
     conn.zadd("bg:workers", {"w1": time.time()})
-    sampler = Sampler(conn, keys, interval_s=5.0)
+    sampler = RateSampler(conn, keys, interval_s=5.0)
     assert sampler.sample(now=100.0) == {
         "t": 100.0, "fleet": 115.0, "jobs": {"j": 115.0}, "workers": {"w1": 115.0}}  # fmt: skip
