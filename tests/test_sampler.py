@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -136,3 +138,151 @@ def test_the_engine_and_the_queue_share_one_sampling_spec():
     params = SamplingParams(temperature=1, stop="###", stop_token_ids=[7], seed=3)
     assert (params.temperature, params.stop, params.stop_token_ids) == (1.0, ("###",), (7,))
     assert params == SamplingParams(temperature=1.0, stop=("###",), stop_token_ids=(7,), seed=3)
+
+
+# -- one batched step: the same tokens and logprobs as row by row, one host copy --------
+VOCAB = 50
+
+
+def _mixed_batch() -> tuple[torch.Tensor, list[Request], torch.Tensor]:
+    """Greedy, top-k, top-p, min-p, seeded and unseeded draws, penalties, logit bias,
+    min_tokens, a constrained row and logprobs, in one batch."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, VOCAB, generator=gen) * 3
+    out = [int(t) for t in torch.randint(0, VOCAB, (6,), generator=gen)]
+    params = [
+        SamplingParams(),
+        SamplingParams(logprobs=3),
+        SamplingParams(temperature=0.7, top_p=0.8, seed=3, logprobs=0),
+        SamplingParams(temperature=1.0, min_p=0.1),  # unseeded: the sampler's generator
+        SamplingParams(
+            repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2, logprobs=2
+        ),
+        SamplingParams(temperature=0.9, top_k=5, seed=9, presence_penalty=0.5, logprobs=3),
+        SamplingParams(logit_bias={7: 5.0, 3: -2.5}, min_tokens=3, stop_token_ids=[4]),
+        SamplingParams(temperature=1.2, top_p=0.95, min_p=0.05, frequency_penalty=0.1, seed=11),
+    ]
+    requests = [_req(p, prompt=(5, 6, i), output=out[: i % 4]) for i, p in enumerate(params)]
+    masks = torch.zeros(8, VOCAB, dtype=torch.bool)
+    masks[3, ::3] = True  # a constrained row: every third token not allowed
+    return logits, requests, masks
+
+
+def _row_by_row(logits, requests, masks, eos, generator):
+    """The step written plainly, one row at a time. A filter (top-k, top-p, min-p)
+    runs on every sampled row when any sampled row asks for it."""
+    drawn = [r.params for r in requests if not r.params.greedy]
+    top_k_on = any(p.top_k for p in drawn)
+    top_p_on = any(np.float32(p.top_p) < 1 for p in drawn)
+    min_p_on = any(np.float32(p.min_p) > 0 for p in drawn)
+    tokens, logprobs = [], []
+    for i, r in enumerate(requests):
+        p, row = r.params, logits[i].clone()
+        row[masks[i]] = float("-inf")
+        if p.has_penalties:
+            counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long),
+                                    minlength=VOCAB).float()  # fmt: skip
+            seen = torch.tensor(r.token_ids)
+            row[seen] = torch.where(row[seen] > 0, row[seen] / p.repetition_penalty,
+                                    row[seen] * p.repetition_penalty)  # fmt: skip
+            row -= p.frequency_penalty * counts
+            row -= p.presence_penalty * (counts > 0).float()
+        for t, b in p.bias_pairs:
+            row[t] += b
+        if r.num_output_tokens < p.min_tokens:
+            row[list(p.stop_token_ids) + list(eos)] = float("-inf")
+        if p.greedy:
+            token = int(row.argmax())
+        else:
+            x = row / p.temperature
+            if top_k_on:
+                k = p.top_k if 0 < p.top_k < VOCAB else VOCAB
+                x = x.masked_fill(x < x.sort(descending=True).values[k - 1], float("-inf"))
+            probs = torch.softmax(x, dim=-1)
+            if top_p_on:
+                ordered, order = probs.sort(descending=True)
+                drop = torch.zeros_like(probs, dtype=torch.bool)
+                drop[order] = ordered.cumsum(0) - ordered >= p.top_p
+                probs = probs.masked_fill(drop, 0.0)
+            if min_p_on:
+                probs = probs.masked_fill(probs < probs.max() * p.min_p, 0.0)
+            if p.seed is None:
+                u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            else:
+                u = seeded_uniform(p.seed, r.num_tokens, r.sample_index)
+            cdf = probs.double().cumsum(0)
+            token = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), VOCAB - 1)
+        tokens.append(token)
+        entry = None
+        if p.logprobs is not None:
+            logp = torch.log_softmax(logits[i], dim=-1)
+            values, ids = logp.topk(p.logprobs) if p.logprobs else (logp[:0], logp[:0])
+            entry = dict(zip(ids.tolist(), values.tolist()))
+            entry[token] = float(logp[token])
+        logprobs.append(entry)
+    return tokens, logprobs
+
+
+def test_a_mixed_batch_gets_exactly_the_row_by_row_tokens_and_logprobs():
+    logits, requests, masks = _mixed_batch()
+    for seed in range(20):  # draws land in different places of the distributions
+        out = Sampler(eos_token_ids=(0,), seed=seed)(logits, requests, masks)
+        gen = torch.Generator().manual_seed(seed)
+        tokens, logprobs = _row_by_row(logits, requests, masks, (0,), gen)
+        assert out.token_ids == tokens
+        assert out.logprobs == logprobs  # exact floats, same keys in the same order
+        assert [list(e) for e in out.logprobs if e] == [list(e) for e in logprobs if e]
+    assert out.token_ids[6] == 7  # the +5 bias; the stop and EOS are held off by min_tokens
+
+
+class _HostReads:
+    """Counts the Tensor methods that move a value to the host (a device sync on a GPU)."""
+
+    NAMES = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        for name in self.NAMES:
+            monkeypatch.setattr(
+                torch.Tensor, name, self._counted(name, getattr(torch.Tensor, name))
+            )
+
+    def _counted(self, name, method):
+        def counted(tensor, *args, **kwargs):
+            self.calls.append(name)
+            return method(tensor, *args, **kwargs)
+
+        return counted
+
+
+def test_a_sampled_step_reads_the_device_once(monkeypatch):
+    # before: (top_ps < 1).any() and (min_ps > 0).any() as Python bools, bincount and a
+    # token-list copy per penalised row, .tolist() and float() per logprobs row
+    logits, requests, masks = _mixed_batch()
+    sampler = Sampler(eos_token_ids=(0,), seed=0)
+    reads = _HostReads(monkeypatch)
+    sampler(logits, requests, masks)
+    assert reads.calls == ["tolist"]
+    reads.calls.clear()
+    sampler(logits, [_req(SamplingParams()), _req(SamplingParams())])  # greedy: argmax alone
+    assert reads.calls == ["tolist"]
+
+
+@pytest.mark.gpu
+def test_a_sampled_step_syncs_the_gpu_once():
+    logits, requests, masks = _mixed_batch()
+    logits, masks = logits.cuda(), masks.cuda()
+    # first use: pinned blocks allocated, kernels loaded
+    expected = Sampler(eos_token_ids=(0,), seed=0)(logits, requests, masks)
+    sampler = Sampler(eos_token_ids=(0,), seed=0)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = sampler(logits, requests, masks)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    assert len(syncs) == 1  # the copy of the results
+    assert out.token_ids == expected.token_ids
