@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -42,6 +43,20 @@ class AttentionBatch:
     prefill_query_start_loc: torch.Tensor  # (num_prefills + 1,) int32, from 0
     prefill_max_query_len: int
     prefill_max_context_len: int
+    # the host arrays the tensors above were made from, for code that must know the
+    # step's sequences on the host in every forward (reading the tensors would wait
+    # for the device); None where no host copy is kept (captured CUDA graphs)
+    host: HostBatch | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HostBatch:
+    """The host side of an ``AttentionBatch`` (numpy, the same values)."""
+
+    positions: np.ndarray  # (num_tokens,) int64
+    decode_block_tables: np.ndarray  # (num_decodes, max_blocks) int32
+    prefill_block_tables: np.ndarray  # (num_prefills, max_blocks) int32
+    prefill_query_start_loc: np.ndarray  # (num_prefills + 1,) int32, from 0
 
 
 class StepAttention(Protocol):

@@ -14,8 +14,10 @@ import torch
 
 from batchgen import Engine, SamplingParams
 from batchgen.jobs.schema.constraints import StructuredOutput
+from batchgen.kernels.batch import AttentionBatch, HostBatch
 from batchgen.worker.models import UnsupportedModelError
 from batchgen.worker.models.hf_backend import HfCausalLM
+from batchgen.worker.models.hf_backend.recurrent import SequenceStates
 from tests.family_parity import (
     LOGIT_ATOL,
     assert_matches_hf,
@@ -159,3 +161,31 @@ def test_structured_output_runs_through_the_backend(zoo_model):
     params = SamplingParams(max_tokens=20, structured_output=StructuredOutput(regex=pattern))
     outputs = engine.generate(["Item one:", "Item two:"], params)
     assert all(re.fullmatch(pattern, o.text) for o in outputs), [o.text for o in outputs]
+
+
+def test_a_steps_sequences_are_read_from_the_host_arrays():
+    """SequenceStates reads the step's sequences from the batch's host arrays: here the
+    device tensors are on the meta device, which cannot be read at all (before: three
+    .tolist() of device tensors in every forward, each a wait for the GPU)."""
+    import numpy as np
+    import transformers
+
+    meta = torch.empty(0, device="meta")
+    host = HostBatch(
+        positions=np.array([10, 5, 0, 1, 2, 4, 5], dtype=np.int64),
+        decode_block_tables=np.array([[3, 4], [7, 7]], dtype=np.int32),
+        prefill_block_tables=np.array([[9, 9], [11, 12]], dtype=np.int32),
+        prefill_query_start_loc=np.array([0, 3, 5], dtype=np.int32),
+    )
+    batch = AttentionBatch(meta, 2, meta, meta, 11, meta, meta, meta, 3, 6, host=host)
+    states = SequenceStates(transformers.Qwen3NextConfig(num_hidden_layers=4))
+    kept = {block: object() for block in (3, 7, 11, 12)}  # 12: a finished sequence's
+    states.caches.update(kept)
+    segments = states.segments(batch)
+    assert [(s.start, s.end) for s in segments] == [(0, 1), (1, 2), (2, 5), (5, 7)]
+    assert [s.cache for s in segments[:2]] == [kept[3], kept[7]]
+    assert segments[3].cache is kept[11]
+    assert isinstance(segments[2].cache, transformers.DynamicCache)  # starts at position 0
+    assert set(states.caches) == {3, 7, 9, 11}  # 12 is inside sequence 11's table: dropped
+    with pytest.raises(RuntimeError, match="needs the batch's host arrays"):
+        states.segments(AttentionBatch(meta, 2, meta, meta, 11, meta, meta, meta, 3, 6))

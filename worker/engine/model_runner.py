@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from batchgen.kernels.batch import AttentionBatch
+from batchgen.kernels.batch import AttentionBatch, HostBatch
 from batchgen.worker.cpu_threads import ContentionWatch
 from batchgen.worker.engine.constrained import TokenMasks
 from batchgen.worker.engine.pooling import EmbedSpan, Pooling, pool_step
@@ -145,6 +145,7 @@ class ModelRunner:
             prefill_query_start_loc=to_dev(p_qsl, torch.int32),
             prefill_max_query_len=max(lens, default=0),
             prefill_max_context_len=p_max_ctx,
+            host=HostBatch(positions, d_tables, p_tables, p_qsl),
         )
         return StepInputs(
             input_ids=to_dev(d_ids + p_ids, torch.int64),

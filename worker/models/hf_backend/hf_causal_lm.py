@@ -215,7 +215,7 @@ class HfCausalLM:
     ) -> torch.Tensor:
         """input_ids, positions (num_tokens,) -> final hidden states (num_tokens, hidden)."""
         token = ACTIVE.set(_Step(self.layers, self.ops, batch, kv_caches))
-        segments = SEGMENTS.set(self.states.segments(batch, positions) if self.states else None)
+        segments = SEGMENTS.set(self.states.segments(batch) if self.states else None)
         try:
             out = self.base(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False

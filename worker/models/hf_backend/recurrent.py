@@ -62,14 +62,19 @@ class SequenceStates:
         self.hf_config = hf_config
         self.caches: dict[int, Any] = {}
 
-    def segments(self, batch: AttentionBatch, positions: torch.Tensor) -> list[Segment]:
-        """The step's sequences in batch order: decode rows (one token each), then prefill chunks."""
+    def segments(self, batch: AttentionBatch) -> list[Segment]:
+        """The step's sequences in batch order: decode rows (one token each), then prefill
+        chunks; read from the batch's host arrays (the device's would make every forward
+        wait for the device)."""
         from transformers import DynamicCache
 
+        host = batch.host
+        if host is None:
+            raise RuntimeError("a model with a state per sequence needs the batch's host arrays")
         nd = batch.num_decode_tokens
-        starts = list(range(nd)) + [nd + s for s in batch.prefill_query_start_loc.tolist()]
-        tables = batch.decode_block_tables.tolist() + batch.prefill_block_tables.tolist()
-        pos = positions.tolist()
+        starts = list(range(nd)) + [nd + s for s in host.prefill_query_start_loc.tolist()]
+        tables = host.decode_block_tables.tolist() + host.prefill_block_tables.tolist()
+        pos = host.positions.tolist()
         segments = []
         for (start, end), table in zip(itertools.pairwise(starts), tables):
             if pos[start] == 0:
