@@ -94,8 +94,9 @@ class TokenMasks:
     the step itself does is one ``masked_fill_`` over the logits.
     """
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, pinned: bool = False) -> None:
         self.vocab_size = vocab_size  # the logits' width (the model's vocabulary)
+        self.pinned = pinned  # masks in pinned memory: their copy to a CUDA device is queued
         self.words = (vocab_size + 31) // 32
         self._executor: Any = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="token-masks")
@@ -125,7 +126,9 @@ class TokenMasks:
         bits = np.full((num_rows, self.words), -1, dtype=np.int32)  # unconstrained: all allowed
         self._executor.unsafe_compute_mask_ptr(rows, bits.ctypes.data, self.words * 4, num_rows)
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
-        disallowed = torch.from_numpy(allowed[:, : self.vocab_size] == 0)
+        disallowed = torch.empty((num_rows, self.vocab_size), dtype=torch.bool,
+                                 pin_memory=self.pinned)  # fmt: skip
+        np.equal(allowed[:, : self.vocab_size], 0, out=disallowed.numpy())
         self.fill_seconds += time.perf_counter() - start
         return disallowed
 

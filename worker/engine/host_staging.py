@@ -28,3 +28,25 @@ def to_device(values: Values, dtype: torch.dtype, device: torch.device) -> torch
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def stage(
+    arrays: Sequence[np.ndarray], dtype: torch.dtype, device: torch.device, packed: bool
+) -> list[torch.Tensor]:
+    """Each array as a ``dtype`` tensor of its shape on ``device``.
+
+    ``packed`` (on CUDA): all of them in one pinned buffer and one queued copy,
+    returned as views of the one device tensor. Otherwise each array is taken
+    as it is (on a CPU device: no copy where the array has the dtype already).
+    """
+    if not packed:
+        return [torch.as_tensor(a, dtype=dtype).to(device) for a in arrays]
+    sizes = [a.size for a in arrays]
+    host = torch.empty(sum(sizes), dtype=dtype, pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    start = 0
+    for a, n in zip(arrays, sizes):
+        flat[start : start + n] = a.reshape(-1)
+        start += n
+    on_device = host.to(device, non_blocking=True)
+    return [part.view(a.shape) for part, a in zip(torch.split(on_device, sizes), arrays)]

@@ -16,6 +16,7 @@ import torch
 from batchgen.kernels.batch import AttentionBatch, HostBatch
 from batchgen.worker.cpu_threads import ContentionWatch
 from batchgen.worker.engine.constrained import TokenMasks
+from batchgen.worker.engine.host_staging import stage
 from batchgen.worker.engine.pooling import EmbedSpan, Pooling, pool_step
 from batchgen.worker.engine.request import EngineRequest
 from batchgen.worker.engine.sampler import Sampler, SampleResult
@@ -75,7 +76,9 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs  # decode-only steps replay these when set
         self.num_graph_replays = 0
-        self.masks = TokenMasks(model.config.vocab_size)
+        # host arrays reach a CUDA device packed into pinned buffers (``stage``)
+        self.packed = device.type == "cuda"
+        self.masks = TokenMasks(model.config.vocab_size, pinned=self.packed)
 
     def prepare(self, plan: SchedulerPlan) -> StepInputs:
         bs = self.block_size
@@ -129,29 +132,32 @@ class ModelRunner:
         if plan.embeds:  # a generation-only step never comes here
             embeds, sampling, rows = self._split_embeds(plan, p_qsl, sampling, rows)
 
-        dev = self.device
-
-        def to_dev(a: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.as_tensor(a, dtype=dtype).to(dev, non_blocking=True)
-
+        longs = [slots, np.asarray(d_ids + p_ids, dtype=np.int64), positions,
+                 np.asarray(rows, dtype=np.int64)]  # fmt: skip
+        ints = [d_tables, d_ctx, p_tables, p_ctx, p_qsl]
+        # on CUDA: one pinned buffer and one queued copy per dtype
+        slot_t, ids_t, pos_t, rows_t = stage(longs, torch.int64, self.device, self.packed)
+        d_tables_t, d_ctx_t, p_tables_t, p_ctx_t, p_qsl_t = stage(
+            ints, torch.int32, self.device, self.packed
+        )
         batch = AttentionBatch(
-            slot_mapping=to_dev(slots, torch.int64),
+            slot_mapping=slot_t,
             num_decode_tokens=nd,
-            decode_block_tables=to_dev(d_tables, torch.int32),
-            decode_context_lens=to_dev(d_ctx, torch.int32),
+            decode_block_tables=d_tables_t,
+            decode_context_lens=d_ctx_t,
             decode_max_context_len=d_max_ctx,
-            prefill_block_tables=to_dev(p_tables, torch.int32),
-            prefill_context_lens=to_dev(p_ctx, torch.int32),
-            prefill_query_start_loc=to_dev(p_qsl, torch.int32),
+            prefill_block_tables=p_tables_t,
+            prefill_context_lens=p_ctx_t,
+            prefill_query_start_loc=p_qsl_t,
             prefill_max_query_len=max(lens, default=0),
             prefill_max_context_len=p_max_ctx,
             host=HostBatch(positions, d_tables, p_tables, p_qsl),
         )
         return StepInputs(
-            input_ids=to_dev(d_ids + p_ids, torch.int64),
-            positions=to_dev(positions, torch.int64),
+            input_ids=ids_t,
+            positions=pos_t,
             batch=batch,
-            logits_indices=to_dev(rows, torch.int64),
+            logits_indices=rows_t,
             sampling=sampling,
             embeds=embeds,
         )
