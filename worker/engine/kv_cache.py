@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import mmap
 
@@ -33,15 +34,33 @@ def num_blocks_for_budget(
     per_block = bytes_per_block(config, block_size, dtype)
     if kv_cache_bytes is None:
         if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            used_by_others = total - free
-            budget = int(total * gpu_memory_utilization) - used_by_others
-            # logits and activations of a full step come out of the same pool
-            budget -= 2 << 30
-            kv_cache_bytes = max(budget, 0)
+            kv_cache_bytes = cuda_kv_budget(device, gpu_memory_utilization)
         else:
             kv_cache_bytes = DEFAULT_CPU_KV_BYTES
     return kv_cache_bytes // per_block
+
+
+def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
+    """``kv_budget`` of the device as it is once PyTorch has handed back what it
+    caches: blocks freed since loading (temporaries, a peer's weights) would
+    otherwise count as used, though the KV pool could have them."""
+    gc.collect()  # tensors kept alive only by reference cycles
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return kv_budget(total, free, gpu_memory_utilization)
+
+
+# logits and activations of a full step come out of the same memory
+STEP_MARGIN_BYTES = 2 << 30
+
+
+def kv_budget(total: int, free: int, gpu_memory_utilization: float) -> int:
+    """Bytes for the KV pool: ``gpu_memory_utilization`` of the device, less all
+    it has in use (``total - free``: other processes, this one's CUDA context,
+    and the memory PyTorch holds, its live tensors with the weights), less the
+    step's margin; never below 0."""
+    in_use = total - free
+    return max(int(total * gpu_memory_utilization) - in_use - STEP_MARGIN_BYTES, 0)
 
 
 def allocate_kv_cache(
