@@ -221,6 +221,16 @@ def check_prefill_args(
     return shape
 
 
+def prefill_tiles(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]:
+    """(block_m, tile_size) a launch picks: each is compiled on its first use.
+
+    Enough rows for the longest chunk's group, capped at 64 (128 with big
+    groups): short decode-like chunks do not pay for 64 rows."""
+    block_m = min(arg_checks.pow2(max_query_len * group, 16), arg_checks.pow2(group, 64))
+    tile_size = 64 if arg_checks.pow2(head_dim, 16) <= 128 else 32
+    return block_m, tile_size
+
+
 def launch_prefill(
     shape: arg_checks.PagedAttentionShape,
     q: torch.Tensor,
@@ -247,12 +257,9 @@ def launch_prefill(
     if num_tokens == 0 or num_seqs == 0 or num_heads == 0 or max_query_len <= 0:
         return out
     head_dim_pad = arg_checks.pow2(head_dim, 16)
-    if block_m is None:
-        # Enough rows for the longest chunk's group, capped at 64 (128 with
-        # big groups): short decode-like chunks do not pay for 64 rows.
-        block_m = min(arg_checks.pow2(max_query_len * group, 16), arg_checks.pow2(group, 64))
-    if tile_size is None:
-        tile_size = 64 if head_dim_pad <= 128 else 32
+    chosen_m, chosen_tile = prefill_tiles(max_query_len, group, head_dim)
+    block_m = chosen_m if block_m is None else block_m
+    tile_size = chosen_tile if tile_size is None else tile_size
     for name, value in (("block_m", block_m), ("tile_size", tile_size)):
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")

@@ -22,6 +22,7 @@ from batchgen.worker.engine.kv_cache import allocate_kv_cache, num_blocks_for_bu
 from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.pooling import load_pooling
 from batchgen.worker.engine.sampler import Sampler
+from batchgen.worker.engine.warmup import warm_up_prefill
 from batchgen.worker.engine_config import DTYPES, EngineConfig
 from batchgen.worker.models import CausalLM, UnsupportedModelError, build_model
 from batchgen.worker.models.hf_backend import HfCausalLM
@@ -129,11 +130,17 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     threads = set_threads(config.threads, dev)
     torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
     ops = select_ops(dev, config.use_triton)
+    heads = (0, 1, 0)  # (num_heads, num_kv_heads, head_dim) of the attention kernels
     if impl.native is not None:  # the kernels' limits, known from the config alone
         a = impl.native.attention
+        heads = (a.num_heads, a.num_kv_heads, a.head_dim)
         _check_kernels(ops, impl.native.family, a.num_heads, a.num_kv_heads, a.head_dim)
     tokenizer = _load_tokenizer(path, root)
     model = _load_model(root, hf, impl, ops, dev, torch_dtype, max_model_len)
+    if impl.native is None:  # transformers' model: its attention shape is known once loaded
+        shape = model.config
+        heads = (shape.num_heads, shape.num_kv_heads, shape.head_dim)
+    max_num_batched_tokens = config.max_num_batched_tokens or (4096 if dev.type == "cuda" else 2048)
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
     num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
         model.config, block_size, torch_dtype, dev, config.kv_cache_bytes,
@@ -143,6 +150,11 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
         raise UnsupportedModelError("no memory left for the KV cache; lower the model size")
     kv_caches = allocate_kv_cache(model.config, num_kv_blocks, block_size, torch_dtype, dev)
     eos = eos_token_ids(root, hf.hf, tokenizer)
+    if ops.name == "triton":  # compiled now, not in the first steps
+        num_heads, num_kv_heads, head_dim = heads
+        max_query_len = min(max_num_batched_tokens, max_model_len)
+        warm_up_prefill(model, kv_caches, block_size, max_query_len,
+                        num_heads // max(num_kv_heads, 1), head_dim)  # fmt: skip
     graphs = None
     # graphs capture batchgen's own forward; transformers' modules may sync or branch on values
     if (
@@ -168,8 +180,7 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     limits = EngineLimits(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens
-        or (4096 if dev.type == "cuda" else 2048),
+        max_num_batched_tokens=max_num_batched_tokens,
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
         threads=threads,
