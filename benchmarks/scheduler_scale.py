@@ -45,7 +45,9 @@ def populate(conn: redis.Redis, qk: QueueKeys, n: int, lines: int, now: float) -
     """``n`` jobs of ``lines`` requests, tenants t0..t3 in turn, every third with a
     deadline between 1 and 24 h from ``now``."""
     ensure_group(conn, qk)
-    encoded = [QueuedRequest(prompt=f"line {i}", sampling=dict(DEFAULTS)).encode() for i in range(lines)]
+    encoded = [
+        QueuedRequest(prompt=f"line {i}", sampling=dict(DEFAULTS)).encode() for i in range(lines)
+    ]
     items = backlog.items(enumerate(encoded), queued_ms=int(now * 1000))
     pipe = conn.pipeline(transaction=False)
     for k in range(n):

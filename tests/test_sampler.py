@@ -144,7 +144,7 @@ def test_the_engine_and_the_queue_share_one_sampling_spec():
 VOCAB = 50
 
 
-def _mixed_batch() -> tuple[torch.Tensor, list[Request], torch.Tensor]:
+def _mixed_batch() -> tuple[torch.Tensor, list[EngineRequest], torch.Tensor]:
     """Greedy, top-k, top-p, min-p, seeded and unseeded draws, penalties, logit bias,
     min_tokens, a constrained row and logprobs, in one batch."""
     gen = torch.Generator().manual_seed(1)

@@ -215,7 +215,9 @@ class Sampler:
 
     # -- results --------------------------------------------------------------
     @staticmethod
-    def _to_host(raw: torch.Tensor, requests: list[EngineRequest], tokens: torch.Tensor) -> SampleResult:
+    def _to_host(
+        raw: torch.Tensor, requests: list[EngineRequest], tokens: torch.Tensor
+    ) -> SampleResult:
         """The step's one copy to the host: the tokens and, for the rows that ask,
         the model's logprobs of their top-k and of the sampled token."""
         logprobs: list[dict[int, float] | None] = [None] * len(requests)
