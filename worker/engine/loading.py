@@ -137,7 +137,7 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
         _check_kernels(ops, impl.native.family, a.num_heads, a.num_kv_heads, a.head_dim)
     tokenizer = _load_tokenizer(path, root)
     model = _load_model(root, hf, impl, ops, dev, torch_dtype, max_model_len)
-    if impl.native is None:  # transformers' model: its attention shape is known once loaded
+    if isinstance(model, HfCausalLM):  # transformers' model: its attention shape, once loaded
         shape = model.config
         heads = (shape.num_heads, shape.num_kv_heads, shape.head_dim)
     max_num_batched_tokens = config.max_num_batched_tokens or (4096 if dev.type == "cuda" else 2048)

@@ -232,7 +232,7 @@ class QueueLoop:
         self._count("commits")
         # the committed rows leave the heartbeat's pending tokens now, not a beat later
         # (status adds those to the job's committed counts: it would count them twice)
-        self.keeper.beat_now(self.upkeep.payload())
+        self.keeper.beat_now(self.upkeep.payload(self.activity()))
         self.requests.cache.store(flushed.parts, self.requests.held)
         self._count("rows_lost_to_duplicates", result.lost)
         for job_id in result.missing:
