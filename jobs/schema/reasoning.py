@@ -1,0 +1,99 @@
+"""Reasoning parsers: a generated text in, its reasoning and its answer out.
+
+A job names one (``--reasoning-parser NAME``) or gets the one its checkpoint's chat
+template makes unambiguous (``detect``). Parsers are strings in, strings out: the
+worker gives the decoded output (and whether the rendered prompt already closed the
+reasoning), the parser says where the reasoning ends; the row's ``reasoning`` and
+``text`` columns and its ``reasoning_tokens`` follow from that (worker/loop/flight.py).
+Output parsers of other kinds (tool calls) live beside this module, one per concept.
+
+Names, as vLLM's ``--reasoning-parser`` spells them:
+
+- ``qwen3``: Qwen3 writes ``<think>\\n...\\n</think>\\n\\nanswer``; a thinking-only
+  release (Qwen3-2507) opens ``<think>`` in its template and writes only the end.
+- ``deepseek_r1``: DeepSeek-R1's template opens ``<think>``, so the output starts
+  inside the reasoning and holds only ``</think>`` (older releases repeat ``<think>``).
+- ``think``: the same rule with the default tags; ``think:START,END`` with your own
+  (``think:<reasoning>,</reasoning>``).
+
+The rule all three follow: a leading start tag is dropped; the reasoning runs to the
+first end tag, the answer is everything after it; when the end tag never comes,
+everything generated is reasoning. A prompt that ends with the end tag (the template
+closed the reasoning, as Qwen3's ``enable_thinking: false`` does) leaves nothing to
+parse: all of the output is answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+NAMES = ("qwen3", "deepseek_r1", "think")
+
+
+class ParserError(ValueError):
+    """A reasoning parser name that is not one (``str``: what is wrong, for the user)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """Where a generated text's reasoning ends."""
+
+    reasoning: str | None  # None: no reasoning (the prompt closed it)
+    text: str  # the answer
+    reasoning_chars: int  # characters of the output up to and including the end tag
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkTags:
+    """A parser of reasoning between a start and an end tag (either may be absent)."""
+
+    name: str  # as the job names it
+    start: str = START
+    end: str = END
+
+    def closed_by(self, prompt_tail: str) -> bool:
+        """Whether a rendered prompt ending in ``prompt_tail`` already closed the
+        reasoning (the model then writes only its answer)."""
+        return prompt_tail.rstrip().endswith(self.end)
+
+    def split(self, output: str, closed: bool = False) -> Split:
+        """``output`` as reasoning and answer; ``closed``: the prompt closed the reasoning."""
+        if closed:
+            return Split(None, output, 0)
+        skipped = len(self.start) if self.start and output.startswith(self.start) else 0
+        end = output.find(self.end, skipped)
+        if end < 0:
+            return Split(output[skipped:], "", len(output))
+        stop = end + len(self.end)
+        return Split(output[skipped:end], output[stop:], stop)
+
+
+def parser(spec: str) -> ThinkTags:
+    """The parser a job's ``--reasoning-parser`` names; ParserError when none is."""
+    if spec in NAMES:
+        return ThinkTags(spec)
+    name, colon, tags = spec.partition(":")
+    if name == "think" and colon:
+        start, comma, end = tags.partition(",")
+        if comma and start and end and "," not in end:
+            return ThinkTags(spec, start, end)
+        raise ParserError(f"--reasoning-parser {spec}: write think:START,END (two non-empty "
+                          "tags, e.g. think:<reasoning>,</reasoning>)")  # fmt: skip
+    raise ParserError(f"unknown reasoning parser {spec!r}: one of {', '.join(NAMES)} or "
+                      "think:START,END")  # fmt: skip
+
+
+def detect(chat_template: str | None) -> str:
+    """The parser a chat template makes unambiguous: ``qwen3`` for a template that
+    writes ``<think>`` and ``</think>`` and takes ``enable_thinking`` (Qwen3's switch),
+    ``deepseek_r1`` for one that opens ``<think>`` in its generation prompt without that
+    switch, ``think`` for any other template that writes both tags; "" when it
+    mentions no think tags (no parser: the output is all answer)."""
+    if not chat_template or START not in chat_template or END not in chat_template:
+        return ""
+    if "enable_thinking" in chat_template:
+        return "qwen3"
+    if "<｜Assistant｜>" in chat_template:  # DeepSeek's turn marker (fullwidth bars)
+        return "deepseek_r1"
+    return "think"
