@@ -102,7 +102,12 @@ class FakeEngine:
     def token_text(self, token_id: int) -> str:
         return str(token_id)
 
-    def encode(self, prompt: str | list[dict[str, str]]) -> list[int]:
+    def decode(self, token_ids: list[int]) -> str:
+        return " ".join(map(str, token_ids))
+
+    def encode(
+        self, prompt: str | list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         if isinstance(prompt, list):
             prompt = "".join(f"<{m['role']}>{m['content']}" for m in prompt) + "<assistant>"
         if "\x07" in prompt:

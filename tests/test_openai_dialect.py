@@ -93,7 +93,6 @@ def test_fields_clients_send_are_accepted(line, expected):
         (_chat(modalities=["text"]), "body.modalities is not supported by batchgen"),
         (_chat(prediction={}), "body.prediction is not supported by batchgen"),
         (_chat(web_search_options={}), "body.web_search_options is not supported by batchgen"),
-        (_chat(reasoning_effort="low"), "body.reasoning_effort is not supported by batchgen"),
         (_chat(stream=True), "body.stream = true is not supported by batchgen (only false)"),
         (_completion(echo=True), "body.echo = true is not supported by batchgen (only false)"),
         (_completion(suffix="x"), 'body.suffix = "x" is not supported by batchgen (only null)'),

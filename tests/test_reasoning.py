@@ -3,9 +3,19 @@ as transformers renders them, and the reasoning column through the CLI."""
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
 import pytest
 
+from batchgen.jobs.intake.inputs import parse_line
+from batchgen.jobs.intake.lines import LineError
 from batchgen.jobs.schema.reasoning import ParserError, Split, ThinkTags, detect, parser
+from batchgen.jobs.schema.sampling import DEFAULTS
+from tests.cli_session import Shell, rows, write_jsonl
 
 QWEN3 = "<think>\nThe user greets me.\n</think>\n\nHello! How can I help?"
 R1 = "The user greets me; answer briefly.\n</think>\n\nHello!"  # the template opened <think>
@@ -105,3 +115,217 @@ QWEN3_TEMPLATE = (
     "{%- endif %}"
     "{%- endif %}"
 )
+
+
+# -- chat_template_kwargs at submit ------------------------------------------------------
+
+
+def _entry(line: dict, defaults: dict | None = None) -> dict:
+    out = parse_line(1, json.dumps(line).encode(), {**DEFAULTS, **(defaults or {})})
+    assert not isinstance(out, LineError), str(out)
+    return json.loads(out)
+
+
+def _refusal(line: dict, defaults: dict | None = None) -> str:
+    out = parse_line(1, json.dumps(line).encode(), {**DEFAULTS, **(defaults or {})})
+    assert isinstance(out, LineError), out
+    return str(out)
+
+
+def _body(**body) -> dict:
+    return {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": MESSAGES, **body}}  # fmt: skip
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+JOB = {"chat_template_kwargs": {"enable_thinking": False, "x": 1}}
+
+
+def test_template_variables_reach_the_entry_the_lines_over_the_jobs():
+    native = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": True}}
+    assert _entry(native)["ct"] == {"enable_thinking": True}
+    assert _entry(native, JOB)["ct"] == {"enable_thinking": True, "x": 1}
+    assert _entry({"messages": MESSAGES}, JOB)["ct"] == {"enable_thinking": False, "x": 1}
+    # the job's variables are not sampling parameters, and a prompt line has none
+    assert "chat_template_kwargs" not in _entry({"messages": MESSAGES}, JOB)["s"]
+    assert "ct" not in _entry({"prompt": "hi"}, JOB)
+    assert "ct" not in _entry({"messages": MESSAGES})
+    assert _entry(_body(chat_template_kwargs={"thinking": True}), JOB)["ct"] == {
+        "enable_thinking": False, "x": 1, "thinking": True}  # fmt: skip
+    # OpenAI's reasoning_effort is gpt-oss's template variable
+    assert _entry(_body(reasoning_effort="high"))["ct"] == {"reasoning_effort": "high"}
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ({"prompt": "hi", "chat_template_kwargs": {"enable_thinking": False}},
+         "line 1, column 42: chat_template_kwargs needs messages: a prompt is not rendered by "
+         "the chat template"),
+        ({"messages": MESSAGES, "chat_template_kwargs": True},
+         "chat_template_kwargs must be an object of chat template variables, got true"),
+        ({"messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}},
+         "chat_template_kwargs.tokenize is apply_chat_template's own argument, not a template "
+         "variable"),
+        ({"messages": MESSAGES, "chat_template_kwargs": {"a b": 1}},
+         'chat_template_kwargs keys must be template variable names, got "a b"'),
+        (_body(reasoning_effort="max"),
+         'reasoning_effort must be one of minimal, low, medium, high, got "max"'),
+        ({"custom_id": "c", "method": "POST", "url": "/v1/completions",
+          "body": {"prompt": "hi", "reasoning_effort": "low"}},
+         "/v1/completions has no chat template for reasoning_effort"),
+    ],
+)  # fmt: skip
+def test_wrong_template_variables_are_refused_by_name(line, message):
+    assert message in _refusal(line)
+
+
+# -- a Qwen3-shaped toy checkpoint, through the engine and the CLI -----------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_model(tmp_path_factory) -> Path:
+    """A toy qwen3 whose tokenizer has Qwen3's think tags as added (not special) tokens,
+    as the release's, inside the embedding table, and Qwen3's chat template."""
+    from transformers import AutoTokenizer
+
+    from batchgen.toy import write_toy_checkpoint
+    from batchgen.toy.checkpoint import SIZES
+
+    out = tmp_path_factory.mktemp("qwen3-think")
+    size = replace(SIZES["tiny"], tokenizer_vocab_size=SIZES["tiny"].vocab_size - 2)
+    write_toy_checkpoint(out, arch="qwen3", size=size)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+
+
+def test_enable_thinking_renders_the_prompt_as_transformers_does(qwen3_model):
+    from transformers import AutoTokenizer
+
+    from batchgen import Engine
+
+    hf = AutoTokenizer.from_pretrained(str(qwen3_model))
+    engine = Engine.from_pretrained(qwen3_model, num_kv_blocks=64, device="cpu")
+    off = engine.encode(CHAT, {"enable_thinking": False})
+    assert off == hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False, enable_thinking=False)  # fmt: skip
+    on = engine.encode(CHAT)
+    assert on == hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)  # fmt: skip
+    assert engine.encode(CHAT, {"enable_thinking": True}) == on
+    # the switch adds Qwen3's empty reasoning to the prompt, nothing else
+    assert off[: len(on)] == on
+    assert hf.decode(off[len(on) :]) == "<think>\n\n</think>\n\n"
+    assert detect(hf.chat_template) == "qwen3"
+
+
+def test_variables_for_a_model_without_a_chat_template_are_refused_by_name(toy_model, tmp_path):
+    import shutil
+
+    from batchgen import Engine
+
+    plain = Path(shutil.copytree(toy_model("llama"), tmp_path / "plain"))
+    config = plain / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    settings.pop("chat_template", None)
+    config.write_text(json.dumps(settings))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    engine = Engine.from_pretrained(plain, num_kv_blocks=64, device="cpu")
+    with pytest.raises(ValueError) as caught:
+        engine.encode(CHAT, {"enable_thinking": False})
+    assert str(caught.value) == "chat_template_kwargs given, but the model has no chat template"
+
+
+def test_the_reasoning_column_through_the_cli(qwen3_model, tmp_path, private_redis):
+    from transformers import AutoTokenizer
+
+    hf: Any = AutoTokenizer.from_pretrained(str(qwen3_model))
+    end_id = hf.convert_tokens_to_ids("</think>")
+    (tmp_path / "qwen3").symlink_to(qwen3_model)
+    lines = [{"id": f"b{bias}", "messages": CHAT, "max_tokens": 24, "ignore_eos": True,
+              "logit_bias": {str(end_id): bias}} for bias in (0, 4, 6, 8, 10, 100)]  # fmt: skip
+    lines.append({"id": "off", "messages": CHAT, "max_tokens": 8, "ignore_eos": True,
+                  "chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    write_jsonl(tmp_path / "p.jsonl", lines)
+    shell = Shell(tmp_path, tmp_path / "home", private_redis.url)
+    # no --reasoning-parser: the template's think tags and enable_thinking choose qwen3
+    out = shell.run("run", "p.jsonl", "--model", "qwen3", "-o", "out.parquet", "--job-id",
+                    "think", "--device", "cpu", "--job-output", str(tmp_path / "job"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert shell.status("think")["reasoning_parser"] == "qwen3"
+    got = rows(tmp_path / "out.parquet")
+    split_inside = 0
+    for i, row_id in enumerate(got["id"]):
+        ids, text, reasoning = got["token_ids"][i], got["text"][i], got["reasoning"][i]
+        decoded = hf.decode(ids, skip_special_tokens=True)
+        if row_id == "off":  # the prompt closed the reasoning: all answer
+            assert (reasoning, text, got["reasoning_tokens"][i]) == (None, decoded, 0)
+            assert got["prompt_tokens"][i] == len(hf.apply_chat_template(
+                CHAT, add_generation_prompt=True, tokenize=True, return_dict=False,
+                enable_thinking=False))  # fmt: skip
+            continue
+        opened = "<think>" if decoded.startswith("<think>") else ""
+        if end_id in ids:
+            assert opened + reasoning + "</think>" + text == decoded
+            assert got["reasoning_tokens"][i] == ids.index(end_id) + 1
+            split_inside += 0 < ids.index(end_id) < len(ids) - 1
+        else:  # the end tag never came: everything generated is reasoning
+            assert (opened + reasoning, text) == (decoded, "")
+            assert got["reasoning_tokens"][i] == len(ids)
+    assert got["text"][got["id"].index("b100")] == "</think>" * 23  # all end tags: answer
+    assert split_inside, got["token_ids"]  # a row whose reasoning and answer both hold tokens
+
+
+def test_serve_returns_reasoning_content_and_reasoning_tokens(qwen3_model, tmp_path):
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    from tests.serve_stack import KEY, private_stack
+
+    hf: Any = AutoTokenizer.from_pretrained(str(qwen3_model))
+    end_id = hf.convert_tokens_to_ids("</think>")
+    model = str(qwen3_model)
+    requests = [{"custom_id": f"b{bias}", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": model, "messages": CHAT, "max_tokens": 16,
+                          "logit_bias": {str(end_id): bias}}} for bias in (0, 6, 8, 100)]  # fmt: skip
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    with private_stack(tmp_path / "stack", qwen3_model) as stack:
+        stack.serve("--api-key", KEY)
+        stack.worker(qwen3_model)
+        client = OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0)
+        with (tmp_path / "in.jsonl").open("rb") as f:
+            file = client.files.create(file=f, purpose="batch")
+        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")  # fmt: skip
+        for _ in range(1500):
+            batch = client.batches.retrieve(batch.id)
+            if batch.status in ("completed", "failed", "cancelled", "expired"):
+                break
+            time.sleep(0.2)
+        assert batch.status == "completed", batch
+        assert batch.output_file_id is not None
+        out = [json.loads(line) for line in
+               client.files.content(batch.output_file_id).text.splitlines()]  # fmt: skip
+    assert batch.metadata is not None
+    table = rows(Path(batch.metadata["batchgen_result"]))
+    token_ids = dict(zip(table["id"], table["token_ids"]))
+    assert sorted(line["custom_id"] for line in out) == ["b0", "b100", "b6", "b8"]
+    for line in out:
+        body = line["response"]["body"]
+        ids = token_ids[line["custom_id"]]
+        message = body["choices"][0]["message"]
+        count = ids.index(end_id) + 1 if end_id in ids else len(ids)
+        assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": count}
+        decoded = hf.decode(ids, skip_special_tokens=True).removeprefix("<think>")
+        if end_id in ids:
+            assert message["reasoning_content"] + "</think>" + message["content"] == decoded
+        else:
+            assert (message["reasoning_content"], message["content"]) == (decoded, "")
+    # all end tags: no reasoning, one token of it (its end tag)
+    assert token_ids["b100"] == [end_id] * 16

@@ -94,13 +94,32 @@ def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
             metavar="FILE",
             help="Every output follows this Lark grammar (llguidance's dialect; see docs/structured-output.md).",
         ),
+        click.option(
+            "--chat-template-kwargs",
+            metavar="JSON",
+            default=None,
+            help="Variables for the chat template of every chat line, e.g. "
+            "'{\"enable_thinking\": false}' (a line's own chat_template_kwargs win).",
+        ),
+        click.option(
+            "--reasoning-parser",
+            metavar="NAME",
+            default=None,
+            help="Split each output into reasoning and answer: qwen3, deepseek_r1, think, "
+            "think:START,END, or none. Default: the one the checkpoint's chat template makes "
+            "unambiguous (none when it has no think tags).",
+        ),
     ]
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         flags = {name: kwargs.pop(name) for name in SAMPLING_FLAGS}
         flags["structured_output"] = _structured_flag({n: kwargs.pop(n) for n in STRUCTURED_FLAGS})
-        return func(*args, defaults=job_defaults(flags), **kwargs)
+        defaults = job_defaults(flags)
+        template_kwargs = kwargs.pop("chat_template_kwargs")
+        if template_kwargs is not None:
+            defaults["chat_template_kwargs"] = _template_kwargs_flag(template_kwargs)
+        return func(*args, defaults=defaults, **kwargs)
 
     for option in reversed(options):
         wrapper = option(wrapper)
@@ -171,6 +190,16 @@ def job_defaults(flags: dict[str, Any]) -> dict[str, Any]:
         return defaults
     except ParamError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _template_kwargs_flag(value: str) -> dict[str, Any]:
+    """--chat-template-kwargs JSON, checked."""
+    from batchgen.jobs.schema import chat_template
+
+    try:
+        return chat_template.check(json.loads(value))
+    except ValueError as exc:  # not JSON, or ParamError
+        raise click.UsageError(f"--chat-template-kwargs: {exc}") from None
 
 
 def _structured_flag(flags: dict[str, Any]) -> dict[str, Any] | None:

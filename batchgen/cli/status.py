@@ -31,6 +31,10 @@ def _render(s) -> str:
         f"output     {d['output']}",
         f"created    {datetime.fromtimestamp(d['created_at']).isoformat(timespec='seconds')}",
     ]
+    if d["reasoning_parser"]:
+        lines.append(
+            f"reasoning  {d['reasoning_parser']} parser: reasoning column, text the answer"
+        )
     lines += _fair_share_lines(d)
     if d["retry_rounds"]:
         lines.append(f"retried    {d['retried']} rows in {d['retry_rounds']} retry round(s)")

@@ -93,6 +93,7 @@ def submit(
     priority: int,
     deadline: str | None,
     expire: bool,
+    reasoning_parser: str | None,
     as_json: bool,
     redis_url: str | None,
 ) -> None:
@@ -151,7 +152,7 @@ def submit(
         job_id=job_id, skip_invalid=skip_invalid, wait_s=REDIS_WAIT.get(), retention_s=retention_s,
         cache=cache_uri,
         table=table,
-        schedule=schedule,
+        schedule=schedule, reasoning_parser=reasoning_parser,
     )  # fmt: skip
     report_submit(result)
     if as_json:

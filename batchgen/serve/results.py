@@ -25,7 +25,8 @@ from batchgen.serve.batch_record import BatchRecord
 from batchgen.serve.files import FileStore, new_file_id
 
 COLUMNS = ["index", "id", "text", "finish_reason", "error", "prompt_tokens",
-           "completion_tokens", "cached_tokens", "choices", "logprobs", "embedding"]  # fmt: skip
+           "completion_tokens", "cached_tokens", "choices", "logprobs", "embedding", "reasoning",
+           "reasoning_tokens"]  # fmt: skip
 OK = (FinishReason.STOP.value, FinishReason.LENGTH.value)
 
 
@@ -50,10 +51,12 @@ def completion_body(batch: BatchRecord, row: dict[str, Any], created: int) -> di
                 "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}  # fmt: skip
     usage = {"prompt_tokens": prompt, "completion_tokens": completion,
              "total_tokens": prompt + completion,
-             "prompt_tokens_details": {"cached_tokens": row["cached_tokens"] or 0}}  # fmt: skip
+             "prompt_tokens_details": {"cached_tokens": row["cached_tokens"] or 0},
+             "completion_tokens_details": {
+                 "reasoning_tokens": row.get("reasoning_tokens") or 0}}  # fmt: skip
     samples = row.get("choices") or [
         {"index": 0, "text": row["text"], "finish_reason": row["finish_reason"],
-         "logprobs": row.get("logprobs")}
+         "logprobs": row.get("logprobs"), "reasoning": row.get("reasoning")}
     ]  # n > 1: every sample  # fmt: skip
     if batch.endpoint == "/v1/completions":
         choices = [{"text": c["text"], "index": c["index"],
@@ -62,12 +65,19 @@ def completion_body(batch: BatchRecord, row: dict[str, Any], created: int) -> di
         return {"id": f"cmpl-{h}", "object": "text_completion", "created": created,
                 "model": batch.model, "choices": choices, "usage": usage}  # fmt: skip
     choices = [{"index": c["index"], "logprobs": chat_logprobs(c.get("logprobs")),
-                "finish_reason": c["finish_reason"],
-                "message": {"role": "assistant", "content": c["text"], "refusal": None}}
+                "finish_reason": c["finish_reason"], "message": chat_message(c)}
                for c in samples]  # fmt: skip
     return {"id": f"chatcmpl-{h}", "object": "chat.completion", "created": created,
             "model": batch.model, "choices": choices, "usage": usage,
             "system_fingerprint": None}  # fmt: skip
+
+
+def chat_message(sample: dict[str, Any]) -> dict[str, Any]:
+    """A choice's ``message``; with a reasoning parser, its reasoning as vLLM returns it."""
+    message = {"role": "assistant", "content": sample["text"], "refusal": None}
+    if sample.get("reasoning") is not None:
+        message["reasoning_content"] = sample["reasoning"]
+    return message
 
 
 def chat_logprobs(tokens: list[dict[str, Any]] | None) -> dict[str, Any] | None:

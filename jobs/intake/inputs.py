@@ -33,6 +33,7 @@ from batchgen.jobs.intake.lines import MAX_LINE_BYTES as MAX_LINE_BYTES  # submi
 from batchgen.jobs.intake.lines import LineError
 from batchgen.jobs.intake.openai_body import FIELDS as BODY_FIELDS
 from batchgen.jobs.intake.openai_body import PARAMS, BodyError, body_params
+from batchgen.jobs.schema import chat_template
 from batchgen.jobs.schema.constraints import from_response_format
 from batchgen.jobs.schema.entry import QueuedRequest, compact_json
 from batchgen.jobs.schema.sampling import CHECKS, ParamError, check_together
@@ -42,7 +43,9 @@ MAX_METADATA_BYTES = 64 << 10
 MAX_MESSAGES = 10_000
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
-NATIVE_FIELDS = frozenset({"id", "prompt", "messages", "metadata", "response_format", *CHECKS})
+NATIVE_FIELDS = frozenset(
+    {"id", "prompt", "messages", "metadata", "response_format", chat_template.NAME, *CHECKS}
+)
 EMBED_FIELDS = frozenset({"id", "input", "task", "dimensions", "metadata"})
 OPENAI_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}
@@ -116,6 +119,9 @@ def _native(
         request.prompt = _prompt(value["prompt"], ("prompt",))
     else:
         request.messages = _messages(value["messages"], ("messages",))
+    own = value.get(chat_template.NAME)
+    line_kwargs = _line_template_kwargs(own, (chat_template.NAME,), has_messages)
+    request.template_kwargs = _template_kwargs(line_kwargs, defaults, has_messages)
     given = {k: v for k, v in value.items() if k in CHECKS}
     paths: dict[str, tuple[str, ...]] = {}
     _response_format(value, given, paths, ())
@@ -183,8 +189,21 @@ def _openai(
         request.prompt = _prompt(body["prompt"], ("body", "prompt"))
     else:
         request.messages = _messages(body["messages"], ("body", "messages"))
+    chat = kind == "messages"
+    own = body.get(chat_template.NAME)
+    line_kwargs = _line_template_kwargs(own, ("body", chat_template.NAME), chat)
+    if "reasoning_effort" in body:
+        path = ("body", "reasoning_effort")
+        if not chat:
+            raise FieldError(path, f"{value['url']} has no chat template for reasoning_effort")
+        try:
+            effort = chat_template.reasoning_effort(body["reasoning_effort"])
+        except ParamError as exc:
+            raise FieldError(path, str(exc)) from None
+        line_kwargs = {**(line_kwargs or {}), "reasoning_effort": effort}
+    request.template_kwargs = _template_kwargs(line_kwargs, defaults, chat)
     try:
-        params = body_params(body, chat=kind == "messages")
+        params = body_params(body, chat=chat)
     except BodyError as exc:
         raise FieldError(("body", exc.field), exc.message, exc.at_key) from None
     paths: dict[str, tuple[str, ...]] = {
@@ -196,6 +215,27 @@ def _openai(
     if "metadata" in body:
         request.metadata = _metadata(body["metadata"], ("body", "metadata"), line_chars)
     return request
+
+
+def _line_template_kwargs(value: Any, path: tuple[str, ...], chat: bool) -> dict[str, Any] | None:
+    """A line's own chat_template_kwargs (None: not given)."""
+    if value is None:
+        return None
+    if not chat:
+        raise FieldError(path, f"{path[-1]} needs messages: a prompt is not rendered by the "
+                         "chat template")  # fmt: skip
+    try:
+        return chat_template.check(value)
+    except ParamError as exc:
+        raise FieldError(path, str(exc)) from None
+
+
+def _template_kwargs(
+    line: dict[str, Any] | None, defaults: dict[str, Any], chat: bool
+) -> dict[str, Any] | None:
+    """What a line's chat template renders with: the job's variables, its own over them
+    (a prompt line has none: it is not rendered by the template)."""
+    return chat_template.merged(defaults.get(chat_template.NAME), line) if chat else None
 
 
 def _reject_unknown(value: dict[str, Any], allowed: frozenset[str], at: tuple[str, ...]) -> None:
@@ -285,6 +325,7 @@ def _params(
     vocab_size: int | None = None,
 ) -> dict[str, Any]:
     merged = dict(defaults)
+    merged.pop(chat_template.NAME, None)  # the job's chat template variables: not sampling
     paths = paths or {}
     for name, value in given.items():
         try:

@@ -3,7 +3,8 @@
 Which body fields are sampling parameters (and under which name), which are
 accepted and ignored once their value is checked (clients set them by default),
 and which are refused as "not supported by batchgen" rather than as unknown.
-The prompt, messages, metadata and response_format are ``inputs``' business.
+The prompt, messages, metadata, response_format and the chat template variables
+(``chat_template_kwargs``, ``reasoning_effort``) are ``inputs``' business.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ IGNORED: dict[str, type] = {
 FIXED: dict[str, Any] = {"stream": False, "echo": False, "suffix": None}
 UNSUPPORTED = frozenset(
     {"tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
-     "web_search_options", "reasoning_effort"}
+     "web_search_options"}
 )  # fmt: skip
-OWN = frozenset({"messages", "prompt", "metadata", "response_format"})
+# chat template variables (vLLM's body field, and OpenAI's reasoning_effort for gpt-oss)
+OWN = frozenset({"messages", "prompt", "metadata", "response_format", "chat_template_kwargs",
+                 "reasoning_effort"})  # fmt: skip
 FIELDS = frozenset(
     {*PARAMS, *IGNORED, *FIXED, *UNSUPPORTED, *OWN, "logprobs", "top_logprobs", "best_of"}
 )

@@ -55,6 +55,8 @@ class JobRecord:
     # of the weights; "" for an HF id, left out of the hash for the first worker to set (HSETNX)
     model_fingerprint: str = field(default="", metadata=OMIT_EMPTY)
     cache: str = ""  # the result cache's location (result_cache.py) when submitted with --cache
+    # what splits each output into reasoning and answer (jobs/schema/reasoning.py); "": none
+    reasoning_parser: str = ""
     retried: int = 0  # rows re-queued by `batchgen retry`, all rounds together (rerun.py)
     retry_rounds: int = 0  # retries that re-opened the job
     retry_cursor: int = 0  # the input index the current retry enqueues from next

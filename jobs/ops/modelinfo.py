@@ -166,6 +166,25 @@ def vocab_size(model: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def chat_template(model: str) -> str | None:
+    """A local checkpoint's chat template (tokenizer_config.json's, or chat_template.jinja
+    beside it: the file wins, as in transformers); None when it has none or is not here.
+    A list of named templates gives its "default" one."""
+    path = Path(model).expanduser()
+    try:
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        pass
+    try:
+        value = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) else None
+
+
 def check_submittable(conn: redis.Redis, keys: Keys, model: str, embedded: bool) -> str:
     """Refuse (ModelNotLoadable) a job for a model no worker could load; a warning to
     show, or "".

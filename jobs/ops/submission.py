@@ -51,12 +51,13 @@ from batchgen.jobs.ops.chunk_append import (
 )
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import CREATE, JobState
-from batchgen.jobs.ops.modelinfo import fingerprint, vocab_size
+from batchgen.jobs.ops.modelinfo import chat_template, fingerprint, vocab_size
 from batchgen.jobs.ops.schedule import Schedule
 from batchgen.jobs.redis.connection import describe_connection_error
 from batchgen.jobs.redis.keys import Keys, QueueKeys, queue_name, queue_tag, text
 from batchgen.jobs.redis.sentinel import replicated
 from batchgen.jobs.redis.stream import ensure_group
+from batchgen.jobs.schema import reasoning
 from batchgen.jobs.schema.errors import InvalidInput, JobConflict, RedisUnavailable, UsageError
 from batchgen.jobs.storage.names import check_job_id
 from batchgen.jobs.storage.output_store import OutputDir
@@ -99,13 +100,17 @@ def submit(
     schedule: Schedule | None = None,
     queue: str | None = None,
     api_tenant: str = "",
+    reasoning_parser: str | None = None,
 ) -> SubmitResult:
     """``table``: how a Parquet or CSV input's rows become requests (tables.py);
     ``input_format``: "jsonl", "parquet" or "csv" when the name does not say;
     ``schedule``: the job's tenant, priority class and deadline (schedule.py); ``queue``:
     the queue's name when it is not the model's (keys.run_queue_name); ``api_tenant``:
-    the serve tenant whose key submitted it (job_record.py)."""
+    the serve tenant whose key submitted it (job_record.py); ``reasoning_parser``: its
+    name, "none" for none, None for the one the checkpoint's chat template makes
+    unambiguous (``choose_reasoning_parser``)."""
     schedule = schedule or Schedule()
+    parser_name = choose_reasoning_parser(reasoning_parser, model)
     job_id = check_job_id(job_id) if job_id else new_job_id()
     tenants.check_priority(conn, keys, schedule.tenant, schedule.priority, keyed=False)
     with SpoolDir() as spool_dir:
@@ -143,6 +148,7 @@ def submit(
             retention_s=retention.default() if retention_s is None else retention_s,
             model_fingerprint=fingerprint(model),  # "" for an HF id: the first worker sets it
             cache=cache,
+            reasoning_parser=parser_name,
             input_format=fmt,
             kept_columns=kept_names,
             table=table.to_json() if table else "",
@@ -179,6 +185,20 @@ def submit(
         job_id, checked.total, checked.error_count, checked.errors, appended, resumed, unit,
         checked.duplicates,
     )  # fmt: skip
+
+
+def choose_reasoning_parser(name: str | None, model: str) -> str:
+    """The job's reasoning parser: ``name`` checked ("none": none), else the one a local
+    checkpoint's chat template makes unambiguous ("" when none does, or it is not here).
+    UsageError for a name that is no parser."""
+    if name == "none":
+        return ""
+    if name is None:
+        return reasoning.detect(chat_template(model))
+    try:
+        return reasoning.parser(name).name
+    except reasoning.ParserError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def validate_input(

@@ -20,7 +20,9 @@ rows count the earlier deliveries in ``attempts``).
 
 Inside ``r``: ``id`` the row id, ``p`` prompt | ``m`` messages | ``e`` embedding input,
 ``dim`` dimensions, ``s`` sampling parameters (named as in ``sampling.FIELDS``: the job's
-defaults merged with the line's own), ``md`` metadata; a worker needs nothing else. An
+defaults merged with the line's own), ``ct`` a chat line's chat template variables (the
+job's merged with the line's own, chat_template.py), ``md`` metadata; a worker needs
+nothing else. An
 invalid line submitted with ``--skip-invalid`` is an entry too, so its row keeps its
 place: ``err`` (written first) says what is wrong with it, and its row is that error.
 The keys are short because a stream holds millions of entries, and the bytes stay the
@@ -108,6 +110,7 @@ class QueuedRequest:
     sampling: dict[str, Any] | None = None  # sampling.FIELDS name -> value; None: embedding
     metadata: dict[str, Any] | None = None  # the line's own, returned with its row
     invalid: str | None = None  # an invalid line's error (--skip-invalid): its row is that
+    template_kwargs: dict[str, Any] | None = None  # chat template variables (messages only)
 
     @classmethod
     def rejected(cls, error: str, row_id: str | None = None) -> QueuedRequest:
@@ -141,6 +144,8 @@ class QueuedRequest:
             wire["dim"] = self.dimensions
         if self.sampling is not None:
             wire["s"] = self.sampling
+        if self.template_kwargs is not None:
+            wire["ct"] = self.template_kwargs
         if self.metadata is not None:
             wire["md"] = self.metadata
         return compact_json(wire).encode("utf-8")
@@ -152,7 +157,7 @@ class QueuedRequest:
             raise EntryError("the request is not a JSON object")
         get = wire.get
         return cls(get("id"), get("p"), get("m"), get("e"), get("dim"), get("s"), get("md"),
-                   get("err"))  # fmt: skip
+                   get("err"), get("ct"))  # fmt: skip
 
 
 def is_rejected(encoded: bytes) -> bool:

@@ -32,7 +32,7 @@ SCHEMA = pa.schema(
     [
         pa.field("index", pa.int64(), nullable=False),  # 0-based input order (valid lines)
         pa.field("id", pa.string()),  # the line's id / custom_id
-        pa.field("text", pa.string()),
+        pa.field("text", pa.string()),  # the answer (after the reasoning, with a parser)
         pa.field("token_ids", pa.list_(pa.int32())),  # generated tokens
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("error", pa.string()),
@@ -52,6 +52,10 @@ SCHEMA = pa.schema(
         pa.field("embedding", pa.list_(pa.float32())),  # embedding lines only; else null
         pa.field("cached", pa.bool_(), nullable=False),  # from the result cache (result_cache.py)
         pa.field("cache_source", pa.string()),  # the job a cached row was first generated for
+        # with a reasoning parser (reasoning.py): the reasoning, and the generated tokens
+        # that wrote it (its end tag included); else null
+        pa.field("reasoning", pa.string()),
+        pa.field("reasoning_tokens", pa.int32()),
     ]
 )
 
@@ -79,6 +83,8 @@ class Row:
     embedding: list[float] | None = None
     cached: bool = False
     cache_source: str | None = None
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
 
     @property
     def failed(self) -> bool:
@@ -123,13 +129,16 @@ def to_table(rows: Sequence[Row]) -> pa.Table:
         columns["embedding"].append(row.embedding)
         columns["cached"].append(row.cached)
         columns["cache_source"].append(row.cache_source)
+        columns["reasoning"].append(row.reasoning)
+        columns["reasoning_tokens"].append(row.reasoning_tokens)
     return pa.Table.from_pydict(columns, schema=SCHEMA)
 
 
 # Columns later versions added: a file written before one of them means its default
-# (no constraint, no logprobs, one sample, no embedding, not cached: null, cached false).
+# (no constraint, no logprobs, one sample, no embedding, not cached, no reasoning parser:
+# null, cached false).
 ADDED_LATER = frozenset({"structured", "logprobs", "choices", "embedding", "cached",
-                         "cache_source"})  # fmt: skip
+                         "cache_source", "reasoning", "reasoning_tokens"})  # fmt: skip
 
 
 def default_column(name: str, length: int) -> pa.Array:

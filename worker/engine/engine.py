@@ -112,14 +112,27 @@ class Engine:
         )  # fmt: skip
 
     # -- requests in ----------------------------------------------------------
-    def encode(self, prompt: str | Sequence[dict[str, Any]]) -> list[int]:
-        """A string -> token ids; chat messages -> chat template with the generation prompt."""
+    def encode(
+        self,
+        prompt: str | Sequence[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """A string -> token ids; chat messages -> chat template with the generation prompt,
+        ``template_kwargs`` its variables (``enable_thinking``, ...). ValueError for
+        variables given to a checkpoint without a chat template."""
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if template_kwargs and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat_template_kwargs given, but the model has no chat template")
         ids = self.tokenizer.apply_chat_template(
-            list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+            list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False,
+            **(template_kwargs or {}),
+        )  # fmt: skip
         return list(ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Generated tokens' text as an output's ``text`` holds it (special tokens skipped)."""
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     def token_text(self, token_id: int) -> str:
         """One token's text alone, as logprobs show it."""

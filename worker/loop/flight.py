@@ -10,10 +10,19 @@ from typing import Any
 
 from batchgen.jobs.consumer.queue import Delivery
 from batchgen.jobs.schema.constraints import kind_of
+from batchgen.jobs.schema.reasoning import Split, ThinkTags
 from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.worker.loop.engine_api import EngineOutput
 
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """How a request's output splits into reasoning and answer."""
+
+    parser: ThinkTags
+    closed: bool  # its prompt already closed the reasoning: the output is all answer
 
 
 @dataclass(slots=True)
@@ -26,6 +35,7 @@ class Flight:
     engine_us: int = 0  # its share of the engine steps it was in (usage)
     # its output tokens counted in the worker's progress so far (resumed ones from the start)
     counted: int = 0
+    reasoning: Reasoning | None = None  # the job's reasoning parser, when it has one
 
 
 def _metadata(delivery: Delivery) -> str | None:
@@ -48,13 +58,21 @@ def now_ms() -> int:
 
 
 def output_row(
-    flight: Flight, out: EngineOutput, worker: str, token_text: Callable[[int], str]
-) -> Row:
+    flight: Flight, out: EngineOutput, worker: str, token_text: Callable[[int], str],
+    decode: Callable[[list[int]], str],
+) -> Row:  # fmt: skip
     """The row of a finished engine output (``RequestOutput``); ``token_text``: a token
-    id's text alone, for the logprobs columns."""
+    id's text alone, for the logprobs columns; ``decode``: tokens' text as the output's."""
     d = flight.delivery
     reason = _REASONS.get(out.finish_reason)
     token_ids = list(out.token_ids)
+    text = out.text if reason else ""
+    reasoning, reasoning_count = None, None
+    if flight.reasoning is not None and reason:
+        parser = flight.reasoning.parser
+        split = parser.split(text, flight.reasoning.closed)
+        reasoning_count = reasoning_tokens(token_ids, text, split, parser.end, decode)
+        text, reasoning = split.text, split.reasoning
     top_k = d.request.param("logprobs")
     samples = out.samples if len(out.samples) > 1 else []
     choices: list[dict[str, Any]] = [
@@ -66,7 +84,9 @@ def output_row(
     return Row(
         index=d.index,
         id=d.request.id,
-        text=out.text if reason else "",
+        text=text,
+        reasoning=reasoning,
+        reasoning_tokens=reasoning_count,
         token_ids=token_ids,
         finish_reason=reason or FinishReason.ERROR,
         error=None if reason else f"the engine ended the request with {out.finish_reason!r}",
@@ -84,6 +104,27 @@ def output_row(
         choices=choices or None,
         embedding=list(out.embedding) if out.embedding is not None else None,
     )
+
+
+def reasoning_tokens(
+    token_ids: list[int], output: str, split: Split, end_tag: str,
+    decode: Callable[[list[int]], str],
+) -> int:  # fmt: skip
+    """How many generated tokens wrote the reasoning ``split`` found in ``output``, its
+    end tag included: none when the prompt closed it, all when the tag never came, else
+    the fewest whose text holds the tag (the token that completes it counts)."""
+    if split.reasoning is None:
+        return 0
+    if end_tag not in output:
+        return len(token_ids)
+    low, high = 1, len(token_ids)
+    while low < high:  # once a prefix holds the tag, every longer one does
+        mid = (low + high) // 2
+        if end_tag in decode(token_ids[:mid]):
+            high = mid
+        else:
+            low = mid + 1
+    return high
 
 
 def _logprobs(

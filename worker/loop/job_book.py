@@ -19,6 +19,8 @@ from batchgen.jobs.consumer.queue import Delivery, dead_letter
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.modelinfo import fingerprint
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
+from batchgen.jobs.schema import reasoning
+from batchgen.jobs.schema.reasoning import ThinkTags
 from batchgen.jobs.schema.rows import Row
 from batchgen.worker.loop.flight import error_row
 from batchgen.worker.loop.loop_config import LoopConfig
@@ -31,6 +33,7 @@ class JobInfo:
     output: str
     cache: str = ""  # the result cache's location when the job uses it
     refused: str = ""  # why this worker will not run the job's requests (other weights)
+    reasoning: ThinkTags | None = None  # splits each output into reasoning and answer
 
 
 class JobBook:
@@ -56,16 +59,19 @@ class JobBook:
         if job_id not in self.jobs:
             jk = self.qk.job(job_id)
             pipe = self.conn.pipeline(transaction=False)
-            pipe.hmget(jk.job, ["output", "cache"])
+            pipe.hmget(jk.job, ["output", "cache", "reasoning_parser"])
             if self.fingerprint:
                 pipe.hsetnx(jk.job, "model_fingerprint", self.fingerprint)
             pipe.hget(jk.job, "model_fingerprint")
-            (output, cache), *_, expected = pipe.execute()
+            (output, cache, parser_name), *_, expected = pipe.execute()
             if output is None:
                 self.jobs[job_id] = None
                 return None
             refused = self._refusal(job_id, text(expected))
-            self.jobs[job_id] = JobInfo(text(output), text(cache), refused)
+            name = text(parser_name)
+            self.jobs[job_id] = JobInfo(
+                text(output), text(cache), refused, reasoning.parser(name) if name else None
+            )
         return self.jobs[job_id]
 
     def _refusal(self, job_id: str, expected: str) -> str:

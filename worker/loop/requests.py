@@ -25,7 +25,14 @@ from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.schema.rows import Row, cached_input_tokens
 from batchgen.worker.loop.caching import LoopCache
 from batchgen.worker.loop.engine_api import EngineAPI, EngineOutput
-from batchgen.worker.loop.flight import Flight, error_row, now_ms, output_row, resumable
+from batchgen.worker.loop.flight import (
+    Flight,
+    Reasoning,
+    error_row,
+    now_ms,
+    output_row,
+    resumable,
+)
 from batchgen.worker.loop.isolation import Isolation
 from batchgen.worker.loop.job_book import JobInfo
 from batchgen.worker.loop.loop_config import LoopConfig
@@ -33,6 +40,8 @@ from batchgen.worker.loop.progress import Progress
 
 log = logging.getLogger(__name__)
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+# the prompt's last tokens, read for a reasoning end tag its template wrote (a closed one)
+PROMPT_TAIL_TOKENS = 16
 REFUSED_PAUSE_S = 1.0  # no reads this long after handing back a refused job's requests
 
 
@@ -205,7 +214,9 @@ class Requests:
             prepared = self._prepare(d, job.output)
             if prepared is not None:
                 ready.append((d, job, *prepared))
-        lookups = [(job.cache, d, ids) for d, job, _, ids in ready if job.cache and cached]
+        # a job with a reasoning parser leaves the cache alone: its rows are split
+        lookups = [(job.cache, d, ids) for d, job, _, ids in ready
+                   if job.cache and cached and job.reasoning is None]  # fmt: skip
         hits = self.cache.lookup(lookups) if lookups else {}
         for d, job, params, token_ids in ready:
             row = hits.get(d.entry_id)
@@ -222,7 +233,11 @@ class Requests:
                 reason = getattr(exc, "reason", None) or str(exc)
                 self.error(d, job.output, f"request rejected: {reason}", len(token_ids))
                 continue
-            self.flights[d.entry_id] = Flight(d, job.output, len(token_ids), counted=len(d.resume))
+            flight = Flight(d, job.output, len(token_ids), counted=len(d.resume))
+            if job.reasoning is not None:
+                tail = self.engine.decode(token_ids[-PROMPT_TAIL_TOKENS:])
+                flight.reasoning = Reasoning(job.reasoning, job.reasoning.closed_by(tail))
+            self.flights[d.entry_id] = flight
             self.progress.started(d.job_id)
 
     def _prepare(self, d: Delivery, output: str) -> tuple[Any, list[int]] | None:
@@ -248,7 +263,7 @@ class Requests:
             self.error(d, output, f"invalid sampling parameters: {exc}")
             return None
         try:
-            token_ids = self.engine.encode(prompt)
+            token_ids = self.engine.encode(prompt, d.request.template_kwargs)
         except Exception as exc:  # a tokenizer or chat-template failure fails this row only
             self.error(d, output, f"cannot tokenize the prompt: {exc}")
             return None
@@ -297,7 +312,7 @@ class Requests:
         flight = self.flights.pop(out.request_id, None)
         if flight is None:
             return  # aborted meanwhile (cancelled, or claimed by another worker)
-        row = output_row(flight, out, self.config.name, self.engine.token_text)
+        row = output_row(flight, out, self.config.name, self.engine.token_text, self.engine.decode)
         self.progress.generated(flight.delivery.job_id, row.completion_tokens - flight.counted)
         self.cache.finished(out.request_id, row)
         self.emit(flight.delivery, flight.output, row, flight.engine_us)
