@@ -258,8 +258,10 @@ def test_the_reasoning_column_through_the_cli(qwen3_model, tmp_path, private_red
     out = shell.run("run", "p.jsonl", "--model", "qwen3", "-o", "out.parquet", "--job-id",
                     "think", "--device", "cpu", "--job-output", str(tmp_path / "job"))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    assert shell.status("think")["reasoning_parser"] == "qwen3"
+    status = shell.status("think")
     got = rows(tmp_path / "out.parquet")
+    assert status["reasoning_parser"] == "qwen3"
+    assert status["reasoning_tokens"] == sum(got["reasoning_tokens"]) > 0
     split_inside = 0
     for i, row_id in enumerate(got["id"]):
         ids, text, reasoning = got["token_ids"][i], got["text"][i], got["reasoning"][i]
@@ -310,6 +312,8 @@ def test_serve_returns_reasoning_content_and_reasoning_tokens(qwen3_model, tmp_p
             time.sleep(0.2)
         assert batch.status == "completed", batch
         assert batch.output_file_id is not None
+        assert batch.usage is not None
+        reasoned = batch.usage.output_tokens_details.reasoning_tokens
         out = [json.loads(line) for line in
                client.files.content(batch.output_file_id).text.splitlines()]  # fmt: skip
     assert batch.metadata is not None
@@ -329,3 +333,11 @@ def test_serve_returns_reasoning_content_and_reasoning_tokens(qwen3_model, tmp_p
             assert (message["reasoning_content"], message["content"]) == (decoded, "")
     # all end tags: no reasoning, one token of it (its end tag)
     assert token_ids["b100"] == [end_id] * 16
+    assert (
+        reasoned
+        == sum(table["reasoning_tokens"])
+        == sum(
+            line["response"]["body"]["usage"]["completion_tokens_details"]["reasoning_tokens"]
+            for line in out
+        )
+    )

@@ -33,7 +33,8 @@ def _render(s) -> str:
     ]
     if d["reasoning_parser"]:
         lines.append(
-            f"reasoning  {d['reasoning_parser']} parser: reasoning column, text the answer"
+            f"reasoning  {d['reasoning_parser']} parser; {d['reasoning_tokens']} of the out "
+            "tokens reasoned"
         )
     lines += _fair_share_lines(d)
     if d["retry_rounds"]:

@@ -46,6 +46,7 @@ class BatchRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     failed_prompt_tokens: int = 0  # failed requests' input tokens: not billed, counted apart
+    reasoning_tokens: int = 0
     in_progress_at: int = 0
     finalizing_at: int = 0
     completed_at: int = 0
@@ -108,7 +109,7 @@ def to_openai(record: BatchRecord, job: JobRecord | None) -> dict[str, Any]:
         "input_tokens": source.prompt_tokens,
         "input_tokens_details": {"cached_tokens": source.cached_tokens},
         "output_tokens": source.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": source.reasoning_tokens},
         "total_tokens": source.prompt_tokens + source.completion_tokens,
         # batchgen's own: failed requests are not billed (OpenAI's rule); their input apart
         "failed_input_tokens": source.failed_prompt_tokens,

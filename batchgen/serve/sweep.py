@@ -125,6 +125,7 @@ class Sweep:
             failed=outputs.failed, prompt_tokens=job.prompt_tokens,
             completion_tokens=job.completion_tokens, cached_tokens=job.cached_tokens,
             failed_prompt_tokens=job.failed_prompt_tokens,
+            reasoning_tokens=job.reasoning_tokens,
             finalizing_at=record.finalizing_at or now, **{stamp: now},
         )  # fmt: skip
 

@@ -73,7 +73,8 @@ COMMIT = script(
         (
             "payload",
             "JSON: {parts: [part], drop: [entry id]}; part: {job_id, record, done, "
-            "parts, name, meta, started, rows: {index, entry, failed, pt, ct, cc, eu} as columns}",
+            "parts, name, meta, started, rows: {index, entry, failed, pt, ct, cc, eu, rt} as "
+            "columns}",
         ),
     ],
     prelude=ACK_AND_DELETE + USAGE,
@@ -87,7 +88,7 @@ for _, part in ipairs(p.parts) do
     status = 'again'  -- a retried commit after a lost reply: only ack
   end
   local rows, lost = part.rows, {}
-  local d, f, pt, ct, cc, eu, fpt = 0, 0, 0, 0, 0, 0, 0
+  local d, f, pt, ct, cc, eu, fpt, rt = 0, 0, 0, 0, 0, 0, 0, 0
   for r = 1, #rows.index do
     ids[#ids + 1] = rows.entry[r]
     if status == 'live' then
@@ -96,6 +97,7 @@ for _, part in ipairs(p.parts) do
           f, fpt = f + 1, fpt + rows.pt[r]
         else
           d, pt, ct, cc = d + 1, pt + rows.pt[r], ct + rows.ct[r], cc + rows.cc[r]
+          rt = rt + rows.rt[r]
         end
         eu = eu + rows.eu[r]
       else
@@ -108,6 +110,7 @@ for _, part in ipairs(p.parts) do
     meta.lost = lost
     redis.call('HSET', part.parts, part.name, cjson.encode(meta))
     out.lost = out.lost + #lost
+    if rt > 0 then redis.call('HINCRBY', part.record, 'reasoning_tokens', rt) end
     if bump(part.record, d, f, pt, ct, cc, now, part.started) then
       out.finished[#out.finished + 1] = part.job_id
     end
@@ -173,6 +176,7 @@ def commit(
                 "failed": [1 if r.failed else 0 for r in rows],
                 "pt": [r.prompt_tokens for r in rows], "ct": [r.completion_tokens for r in rows],
                 "cc": [cached_input_tokens(r) for r in rows],
+                "rt": [r.reasoning_tokens or 0 for r in rows],
                 "eu": part.engine_us or [0] * len(rows),
             },
         })  # fmt: skip

@@ -30,7 +30,7 @@ from batchgen.jobs.storage.output_store import OutputDir
 PART_ROWS = 1 << 16  # rows in one carried part (finalize's windows stay bounded)
 _BATCH_ROWS = 8192
 _OK = pa.array([FinishReason.STOP.value, FinishReason.LENGTH.value])
-_TOKENS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+_TOKENS = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens")
 
 
 @dataclass(slots=True)

@@ -41,6 +41,7 @@ class JobRecord:
     prompt_tokens: int = 0  # of the rows that finished (stop, length): billed
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of the completion tokens, those rows' reasoning parser found
     created_at: float = 0.0
     started_at: float = 0.0
     finished_at: float = 0.0

@@ -107,7 +107,7 @@ end
 local c = cjson.decode(counts)
 reopen(job, state, 'closed', '0', 'done', c.done, 'failed', c.failed,
        'cancelled_rows', c.cancelled, 'prompt_tokens', c.prompt_tokens,
-       'completion_tokens', c.completion_tokens,
+       'completion_tokens', c.completion_tokens, 'reasoning_tokens', c.reasoning_tokens,
        'cached_tokens', c.cached_tokens, 'failed_prompt_tokens', c.failed_prompt_tokens,
        'enqueued', c.kept, 'last_id', '', 'error', '',
        'storage_error', '', 'finalize_attempts', 0, 'finished_at', 0, 'retry_cursor', 0,
