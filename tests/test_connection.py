@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import redis
 
 from batchgen.jobs.redis import embedded
-from batchgen.jobs.redis.connection import connect, redact, resolve
+from batchgen.jobs.redis.connection import OutageParser, RedisRefused, connect, redact, resolve
 from batchgen.jobs.redis.redis_server import RedisServer, free_port
 from batchgen.jobs.schema.errors import RedisUnavailable, UnsafeRedis, UnsafeRedisURL
 from tests.test_embedded_redis import checkpoint
@@ -124,3 +125,93 @@ def test_sentinel_urls_follow_the_plain_urls_rules():
     for url, message in refused.items():
         with pytest.raises(UnsafeRedisURL, match=re.escape(message)):
             resolve(url)
+
+
+def test_error_replies_that_mean_an_outage_are_raised_as_one(private_redis: RedisServer, tmp_path):
+    """BUSY, OOM, MISCONF, READONLY and LOADING, provoked on a real server where Redis
+    6.2 allows it, come out of ``connect``'s client as RedisRefused (a ConnectionError,
+    what every caller waits out), also inside a script's error and a transaction;
+    a data error or a script's own error stays a ResponseError."""
+    conn = connect(private_redis.url, retries=0)
+    admin = rconn(private_redis.url)
+    conn.set("k", "v")
+
+    def refused(call: Any) -> tuple[str, str]:
+        with pytest.raises(RedisRefused) as info:
+            call()
+        return info.value.code, str(info.value)
+
+    with pytest.raises(redis.ResponseError) as data_error:
+        conn.lpush("k", 1)
+    assert not isinstance(data_error.value, redis.ConnectionError)
+    assert (
+        str(data_error.value) == "WRONGTYPE Operation against a key holding the wrong kind of value"
+    )
+    with pytest.raises(redis.ResponseError) as script_bug:
+        conn.eval("return redis.call('lpush', KEYS[1], 1)", 1, "k")
+    assert not isinstance(script_bug.value, redis.ConnectionError)
+
+    oom = "OOM command not allowed when used memory > 'maxmemory'."
+    admin.config_set("maxmemory", 1)
+    assert refused(lambda: conn.set("k", "w")) == ("OOM", oom)
+    code, message = refused(lambda: conn.eval("return redis.call('set', KEYS[1], 'w')", 1, "k"))
+    assert (code, message.startswith("OOM Error running script"), message.endswith(oom)) == (
+        "OOM",
+        True,
+        True,
+    )
+    assert refused(lambda: conn.pipeline().set("k", "w").incr("n").execute())[0] == "OOM"
+    assert conn.get("k") == b"v"  # reads still served
+    admin.config_set("maxmemory", 0)
+
+    admin.replicaof("127.0.0.1", free_port())  # a primary demoted to a replica
+    assert refused(lambda: conn.set("k", "w")) == (
+        "READONLY",
+        "READONLY You can't write against a read only replica.",
+    )
+    admin.replicaof("NO", "ONE")
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    before = admin.config_get("dir")["dir"]
+    admin.config_set("dir", str(gone))
+    admin.config_set("save", "3600 1")  # MISCONF needs snapshots configured
+    gone.rmdir()
+    admin.bgsave()
+    wait = time.monotonic() + 10
+    while admin.info("persistence")["rdb_last_bgsave_status"] != "err":
+        assert time.monotonic() < wait, "the snapshot did not fail"
+        time.sleep(0.05)
+    code, message = refused(lambda: conn.set("k", "w"))
+    assert (code, message.startswith("MISCONF Redis is configured to save RDB snapshots")) == (
+        "MISCONF",
+        True,
+    )
+    admin.config_set("dir", before)
+    admin.config_set("save", "")
+
+    admin.config_set("lua-time-limit", 20)
+    busy = threading.Thread(target=_killed_busy_script, args=(private_redis.url,))
+    busy.start()
+    try:
+        time.sleep(0.3)
+        assert refused(conn.ping) == (
+            "BUSY",
+            "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.",
+        )
+    finally:
+        admin.script_kill()
+        busy.join(10)
+    assert conn.get("k") == b"v"
+
+    # LOADING (a server reading a large dataset at start) is not provoked here in a
+    # test's time: the parser's answer to the reply text itself.
+    loading = OutageParser.parse_error("LOADING Redis is loading the dataset in memory")
+    assert (type(loading), loading.code) == (RedisRefused, "LOADING")
+    noscript = OutageParser.parse_error("NOSCRIPT No matching script. Please use EVAL.")
+    assert type(noscript) is redis.exceptions.NoScriptError  # Script reloads it (lua.py)
+
+
+def _killed_busy_script(url: str) -> None:
+    with pytest.raises(redis.ResponseError, match="Script killed by user"):
+        rconn(url).eval("local i = 0 while true do i = i + 1 end", 0)

@@ -256,13 +256,6 @@ def user_errors() -> Iterator[None]:
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         click.echo(f"batchgen: error: {describe_connection_error(exc)}", err=True)
         sys.exit(1)
-    except redis.ResponseError as exc:
-        from batchgen.jobs.redis.connection import is_oom
-
-        if is_oom(exc):
-            click.echo("batchgen: error: Redis is out of memory (queue full)", err=True)
-            sys.exit(1)
-        raise
 
 
 def handles_errors(func: Callable[..., Any]) -> Callable[..., Any]:

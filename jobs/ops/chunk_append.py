@@ -152,7 +152,7 @@ class _ChunkSender:
         start, n = self.in_flight.popleft()
         try:
             enqueued, state = self.connection.read_response()
-        except redis.ResponseError as exc:
+        except redis.RedisError as exc:  # OOM: a RedisRefused (connection.py)
             self.broken = True
             if is_oom(exc):
                 raise queue_full(

@@ -22,6 +22,19 @@ A command started while Redis restarts waits for it: ``wait_s`` (the CLI's is
 ``BATCHGEN_REDIS_WAIT``, default 10 s) of reconnecting with backoff before the
 one-line "cannot reach Redis" error. A refused password or certificate is not
 waited for.
+
+An error reply that says the server cannot serve now, not that the command is
+wrong (BUSY: a script past ``lua-time-limit``; OOM: ``maxmemory`` under
+noeviction; MISCONF: a failed snapshot stops writes; READONLY: a replica, say a
+demoted primary; LOADING: the dataset is still being read), is an outage like a
+dropped connection: the parser every client of ``connect`` uses raises it as
+``RedisRefused``, a ``redis.ConnectionError``, so redis-py retries it with
+backoff and every caller that waits out an outage waits this out too, in one
+place. Such a reply inside a script's error (Redis 6 wraps a refused
+``redis.call`` as ``ERR Error running script ...: -OOM ...``) counts the same;
+every other reply (WRONGTYPE, a script's own error) stays a ``ResponseError``.
+NOSCRIPT is not among them: redis-py's Script loads the script and runs it again
+(lua.py).
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlparse
 
 import redis
+from redis._parsers import _RESP3Parser
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
@@ -53,6 +67,46 @@ _TLS_SCHEMES = ("rediss", "rediss+sentinel")
 _PLAIN_PARAMS = ("db", *_TLS_ENV)
 # The verification switches, each with the one value that keeps verification on.
 _VERIFY_PARAMS = {"ssl_cert_reqs": "required", "ssl_check_hostname": "true"}
+
+
+# Replies by which a server says it cannot serve now; the command did not run.
+OUTAGE_REPLIES = ("BUSY", "OOM", "MISCONF", "READONLY", "LOADING")
+_SCRIPT_REFUSAL = re.compile(r"^Error running script .*?: -(" + "|".join(OUTAGE_REPLIES) + ") ")
+
+
+class RedisRefused(redis.ConnectionError):
+    """An error reply that means an outage (OUTAGE_REPLIES); ``code`` says which."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code} {message}")
+        self.code = code
+
+
+def refusal_code(exc: BaseException) -> str | None:
+    """The OUTAGE_REPLIES code of a reply redis-py parsed, or None for any other."""
+    if isinstance(exc, RedisRefused):
+        return exc.code
+    if isinstance(exc, redis.BusyLoadingError):
+        return "LOADING"
+    if not isinstance(exc, redis.ResponseError):
+        return None
+    code = getattr(exc, "status_code", None)
+    if code in OUTAGE_REPLIES:
+        return code
+    match = _SCRIPT_REFUSAL.match(str(exc)) if code == "ERR" else None
+    return match.group(1) if match else None
+
+
+class OutageParser(_RESP3Parser):
+    """redis-py's parser for RESP3 (its default protocol), raising the replies of OUTAGE_REPLIES as RedisRefused."""
+
+    @classmethod
+    def parse_error(cls, response: str) -> redis.RedisError:
+        exc = super().parse_error(response)
+        code = refusal_code(exc)
+        if code is None:
+            return exc
+        return RedisRefused(code, str(exc).removeprefix(f"{code} "))
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,6 +213,7 @@ def connect(
         "health_check_interval": 30,
         "retry": Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+        "parser_class": OutageParser,
     }
     if not target.url.startswith("unix://"):
         kwargs["socket_keepalive"] = True
@@ -215,6 +270,8 @@ def check_server(client: redis.Redis, url: str = "") -> None:
 def describe_connection_error(exc: BaseException, url: str = "") -> str:
     where = redact(url) if url else "the configured server"
     text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, RedisRefused):
+        return f"Redis at {where} cannot serve now ({text}); try again when it can"
     if "certificate" in text.lower() or "ssl" in text.lower():
         return (
             f"TLS handshake with Redis at {where} failed ({text}); check the CA "
@@ -224,7 +281,7 @@ def describe_connection_error(exc: BaseException, url: str = "") -> str:
 
 
 def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, redis.ResponseError) and "OOM command not allowed" in str(exc)
+    return refusal_code(exc) == "OOM"
 
 
 def queue_full(done: int, total: int, resume_hint: str) -> QueueFull:

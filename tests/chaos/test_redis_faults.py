@@ -253,3 +253,77 @@ def test_redis_out_of_memory_on_submit_is_queue_full_with_whole_chunks(
 
 def private_redis_conn(server: RedisServer) -> Any:
     return rconn(server.url)
+
+
+def _job_outlives_refusals(chaos: Chaos, reference, job_id: str, refuse, allow, said: str) -> None:
+    """A supervised worker generates ``job_id``; ``refuse()`` makes Redis answer every
+    write (or every command) with an error reply for 3 s, then ``allow()`` ends it: the
+    supervisor and its engine survive, log the outage, and the job completes exactly once."""
+    lines = prompt_lines(16, job_id, max_tokens=(32, 48))
+    out = chaos.submit(job_id, lines)
+    worker = chaos.worker_cli("sup", "--claim-timeout", "2", "--max-num-seqs", "2", step_s=0.02)
+    wait_until(lambda: chaos.record(job_id).done >= 2, 120, "some committed rows")
+    refuse()
+    try:
+        wait_until(lambda: said in worker.tail(20_000), 30, f"the worker to log {said!r}")
+        time.sleep(3)  # upkeep, keeper, heartbeat and supervisor all meet the reply
+        assert worker.alive(), worker.tail()
+    finally:
+        allow()
+    wait_until(partial(finished, chaos, job_id), 300, f"{job_id} to finish")
+    worker.kill(signal.SIGTERM)
+    assert worker.wait(60) == 0, worker.tail()
+    assert "Traceback" not in worker.tail(200_000), worker.tail(200_000)
+    rows = chaos.result(job_id)
+    assert rows["index"] == list(range(16))
+    assert_exactly_once(rows, lines, reference(lines))
+    assert (chaos.record(job_id).done, chaos.record(job_id).failed) == (16, 0)
+    assert_nothing_left(chaos, job_id, out)
+
+
+def test_redis_out_of_memory_under_a_running_worker_is_an_outage(chaos_private, reference):
+    """maxmemory below what Redis holds (noeviction): every write answers OOM. The
+    worker waits it out like a lost connection; once maxmemory is raised it finishes."""
+    conn = chaos_private.conn
+    _job_outlives_refusals(
+        chaos_private, reference, "oom",
+        lambda: conn.config_set("maxmemory", 1), lambda: conn.config_set("maxmemory", 0),
+        "Redis unavailable (OOM command not allowed when used memory > 'maxmemory'.)",
+    )  # fmt: skip
+
+
+def test_redis_busy_with_a_long_script_under_a_running_worker_is_an_outage(
+    chaos_private, reference
+):
+    """Another client's script loops past lua-time-limit: Redis answers BUSY to every
+    command until SCRIPT KILL. The worker waits it out and finishes."""
+    conn = chaos_private.conn
+    conn.config_set("lua-time-limit", 50)
+    busy = rconn(chaos_private.redis_url)
+    killed: list[str] = []
+
+    def loop() -> None:
+        try:
+            busy.eval("local i = 0 while true do i = i + 1 end", 0)
+        except Exception as exc:
+            killed.append(str(exc))
+
+    thread = threading.Thread(target=loop)
+
+    def allow() -> None:
+        wait_until(lambda: _script_kill(conn), 10, "SCRIPT KILL to be accepted")
+        thread.join(10)
+
+    _job_outlives_refusals(
+        chaos_private, reference, "busy", thread.start, allow,
+        "Redis unavailable (BUSY Redis is busy running a script.",
+    )  # fmt: skip
+    assert killed and "Script killed by user" in killed[0], killed
+
+
+def _script_kill(conn: Any) -> bool:
+    try:
+        conn.script_kill()
+    except Exception:
+        return False
+    return True
