@@ -121,7 +121,9 @@ def test_usage_per_job_and_per_tenant_adds_up_to_the_workers_own_counters(fleet,
     }  # fmt: skip
 
     # the same figures where operators read them: Prometheus and the dashboard
-    metrics = Supervisor(fleet.conn, LoopConfig(model=str(fleet.model)), [], None).metrics()
+    metrics = Supervisor(
+        fleet.conn, LoopConfig(model=str(fleet.model)), [], None, tenant_metrics=True
+    ).metrics()
     t1 = {"model": str(fleet.model), "tenant": "t1"}
     assert {
         s.name: s.value for f in metrics for s in f.samples if s.name.startswith("batchgen_tenant_")

@@ -120,7 +120,7 @@ def test_metrics_endpoint_serves_its_workers_the_queue_and_the_tenants_with_thei
     conn: Any = redis.Redis.from_url(redis_url)
     keys = Keys("bg")
     qk = keys.queue_for_model("m")
-    sup = Supervisor(conn, LoopConfig(model="m"), [], None)
+    sup = Supervisor(conn, LoopConfig(model="m"), [], None, tenant_metrics=True)
     ensure_group(conn, qk)
     conn.xadd(qk.stream, {"j": "x", "i": 0, "r": "{}", "q": 1})
     conn.xadd(qk.stream, {"j": "x", "i": 1, "r": "{}", "q": 1})
@@ -184,7 +184,7 @@ def test_label_values_with_quotes_backslashes_and_newlines_come_back_exactly(red
     keys = Keys("bg")
     model, tenant, worker = '/models/my "best"\\ckpt\nv2', 'team "a"\\b\nc', 'host"1\\\n-w0'
     qk = keys.queue_for_model(model)
-    sup = Supervisor(conn, LoopConfig(model=model), [], None)
+    sup = Supervisor(conn, LoopConfig(model=model), [], None, tenant_metrics=True)
     ensure_group(conn, qk)
     conn.xadd(qk.stream, {"j": "x", "i": 0, "r": "{}", "q": 1})
     conn.hset(qk.usage, f"{tenant}|requests", 3)
@@ -225,14 +225,58 @@ def test_a_scrape_while_redis_is_unreachable_answers_503_in_one_line_and_the_nex
 
 def test_a_metrics_port_another_process_holds_is_one_line():
     with socket.socket() as held:
-        held.bind(("0.0.0.0", 0))
+        held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
         with pytest.raises(UsageError) as refused:
             serve(port, registry(lambda: []))
     assert str(refused.value) == (
-        f"--metrics-port {port}: cannot listen on 0.0.0.0:{port}: Address already in use"
+        f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}: Address already in use"
     )
+
+
+def _outward_address() -> str | None:
+    """An address of this host that is not loopback (None if it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET: nothing is sent
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_the_metrics_port_listens_on_loopback_only_unless_told_and_names_no_tenant(redis_url):
+    """The endpoint has no authentication: by default it is reachable from this host
+    only, and it lists no tenant (each would be named, with its usage) unless asked."""
+    conn: Any = redis.Redis.from_url(redis_url)
+    qk = Keys("bg").queue_for_model("m")
+    ensure_group(conn, qk)
+    conn.hset(qk.usage, "team-a|requests", 3)
+    sup = Supervisor(conn, LoopConfig(model="m"), [], None)
+    port = free_port()
+    server = serve(port, registry(sup.metrics))
+    try:
+        assert server.server_address == ("127.0.0.1", port)
+        outward = _outward_address()
+        if outward is not None:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((outward, port), timeout=5).close()
+        families = scrape(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "batchgen_queue_entries" in families
+    assert [name for name in families if "tenant" in name] == []
+    asked = Supervisor(conn, LoopConfig(model="m"), [], None, tenant_metrics=True)
+    tenants = {f.name: [(s.labels, s.value) for s in f.samples] for f in asked.metrics()}
+    assert tenants["batchgen_tenant_requests"] == [({"model": "m", "tenant": "team-a"}, 3)]
+    anywhere = serve(port, registry(lambda: []), "0.0.0.0")
+    try:
+        assert anywhere.server_address == ("0.0.0.0", port)
+    finally:
+        anywhere.shutdown()
+        anywhere.server_close()
 
 
 def test_a_child_that_served_is_restarted_soon_and_never_given_up_on(redis_url):

@@ -42,6 +42,11 @@ from batchgen.cli._common import (
 @click.option(
     "--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port."
 )
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Interface the metrics port listens on (no authentication: loopback "
+                   "unless you open it, e.g. 0.0.0.0).")  # fmt: skip
+@click.option("--metrics-tenants", is_flag=True,
+              help="Add per-tenant usage families (they name every tenant).")  # fmt: skip
 @click.option("--claim-timeout", type=float, default=60.0, show_default=True,
               help="Seconds before a silent worker's requests are taken over.")  # fmt: skip
 @click.option("--max-attempts", type=int, default=3, show_default=True,
@@ -53,7 +58,8 @@ from batchgen.cli._common import (
 def worker(
     model: str, gpus: str | None, device: str | None, workers: int | None, burst: bool,
     max_num_seqs: int, num_kv_blocks: int | None, max_model_len: int | None, model_impl: str,
-    threads: int | None, metrics_port: int | None, claim_timeout: float, max_attempts: int, drain_timeout: float,
+    threads: int | None, metrics_port: int | None, metrics_host: str, metrics_tenants: bool,
+    claim_timeout: float, max_attempts: int, drain_timeout: float,
     redis_url: str | None,
 ) -> None:  # fmt: skip
     """Pull MODEL's requests from Redis, generate, and write Parquet rows.
@@ -89,5 +95,6 @@ def worker(
         max_attempts=max_attempts, claim_timeout_s=claim_timeout, drain_timeout_s=drain_timeout,
         engine=engine,
     )  # fmt: skip
-    sup = Supervisor(conn, base, [p["env"] for p in plan], metrics_port)
+    sup = Supervisor(conn, base, [p["env"] for p in plan], metrics_port,
+                     metrics_host=metrics_host, tenant_metrics=metrics_tenants)  # fmt: skip
     raise SystemExit(sup.run())

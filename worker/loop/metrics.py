@@ -79,7 +79,8 @@ def families(
     usage: dict[str, dict[str, dict[str, int]]] | None = None,
 ) -> list[Metric]:
     """The metric families of ``workers`` (heartbeats), ``queues`` (model -> depths)
-    and ``usage`` (model -> tenant -> counter: the model's committed usage by tenant)."""
+    and ``usage`` (model -> tenant -> counter: the model's committed usage by tenant;
+    None: no tenant families at all, the default, since they name every tenant)."""
     counters: dict[str, CounterMetricFamily] = {}
     for key, (name, extra, help_text) in COUNTERS.items():
         if name not in counters:  # the family's first counter gives its help
@@ -133,9 +134,11 @@ def families(
         depth["lag"].add_metric([model], max(q["entries"] - q["pending"], 0))
         depth["backlog"].add_metric([model], q.get("backlog", 0))
     out += depth.values()
+    if usage is None:
+        return out
     for key, (name, divisor, help_text) in TENANT_COUNTERS.items():
         tenants = CounterMetricFamily(name, help_text, labels=["model", "tenant"])
-        for model, by_tenant in (usage or {}).items():
+        for model, by_tenant in usage.items():
             for tenant, counts in sorted(by_tenant.items()):
                 tenants.add_metric([model, tenant], counts.get(key, 0) / divisor)
         out.append(tenants)
@@ -165,9 +168,10 @@ class _Quiet(WSGIRequestHandler):
         pass
 
 
-def serve(port: int, reg: CollectorRegistry) -> WSGIServer:
-    """Serve ``reg`` at /metrics on ``port`` (every interface) in a daemon thread; a
-    port that cannot be bound is a UsageError.
+def serve(port: int, reg: CollectorRegistry, host: str = "127.0.0.1") -> WSGIServer:
+    """Serve ``reg`` at /metrics on ``host``:``port`` in a daemon thread; a port that
+    cannot be bound is a UsageError. The default host is loopback only: the
+    endpoint has no authentication (``worker --metrics-host`` opens it wider).
 
     A scrape while Redis cannot be read answers 503 and one line, and the next
     one tries again (prometheus_client's own server would answer 500 and print a
@@ -182,10 +186,10 @@ def serve(port: int, reg: CollectorRegistry) -> WSGIServer:
             return [f"# metrics unavailable: {exc}\n".encode()]
 
     try:
-        server = make_server("0.0.0.0", port, app, ThreadingWSGIServer, handler_class=_Quiet)
+        server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_Quiet)
     except OSError as exc:  # another process holds the port: one line, before any engine
         raise UsageError(
-            f"--metrics-port {port}: cannot listen on 0.0.0.0:{port}: {exc.strerror or exc}"
+            f"--metrics-port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}"
         ) from None
     threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
     return server

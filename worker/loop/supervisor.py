@@ -129,7 +129,8 @@ class Child:
 class Supervisor:
     def __init__(
         self, conn: redis.Redis, base: LoopConfig, children_env: list[dict[str, str]],
-        metrics_port: int | None = None,
+        metrics_port: int | None = None, *, metrics_host: str = "127.0.0.1",
+        tenant_metrics: bool = False,
     ) -> None:  # fmt: skip
         self.conn = conn
         self.keys = Keys(base.prefix)
@@ -138,6 +139,8 @@ class Supervisor:
         self.base = base
         self.children = [Child(i, base, env) for i, env in enumerate(children_env)]
         self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.tenant_metrics = tenant_metrics  # names every tenant: only where asked
         self.qk = self.keys.queue_for_model(base.model)
         self.finalizer = FinalizerProcess(base.redis_url or "", base.prefix, self.qk.tag)
         self.stopping = False
@@ -155,14 +158,17 @@ class Supervisor:
         except redis.ResponseError:
             pending = 0
         queue = {"entries": entries, "pending": pending, "backlog": backlog.total(self.conn, qk)}
-        return families(
-            workers, {self.base.model: queue}, {self.base.model: model_usage(self.conn, qk)}
-        )
+        usage = {self.base.model: model_usage(self.conn, qk)} if self.tenant_metrics else None
+        return families(workers, {self.base.model: queue}, usage)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
-        server = serve(self.metrics_port, registry(self.metrics)) if self.metrics_port else None
+        server = (
+            serve(self.metrics_port, registry(self.metrics), self.metrics_host)
+            if self.metrics_port
+            else None
+        )
         self._announce()  # before the engines load and hash the weights: a model is coming
         for child in self.children:
             child.start()
