@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import click
 
 from batchgen.cli._common import handles_errors, redis_option
@@ -93,5 +95,6 @@ def serve(
     app = create_app(config, conn, keys)
     bound = sock.getsockname()[1]
     click.echo(f"batchgen serve: http://{host}:{bound}/ (API at /v1)", err=True)
+    signal.signal(signal.SIGHUP, lambda *_: keyring.reload())  # uvicorn leaves SIGHUP alone
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
