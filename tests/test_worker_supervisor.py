@@ -132,7 +132,8 @@ def test_metrics_endpoint_serves_its_workers_the_queue_and_the_tenants_with_thei
                "counters": {"rows_ok": 7, "rows_error": 1, "dead_lettered": 2, "handed_back": 3,
                             "reclaimed": 4, "lost_entries": 5, "prompt_tokens": 600,
                             "generation_tokens": 99, "cached_tokens": 40, "commits": 6,
-                            "storage_failures": 8, "engine_us": 1_500_000},
+                            "storage_failures": 8, "redis_outages": 9,
+                            "engine_us": 1_500_000},
                "engine": {"kv_usage": 0.25, "num_running": 3, "num_waiting": 2,
                           "num_preemptions": 4, "prefix_cache_hit_rate": 0.5}}  # fmt: skip
     heartbeat.beat(conn, keys, "w1", payload, 30)
@@ -158,6 +159,7 @@ def test_metrics_endpoint_serves_its_workers_the_queue_and_the_tenants_with_thei
         "batchgen_cached_tokens": counter("batchgen_cached_tokens", 40),
         "batchgen_commits": counter("batchgen_commits", 6),
         "batchgen_storage_failures": counter("batchgen_storage_failures", 8),
+        "batchgen_redis_outages": counter("batchgen_redis_outages", 9),
         "batchgen_engine_seconds": counter("batchgen_engine_seconds", 1.5),
         "batchgen_preemptions": counter("batchgen_preemptions", 4),
         "batchgen_kv_usage": ("gauge", [("batchgen_kv_usage", w1, 0.25)]),

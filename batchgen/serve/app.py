@@ -142,7 +142,7 @@ async def _on_batchgen_error(_request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_redis_down(_request: Request, exc: Exception) -> JSONResponse:
-    return openai_errors.response(503, f"Redis is unreachable: {exc}", "redis_unavailable")
+    return openai_errors.response(503, f"Redis cannot serve now: {exc}", "redis_unavailable")
 
 
 def _background(sweep: Sweep, sampler: RateSampler, config: ServeConfig,

@@ -44,6 +44,12 @@ COUNTERS: dict[str, tuple[str, dict[str, str], str]] = {
         {},
         "Failed writes of a job's output part (each retried with backoff).",
     ),
+    "redis_outages": (
+        "batchgen_redis_outages_total",
+        {},
+        "Times a worker's loop found Redis unusable (unreachable, or BUSY, OOM, MISCONF, "
+        "READONLY, LOADING) and backed off.",
+    ),
 }  # fmt: skip
 # worker counters kept in microseconds, shown in seconds
 SECONDS = {

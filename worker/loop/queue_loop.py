@@ -284,6 +284,7 @@ class QueueLoop:
         self.counters[name] = self.counters.get(name, 0) + n
 
     def _redis_down(self, exc: BaseException) -> None:
+        self._count("redis_outages")  # the heartbeat says so once Redis takes it again
         delay = backoff_delay(self._redis_failures, 0.1, 5.0)
         log.warning("Redis unavailable (%s); retrying in %.1fs", exc, delay)
         self._backoff_until = time.monotonic() + delay
