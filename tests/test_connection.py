@@ -132,7 +132,7 @@ def test_error_replies_that_mean_an_outage_are_raised_as_one(private_redis: Redi
     6.2 allows it, come out of ``connect``'s client as RedisRefused (a ConnectionError,
     what every caller waits out), also inside a script's error and a transaction;
     a data error or a script's own error stays a ResponseError."""
-    conn = connect(private_redis.url, retries=0)
+    conn: Any = connect(private_redis.url, retries=0)
     admin = rconn(private_redis.url)
     conn.set("k", "v")
 
@@ -207,6 +207,7 @@ def test_error_replies_that_mean_an_outage_are_raised_as_one(private_redis: Redi
     # LOADING (a server reading a large dataset at start) is not provoked here in a
     # test's time: the parser's answer to the reply text itself.
     loading = OutageParser.parse_error("LOADING Redis is loading the dataset in memory")
+    assert isinstance(loading, RedisRefused)
     assert (type(loading), loading.code) == (RedisRefused, "LOADING")
     noscript = OutageParser.parse_error("NOSCRIPT No matching script. Please use EVAL.")
     assert type(noscript) is redis.exceptions.NoScriptError  # Script reloads it (lua.py)
