@@ -353,7 +353,10 @@ def test_a_retry_killed_halfway_goes_on_when_run_again(retried: World) -> None:
 def test_all_failed_reruns_the_cancelled_rows(retried: World, reference) -> None:
     w = retried.seen
     assert w["cx_errors_only"].returncode == 0
-    assert w["cx_errors_only"].stdout == "cx: nothing to retry (no row has finish_reason error)\n"
+    assert w["cx_errors_only"].stdout == (
+        "cx: nothing to retry (no row has finish_reason error); `batchgen retry cx --all-failed` "
+        "runs its 3 cancelled row(s) again\n"
+    )
     assert w["cx_all_failed"].stdout == "cx: retry 1: queued 3 row(s) again; the job is running\n"
     got = rows(w["cx_2"])
     assert [r["id"] for r in got] == [line["id"] for line in CX]
@@ -577,3 +580,18 @@ def test_each_retry_counts_its_attempt_on_the_rows_it_ran(
         finished([1, 3, 1, 1, 3], retried=4, rounds=2)
     finally:
         shell.stop_all()
+
+
+def test_a_cancelled_job_retried_without_all_failed_names_the_option(world: World) -> None:
+    """Only cancelled rows and the default ``--errors-only``: nothing runs, and the
+    message names the option that would run them."""
+    world.submit("hint", CX[:2], model="hint-model")
+    assert world.cli("cancel", "hint").returncode == 0
+    assert world.cli("finalize", "hint").returncode == 0
+    out = world.retry("hint")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (
+        "hint: nothing to retry (no row has finish_reason error); `batchgen retry hint "
+        "--all-failed` runs its 2 cancelled row(s) again\n"
+    )
+    assert world.record("hint").state == JobState.CANCELLED

@@ -51,7 +51,10 @@ def retry(job_id: str, errors_only: bool, input_path: str | None, redis_url: str
                    "input lines, which would fail the same way)")  # fmt: skip
     elif result.rows == 0:
         which = "error" if errors_only else "error or cancelled"
-        click.echo(f"{job_id}: nothing to retry (no row has finish_reason {which})")
+        cancelled = load_job(conn, keys, job_id).cancelled_rows if errors_only else 0
+        hint = (f"; `batchgen retry {job_id} --all-failed` runs its {cancelled} cancelled "
+                "row(s) again" if cancelled else "")  # fmt: skip
+        click.echo(f"{job_id}: nothing to retry (no row has finish_reason {which}){hint}")
     else:
         click.echo(f"{job_id}: retry {result.round}: queued {result.rows} row(s) again; the job "
                    "is running")  # fmt: skip
