@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,9 +70,12 @@ def test_a_hub_id_says_what_batchgen_needs_instead(local):
     out = local.run("submit", "p.jsonl", "--model", "meta-llama/Llama-3.1-8B")
     assert one_line(out) == (
         "batchgen: error: model 'meta-llama/Llama-3.1-8B' is not a directory here, and "
-        "batchgen downloads nothing: put the checkpoint in a directory (`huggingface-cli "
-        "download meta-llama/Llama-3.1-8B --local-dir DIR`, say) and pass --model DIR"
+        "batchgen downloads nothing: put the checkpoint in a directory (`hf download "
+        "meta-llama/Llama-3.1-8B --local-dir DIR`, say: the `hf` command comes with "
+        "transformers) and pass --model DIR"
     )
+    # the command it names is the one the install ships (huggingface_hub 1.x: `hf`)
+    assert (Path(sys.executable).parent / "hf").is_file()
 
 
 def test_a_directory_that_is_no_checkpoint_is_refused_before_anything_is_queued(local):

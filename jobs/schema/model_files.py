@@ -109,6 +109,6 @@ def _missing(model: str, path: Path) -> str:
         return f"model path {model} does not exist{hint}"
     return (
         f"model {model!r} is not a directory here, and batchgen downloads nothing: put the "
-        f"checkpoint in a directory (`huggingface-cli download {model} --local-dir DIR`, say) "
+        f"checkpoint in a directory (`hf download {model} --local-dir DIR`, say: the `hf` command comes with transformers) "
         "and pass --model DIR"
     )
