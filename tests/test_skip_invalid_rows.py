@@ -16,16 +16,17 @@ from batchgen.jobs.redis.redis_server import RedisServer
 from tests.cli_session import Shell, rows, shells, write_jsonl
 
 BAD = {  # 1-based line -> (the line, its error)
-    7: ('{"prompt": "seven", "max_token": 2}',
-        "line 7, column 21: unknown field 'max_token' (did you mean 'max_tokens'?)"),
+    7: ('{"id": "L7", "prompt": "seven", "max_token": 2}',
+        "line 7, column 33: unknown field 'max_token' (did you mean 'max_tokens'?)"),
     23: ('{"prompt": "twenty-three", "max_tokens": 2', "line 23, column 43: malformed JSON: "
          "Expecting ',' delimiter"),
-    45: ('{"prompt": "", "max_tokens": 2}', "line 45, column 12: prompt is empty"),
+    45: ('{"id": 45, "prompt": "", "max_tokens": 2}', "line 45, column 22: prompt is empty"),
     60: ('{"prompt": "sixty", "temperature": NaN}',
          "line 60, column 36: NaN is not a valid JSON number"),
     86: ('{"prompt": "last", "max_tokens": 0}',
          "line 86, column 34: max_tokens must be an integer from 1 to 1048576, got 0"),
 }  # fmt: skip
+KEPT_IDS = {7: "L7", 45: "45"}  # bad lines that parsed and carried an id keep it; the rest None
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def test_every_line_keeps_its_index_and_skipped_ones_are_error_rows(shell):
         line = index + 1
         if line in BAD:
             assert (got["id"][index], got["finish_reason"][index], got["error"][index]) == (
-                None, "error", BAD[line][1])  # fmt: skip
+                KEPT_IDS.get(line), "error", BAD[line][1])  # fmt: skip
         else:
             assert (got["id"][index], got["finish_reason"][index]) == (f"L{line}", "length")
     status = shell.status("s")
@@ -85,7 +86,7 @@ def test_every_line_keeps_its_index_and_skipped_ones_are_error_rows(shell):
     assert got["index"] == list(range(10))
     assert got["key"] == [f"k{i}" for i in range(10)]  # kept columns: every row, bad ones too
     assert got["extra"] == list(range(100, 110))
-    assert got["id"] == [f"k{i}" if i not in (3, 7) else None for i in range(10)]
+    assert got["id"] == [f"k{i}" for i in range(10)]  # the bad rows' ids kept too
     assert [r for r in got["finish_reason"]] == ["error" if i in (3, 7) else "length"
                                                   for i in range(10)]  # fmt: skip
     assert got["error"][7] == "row 7, column q: prompt must be a string"

@@ -85,7 +85,10 @@ def parse_line(
         request = kind(value, defaults, len(text), vocab_size)
     except FieldError as exc:
         column = jsonpos.value_position(text, exc.path, key=exc.at_key)
-        return LineError(number, column, exc.message)
+        row_id = None  # kept on its error row: a line that is no object has none
+        if isinstance(value, dict):
+            row_id = given_id(value, "custom_id" if OPENAI_FIELDS & value.keys() else "id")
+        return LineError(number, column, exc.message, row_id)
     del text  # encoding holds up to three copies of the prompt; the text need not be a fourth
     try:
         return request.encode()
@@ -248,6 +251,15 @@ def _reject_unknown(value: dict[str, Any], allowed: frozenset[str], at: tuple[st
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             where = strictjson.clip(".".join((*at, key)))
             raise FieldError((*at, key), f"unknown field {where}{hint}", at_key=True)
+
+
+def given_id(value: dict[str, Any], key: str) -> str | None:
+    """The id an invalid line or row carried, kept on its error row; None if it had none
+    or the id itself is what is wrong."""
+    try:
+        return _row_id(value[key], (key,), text_only=key == "custom_id") if key in value else None
+    except FieldError:
+        return None
 
 
 def _row_id(value: Any, path: tuple[str, ...], text_only: bool = False) -> str:

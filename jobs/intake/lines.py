@@ -19,6 +19,7 @@ class LineError:
     line: int
     column: int
     message: str
+    row_id: str | None = None  # the id the line carried, when it parsed and had a valid one
 
     def __str__(self) -> str:
         return f"line {self.line}, column {self.column}: {self.message}"
@@ -31,6 +32,7 @@ class RowError:
     row: int
     column: str | None  # None: the row as a whole (a template's prompt)
     message: str
+    row_id: str | None = None  # the row's id column's value, when a valid id
 
     def __str__(self) -> str:
         where = f", column {self.column}" if self.column is not None else ""

@@ -38,7 +38,7 @@ import pyarrow.dataset as ds
 
 from batchgen.jobs.intake import csv_limits, kept, template
 from batchgen.jobs.intake.duplicate_ids import IdLog, find_duplicates
-from batchgen.jobs.intake.inputs import FieldError, native_entry
+from batchgen.jobs.intake.inputs import FieldError, given_id, native_entry
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES, RowError
 from batchgen.jobs.intake.sources import Input
 from batchgen.jobs.intake.table_spec import TableSpec
@@ -216,9 +216,8 @@ def _validate_range(
                     error_count += 1
                     if len(errors) < SHOWN_ERRORS:
                         errors.append(entry)
-                    rejected = QueuedRequest.rejected(
-                        str(entry), str(entry.row) if numbered else None
-                    )
+                    row_id = str(entry.row) if numbered else entry.row_id
+                    rejected = QueuedRequest.rejected(str(entry), row_id)
                     out.write(rejected.encode() + b"\n")
                     continue
                 if not numbered:
@@ -293,7 +292,8 @@ def _entries(
             for column, strings in texts:
                 text = strings[k]
                 if text is None:
-                    yield RowError(row, column, "null value where --template needs one")
+                    yield RowError(row, column, "null value where --template needs one",
+                                   given_id(value, "id"))  # fmt: skip
                     break
                 filled[column] = text
             else:
@@ -303,7 +303,7 @@ def _entries(
         try:
             yield native_entry(value, defaults, vocab_size)
         except FieldError as exc:
-            yield RowError(row, _column(exc.path, plan), exc.message)
+            yield RowError(row, _column(exc.path, plan), exc.message, given_id(value, "id"))
 
 
 def _column(path: tuple[str | int, ...], plan: _Plan) -> str | None:

@@ -99,7 +99,7 @@ def _validate_range(
                 error_count += 1
                 if len(errors) < SHOWN_ERRORS:
                     errors.append(entry)
-                entry = QueuedRequest.rejected(str(entry)).encode()
+                entry = QueuedRequest.rejected(str(entry), entry.row_id).encode()
             else:
                 ids.add(entry, number)
             write(entry + b"\n")
