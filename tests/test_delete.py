@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,9 @@ def everything(conn) -> dict[str, str]:
 
 
 def mentions(conn, job_id: str) -> list[str]:
-    return [k for k, dump in everything(conn).items() if job_id in k or job_id in dump]
+    """Keys that name the job, but its tombstone (which says it was deleted)."""
+    return [k for k, dump in everything(conn).items()
+            if (job_id in k or job_id in dump) and k != KEYS.deleted(job_id)]  # fmt: skip
 
 
 def finished_job(conn, tmp_path: Path, job_id: str, n: int = 4, retention: int | None = None):
@@ -90,8 +93,18 @@ def test_delete_removes_every_trace_of_the_job_and_nothing_else(redis_url, tmp_p
     before = everything(conn)
     result = cli("delete", "gone-job", "--redis", redis_url)
     assert result.exit_code == 0, result.output
-    assert result.output.startswith("deleted job gone-job: ")
+    here = re.escape(str(out))
+    assert re.fullmatch(
+        rf"deleted job gone-job: \d+ keys, 0 queued entries; its output folder {here} is kept "
+        rf"\(`rm -r {here}` removes it\)\n", result.output)  # fmt: skip
     assert mentions(conn, "gone-job") == []
+    # status says it was deleted, not that Redis lost its state; the tombstone expires
+    status = cli("status", "gone-job", "--redis", redis_url)
+    assert status.exit_code == 1
+    assert re.fullmatch(
+        r"batchgen: error: job 'gone-job' was deleted \(`batchgen delete` at "
+        rf"\d{{4}}-\d\d-\d\d \d\d:\d\d UTC; its output {here} was kept\)\n", status.output)  # fmt: skip
+    assert 0 < conn.ttl(KEYS.deleted("gone-job")) <= 7 * 24 * 3600
     # the other job's keys are untouched
     after = everything(conn)
     assert {k: v for k, v in before.items() if "kept-job" in k} == {
@@ -102,7 +115,6 @@ def test_delete_removes_every_trace_of_the_job_and_nothing_else(redis_url, tmp_p
     assert sorted(p.name for p in out.iterdir()) == [
         "batchgen-job.json", "manifest.json", "result.parquet"
     ]  # fmt: skip
-    assert cli("status", "gone-job", "--redis", redis_url).exit_code == 1
     # --outputs takes the files and the empty directory; a stranger's file is kept
     (keep / "notes.txt").write_text("mine")
     result = cli("delete", "kept-job", "--outputs", "--redis", redis_url)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import click
 
 from batchgen.cli._common import connect, handles_errors, redis_option
@@ -41,6 +43,8 @@ def delete(job_id: str, outputs: bool, force: bool, redis_url: str | None) -> No
         files = f", {report.files} output files" if outputs else ""
         said.append(f"deleted job {job_id}: {report.keys} keys, {report.entries} queued "
                     f"entries{files}")  # fmt: skip
+        if report.kept_output:
+            said.append(kept_output(report.kept_output))
     except JobNotFound:
         if not batch:
             raise
@@ -48,3 +52,12 @@ def delete(job_id: str, outputs: bool, force: bool, redis_url: str | None) -> No
         removed = remove_batch(conn, keys, job_id, str(embedded.home() / "files"))
         said.append(f"deleted batch {job_id} and its {removed} output files")
     click.echo("; ".join(said))
+
+
+def kept_output(uri: str) -> str:
+    """What delete without --outputs left, and how to remove it."""
+    from batchgen.jobs.storage.output_store import OutputDir
+
+    if OutputDir.open(uri).local:
+        return f"its output folder {uri} is kept (`rm -r {shlex.quote(uri)}` removes it)"
+    return f"its output {uri} is kept"

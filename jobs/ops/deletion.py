@@ -17,6 +17,7 @@ finished by running it again (the index entry, which finds the job, goes last).
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.jobs.storage.ownership import MARKER
 
 SCAN_BATCH = 2000
+TOMBSTONE_S = 7 * 24 * 3600  # how long status says a deleted job was deleted
 
 
 @dataclass(slots=True)
@@ -48,6 +50,7 @@ class Deleted:
     keys: int = 0  # Redis keys removed
     entries: int = 0  # requests removed from its backlog and the model's stream
     files: int = 0  # output files removed
+    kept_output: str = ""  # the job's output directory, left in place (no ``outputs``)
 
 
 def delete(
@@ -70,6 +73,8 @@ def delete(
         with Lease(conn, jk.finalizer, 60, f"batchgen delete {job_id}"):
             if outputs and record is not None:
                 report.files = _delete_outputs(record)
+            elif record is not None:
+                report.kept_output = record.output
             report.entries += delete_entries(conn, qk, job_id)
             _forget_task(conn, finalize_queue(conn, keys, qk.tag), keys.finalize_task_id(job_id))
             pipe = conn.pipeline(transaction=True)
@@ -85,6 +90,9 @@ def delete(
         ) from None
     if record is not None:
         tenants.release(conn, keys, record.tenant, job_id)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    kept = f"; its output {report.kept_output} was kept" if report.kept_output else ""
+    conn.set(keys.deleted(job_id), f"`batchgen delete` at {when}{kept}", ex=TOMBSTONE_S)
     conn.hdel(keys.jobs, job_id)  # last: it is how a re-run finds what is left
     return report
 

@@ -126,6 +126,8 @@ class JobRecord:
 
 def queue_of_job(conn: redis.Redis, keys: Keys, job_id: str) -> QueueKeys:
     tag = conn.hget(keys.jobs, job_id)
+    if not tag and (tombstone := conn.get(keys.deleted(job_id))):
+        raise JobNotFound(f"job {job_id!r} was deleted ({text(tombstone)})")
     if not tag:
         raise JobNotFound(
             f"no job {job_id!r} in this Redis (see `batchgen jobs`; if it existed, "

@@ -225,6 +225,10 @@ class Keys:
     def queues(self) -> str:
         return f"{self.prefix}:queues"
 
+    def deleted(self, job_id: str) -> str:
+        """A deleted job's tombstone (deletion.py): what status says of it for a while."""
+        return f"{self.prefix}:deleted:{job_id}"
+
     @property
     def workers(self) -> str:
         return f"{self.prefix}:workers"
