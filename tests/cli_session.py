@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -34,6 +35,29 @@ class Shell:
     def run(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "batchgen", *args], cwd=self.cwd,
                               env=self.env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+    def at_terminal(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """``run`` with stderr on a pseudo-terminal, as a person at a shell sees it (notes
+        meant for them are written only there); stdout captured as in ``run``."""
+        leader, follower = pty.openpty()
+        try:
+            done = subprocess.run([sys.executable, "-m", "batchgen", *args], cwd=self.cwd,
+                                  env=self.env, stdout=subprocess.PIPE, stderr=follower,
+                                  text=True, timeout=timeout)  # fmt: skip
+            os.close(follower)
+            said = b""
+            while True:
+                try:
+                    chunk = os.read(leader, 4096)
+                except OSError:  # EIO: the terminal's other end is closed and drained
+                    break
+                if not chunk:
+                    break
+                said += chunk
+        finally:
+            os.close(leader)
+        done.stderr = said.decode().replace("\r\n", "\n")
+        return done
 
     def ok(self, *args: str) -> str:
         out = self.run(*args)

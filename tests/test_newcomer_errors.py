@@ -22,7 +22,7 @@ from batchgen.jobs.intake.duplicate_ids import MEMORY_BYTES, IdLog, find_duplica
 from batchgen.jobs.redis import embedded
 from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.jobs.schema.entry import QueuedRequest
-from tests.cli_session import Shell, shells, write_jsonl
+from tests.cli_session import Shell, shells, wait_for, write_jsonl
 
 
 @pytest.fixture
@@ -254,3 +254,20 @@ def test_repeated_ids_are_found_the_same_in_buckets_as_in_memory(tmp_path):
         assert peak <= memory_bytes, (memory_bytes, peak)
     assert {(f.count, f.first) for f in found} == {(expected, expected_first)}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ids-0", "ids-1", "ids-2"]
+
+
+def test_a_submit_no_worker_serves_says_how_to_start_one(shared):
+    """At a terminal, a job no worker serves gets a note naming the command that starts
+    one; with a live worker for the model, only the job id."""
+    out = shared.at_terminal("submit", "p.jsonl", "--model", "tiny", "--job-id", "alone",
+                             "--output", str(shared.cwd / "alone"))  # fmt: skip
+    assert (out.returncode, out.stdout) == (0, "alone\n")
+    assert out.stderr == (
+        "batchgen: note: no worker serves tiny yet, so the job waits; start one with "
+        "`batchgen worker --model tiny`\n"
+    )
+    shared.start("worker", "--model", "tiny", "--device", "cpu")
+    wait_for(lambda: shared.status("alone")["state"] == "completed", "the worker to run it")
+    out = shared.at_terminal("submit", "p.jsonl", "--model", "tiny", "--job-id", "served",
+                             "--output", str(shared.cwd / "served"))  # fmt: skip
+    assert (out.returncode, out.stdout, out.stderr) == (0, "served\n", "")

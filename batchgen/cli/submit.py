@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -162,3 +164,21 @@ def submit(
         }))  # fmt: skip
     else:
         click.echo(result.job_id)
+    if not warning and sys.stderr.isatty():  # a note for the person at the terminal
+        note = no_worker_note(conn, keys, model)
+        if note:
+            click.echo(f"batchgen: note: {note}", err=True)
+
+
+def no_worker_note(conn: Any, keys: Any, model: str) -> str:
+    """What a new job waits for when no live worker serves its model (and no worker
+    supervisor is starting one), with the command that starts one; "" otherwise."""
+    from batchgen.jobs.redis.heartbeat import live_workers, starting_queues
+    from batchgen.jobs.redis.keys import queue_name
+
+    if live_workers(conn, keys, keys.queue_for_model(model).tag):
+        return ""
+    if queue_name(model) in starting_queues(conn, keys):
+        return ""
+    return (f"no worker serves {model} yet, so the job waits; start one with "
+            f"`batchgen worker --model {shlex.quote(model)}`")  # fmt: skip
