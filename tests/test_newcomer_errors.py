@@ -20,6 +20,8 @@ import redis
 
 from batchgen.jobs.intake.duplicate_ids import MEMORY_BYTES, IdLog, find_duplicates
 from batchgen.jobs.redis import embedded
+from batchgen.jobs.redis.heartbeat import live_workers
+from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.jobs.schema.entry import QueuedRequest
 from tests.cli_session import Shell, shells, wait_for, write_jsonl
@@ -258,16 +260,22 @@ def test_repeated_ids_are_found_the_same_in_buckets_as_in_memory(tmp_path):
 
 def test_a_submit_no_worker_serves_says_how_to_start_one(shared):
     """At a terminal, a job no worker serves gets a note naming the command that starts
-    one; with a live worker for the model, only the job id."""
-    out = shared.at_terminal("submit", "p.jsonl", "--model", "tiny", "--job-id", "alone",
+    one; with a live worker for the model, only the job id. A local model folder is
+    named by its absolute path however it was typed: in the note, the job, the worker."""
+    tiny = str(shared.cwd / "tiny")
+    out = shared.at_terminal("submit", "p.jsonl", "--model", "./tiny", "--job-id", "alone",
                              "--output", str(shared.cwd / "alone"))  # fmt: skip
     assert (out.returncode, out.stdout) == (0, "alone\n")
     assert out.stderr == (
-        "batchgen: note: no worker serves tiny yet, so the job waits; start one with "
-        "`batchgen worker --model tiny`\n"
+        f"batchgen: note: no worker serves {tiny} yet, so the job waits; start one with "
+        f"`batchgen worker --model {tiny}`\n"
     )
-    shared.start("worker", "--model", "tiny", "--device", "cpu")
+    assert shared.status("alone")["model"] == tiny
+    assert shared.ok("jobs").endswith(f"  {tiny}\n")
+    shared.start("worker", "--model", "tiny", "--device", "cpu")  # another spelling, same queue
     wait_for(lambda: shared.status("alone")["state"] == "completed", "the worker to run it")
+    conn = redis.Redis.from_url(shared.env["BATCHGEN_REDIS_URL"])
+    assert [w["model"] for w in live_workers(conn, Keys())] == [tiny]
     out = shared.at_terminal("submit", "p.jsonl", "--model", "tiny", "--job-id", "served",
                              "--output", str(shared.cwd / "served"))  # fmt: skip
     assert (out.returncode, out.stdout, out.stderr) == (0, "served\n", "")

@@ -174,11 +174,12 @@ def no_worker_note(conn: Any, keys: Any, model: str) -> str:
     """What a new job waits for when no live worker serves its model (and no worker
     supervisor is starting one), with the command that starts one; "" otherwise."""
     from batchgen.jobs.redis.heartbeat import live_workers, starting_queues
-    from batchgen.jobs.redis.keys import queue_name
+    from batchgen.jobs.redis.keys import model_name, queue_name
 
     if live_workers(conn, keys, keys.queue_for_model(model).tag):
         return ""
     if queue_name(model) in starting_queues(conn, keys):
         return ""
+    model = model_name(model)
     return (f"no worker serves {model} yet, so the job waits; start one with "
             f"`batchgen worker --model {shlex.quote(model)}`")  # fmt: skip

@@ -54,7 +54,7 @@ from batchgen.jobs.ops.lifecycle import CREATE, JobState
 from batchgen.jobs.ops.modelinfo import chat_template, fingerprint, vocab_size
 from batchgen.jobs.ops.schedule import Schedule
 from batchgen.jobs.redis.connection import describe_connection_error
-from batchgen.jobs.redis.keys import Keys, QueueKeys, queue_name, queue_tag, text
+from batchgen.jobs.redis.keys import Keys, QueueKeys, model_name, queue_name, queue_tag, text
 from batchgen.jobs.redis.sentinel import replicated
 from batchgen.jobs.redis.stream import ensure_group
 from batchgen.jobs.schema import reasoning
@@ -134,7 +134,7 @@ def submit(
         qk = keys.queue(queue_tag(name))
         record = JobRecord(
             id=job_id,
-            model=model,
+            model=model_name(model),
             api_tenant=api_tenant,
             queue=name,
             tag=qk.tag,

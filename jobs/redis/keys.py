@@ -90,8 +90,9 @@ def prefix_from_env() -> str:
     return PREFIX.get() or ""
 
 
-def queue_name(model: str) -> str:
-    """The queue a model's requests go to: local paths made absolute, ids as given.
+def model_name(model: str) -> str:
+    """A model as jobs and workers record and show it: local paths made absolute, ids
+    as given.
 
     Symlinks are not resolved: a worker and a submitter that spell a path the
     same way meet on the same queue even where the path exists on one only.
@@ -100,6 +101,11 @@ def queue_name(model: str) -> str:
     if looks_local:
         return os.path.abspath(os.path.expanduser(model)).rstrip("/") or "/"
     return model
+
+
+def queue_name(model: str) -> str:
+    """The queue a model's requests go to: named by the model's name (model_name)."""
+    return model_name(model)
 
 
 def run_queue_name(model: str, job_id: str) -> str:

@@ -8,7 +8,7 @@ import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from batchgen.jobs.redis.keys import queue_name
+from batchgen.jobs.redis.keys import model_name, queue_name
 from batchgen.worker.engine_config import EngineConfig
 
 # The exit status of an engine process whose engine raised in a step (sysexits
@@ -49,6 +49,9 @@ class LoopConfig:
     supervised: bool = False  # SIGINT goes to the supervisor, which forwards SIGTERM
     engine: EngineConfig = field(default_factory=EngineConfig)
     queue: str = ""  # the queue's name when it is not the model's (batchgen run's own)
+
+    def __post_init__(self) -> None:
+        self.model = model_name(self.model)  # as heartbeats, metrics and logs show it
 
     @property
     def queue_name(self) -> str:
