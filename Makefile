@@ -4,6 +4,8 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
+# batchgen and what it runs on (all `make demo` needs); then the test tools (dev extra)
+RUNTIME_STAMP := $(VENV)/.runtime-stamp
 STAMP := $(VENV)/.installed-stamp
 
 .PHONY: setup demo test lint typecheck pytest test-oldest bench clean
@@ -12,7 +14,7 @@ setup: $(STAMP)
 
 # The installs are what a fresh clone waits for (measured in docs/install.md): say so
 # up front, and let pip show what it downloads rather than sit silent for minutes.
-$(STAMP): pyproject.toml
+$(RUNTIME_STAMP): pyproject.toml
 	@echo "make: installing torch and batchgen's packages into $(VENV): the one slow step,"
 	@echo "make: several minutes on a fresh clone, skipped once done (pip shows its progress)"
 	@echo "make: [1/4] a virtualenv in $(VENV)"
@@ -22,10 +24,15 @@ $(STAMP): pyproject.toml
 	@echo "make: [3/4] torch ($(TORCH)), the largest download"
 	$(BIN)/python -m pip install --progress-bar on $(TORCH)
 	@echo "make: [4/4] batchgen and its packages"
+	$(BIN)/python -m pip install --progress-bar on -e .
+	touch $(RUNTIME_STAMP)
+
+$(STAMP): $(RUNTIME_STAMP)
+	@echo "make: the test and lint tools (batchgen's dev extra) into $(VENV)"
 	$(BIN)/python -m pip install --progress-bar on -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(RUNTIME_STAMP)
 	$(BIN)/python scripts/demo.py
 
 lint: $(STAMP)

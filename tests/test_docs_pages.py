@@ -340,6 +340,12 @@ def test_a_fresh_setup_says_where_the_user_waits_and_pip_is_never_silent(tmp_pat
     assert len(pips) == 3 and not any(" -q" in line for line in pips)
     assert dry.index(next(line for line in dry if "[3/4]" in line)) < dry.index(pips[1])
     assert dry[-1] == ".venv/bin/python scripts/demo.py"
+    # the demo installs batchgen alone; the test tools (the dev extra) wait for make test
+    assert pips[2] == ".venv/bin/python -m pip install --progress-bar on -e ."
+    tests = subprocess.run(["make", "-n", "pytest"], cwd=tmp_path, capture_output=True,
+                           text=True, env=shell_env(tmp_path / "home"), check=True).stdout  # fmt: skip
+    assert tests.count(" -m pip install ") == 4
+    assert ".venv/bin/python -m pip install --progress-bar on -e '.[dev]'\n" in tests
 
 
 def test_the_compose_block_matches_the_compose_file(tmp_path: Path):

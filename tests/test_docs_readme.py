@@ -44,10 +44,12 @@ def clone_for_make(tmp_path: Path, toy: Path) -> Path:
     os.utime(clone / "pyproject.toml", (0, 0))
     venv = clone / ".venv"
     venv.mkdir()
+    stamps = (".runtime-stamp", ".installed-stamp")
     for entry in Path(sys.prefix).iterdir():
-        if entry.name != ".installed-stamp":
+        if entry.name not in stamps:
             (venv / entry.name).symlink_to(entry)
-    (venv / ".installed-stamp").touch()
+    for stamp in stamps:
+        (venv / stamp).touch()
     (clone / "demo").mkdir()
     (clone / "demo" / "tiny").symlink_to(toy)
     return clone
