@@ -190,3 +190,17 @@ def test_every_page_a_tracked_file_names_exists():
             if not (REPO / page).exists():
                 missing.append(f"{name}: {page}")
     assert missing == []
+
+
+def test_the_readme_states_the_sampling_defaults_beside_the_first_job():
+    """Where the first job is shown, the README says what a line without max_tokens or
+    temperature gets: the values jobs/schema/sampling.py defines."""
+    from batchgen.jobs.schema.sampling import DEFAULTS
+
+    readme = (REPO / "README.md").read_text()
+    first_job = readme.index("<!-- block: first-job -->")
+    said = readme.index("A line without `max_tokens` gets", first_job)
+    assert said < readme.index("<!-- block: workers -->")
+    stated = " ".join(readme[said : readme.index("\n\n", said)].split())
+    assert f"A line without `max_tokens` gets {DEFAULTS['max_tokens']} tokens" in stated
+    assert DEFAULTS["temperature"] == 0 and "greedy (`temperature` 0)" in stated
