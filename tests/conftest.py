@@ -27,6 +27,10 @@ import torch
 
 from batchgen.jobs.redis.redis_server import RedisServer
 
+# Every redis-server a test starts dies with the pytest process that started it,
+# however that ends (Ctrl-C, SIGTERM, SIGKILL): none is left running after `make test`.
+RedisServer.dies_with_parent = True
+
 # Without CUDA the Triton kernels run on the CPU through the interpreter;
 # triton.jit reads this when a kernel is defined, so it must precede every
 # import of batchgen.kernels.triton.

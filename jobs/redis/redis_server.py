@@ -8,13 +8,17 @@ one.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import redis
 
@@ -49,7 +53,14 @@ class RedisServer:
 
     ``kill()`` is a SIGKILL (no shutdown save); ``start()`` again replays the
     AOF from the same dir, which is how the tests prove durability.
+
+    ``dies_with_parent`` (the tests set it for every server they start): the server
+    is SIGKILLed by the kernel when the process that started it dies, however it dies
+    (Ctrl-C, SIGTERM, SIGKILL of pytest), so no test server outlives its run. The
+    embedded Redis leaves it off: it outlives the command that started it.
     """
+
+    dies_with_parent: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -97,8 +108,15 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()) if self._tied() else None,
         )
         self.wait_ready(timeout)
+
+    def _tied(self) -> bool:
+        """Whether this start ties the server's life to ours: the kernel's parent-death
+        signal follows the starting thread, so only a start on the main thread is tied
+        (one a helper thread makes, a test's delayed restart, is stopped by its test)."""
+        return self.dies_with_parent and threading.current_thread() is threading.main_thread()
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -139,3 +157,19 @@ class RedisServer:
             os.kill(self.process.pid, sig)
         self.process.wait(timeout=30)
         self.process = None
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int):
+    """A preexec_fn (Linux): the child gets SIGKILL when its parent thread dies, and
+    exits at once if the parent is already gone (it died before the prctl)."""
+
+    def arm() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
