@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -162,7 +163,7 @@ class RedisServer:
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent: int):
+def _die_with_parent(parent: int) -> Callable[[], None]:
     """A preexec_fn (Linux): the child gets SIGKILL when its parent thread dies, and
     exits at once if the parent is already gone (it died before the prctl)."""
 
