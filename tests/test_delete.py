@@ -132,9 +132,9 @@ def test_a_running_job_is_refused_unless_forced_then_its_entries_go(redis_url, t
     src.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(10)))
     submit(conn, KEYS, source_path=str(src), model="m", output=str(tmp_path / "o"),
            defaults=dict(DEFAULTS), job_id="live")  # fmt: skip
-    held = read_new(conn, QK, "w", 3, None)  # a worker holds 3, 7 are queued
+    held = read_new(conn, QK, "w", 3, None)  # a worker holds 3 (so it runs), 7 are queued
     result = cli("delete", "live", "--redis", redis_url)
-    assert result.exit_code == 1 and "job 'live' is queued; cancel it first" in result.output
+    assert result.exit_code == 1 and "job 'live' is running; cancel it first" in result.output
     assert conn.xlen(QK.stream) + len(backlog.queued(conn, QK, "live")) == 10
     result = cli("delete", "live", "--force", "--outputs", "--redis", redis_url)
     assert result.exit_code == 0, result.output
