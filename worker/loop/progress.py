@@ -53,6 +53,10 @@ class Progress:
         if tokens > 0:
             self._job(job_id).tokens += tokens
 
+    def forget(self, job_id: str) -> None:
+        """The job's rows are all in (its record counts them): nothing of it to report."""
+        self.jobs.pop(job_id, None)
+
     def made_row(self, job_id: str) -> None:
         self._job(job_id).rows += 1
 

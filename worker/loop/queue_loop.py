@@ -230,6 +230,8 @@ class QueueLoop:
         if result is None:
             return True
         self._count("commits")
+        for job_id in result.finished:  # all its rows are in: the heartbeat names it no more
+            self.requests.progress.forget(job_id)
         # the committed rows leave the heartbeat's pending tokens now, not a beat later
         # (status adds those to the job's committed counts: it would count them twice)
         self.keeper.beat_now(self.upkeep.payload(self.activity()))
