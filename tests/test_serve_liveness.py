@@ -269,7 +269,7 @@ def test_files_and_batches_expire_and_delete_removes_a_batch_whole(fleet, tmp_pa
         result = CliRunner().invoke(main, ["delete", other.id, "--redis", fleet.redis_url])
         assert result.exit_code == 0, result.output
         assert result.output.endswith(f"; deleted batch {other.id} and its 1 output files\n")
-        assert mentions(conn, other.id) == []
+        assert mentions(conn, other.id) == [Keys("bg").deleted(other.id)]  # its tombstone alone
         assert not (files / other.output_file_id).exists()
         with pytest.raises(openai.NotFoundError):
             c.files.retrieve(other.output_file_id)
