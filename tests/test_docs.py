@@ -204,3 +204,100 @@ def test_the_readme_states_the_sampling_defaults_beside_the_first_job():
     stated = " ".join(readme[said : readme.index("\n\n", said)].split())
     assert f"A line without `max_tokens` gets {DEFAULTS['max_tokens']} tokens" in stated
     assert DEFAULTS["temperature"] == 0 and "greedy (`temperature` 0)" in stated
+
+
+def section(page: str, heading: str) -> str:
+    """The text under ``## heading`` of docs/PAGE, up to the next ``##``, on one line."""
+    text = (DOCS / page).read_text().split(f"\n## {heading}\n", 1)[1]
+    return " ".join(text.split("\n## ", 1)[0].split())
+
+
+def test_the_sizing_page_states_the_requests_a_worker_holds(toy_model):
+    """A real engine's free room with nothing in it is what the page says a worker holds."""
+    from batchgen.cli import main
+    from batchgen.worker.engine.engine import Engine
+    from batchgen.worker.engine_config import EngineConfig
+
+    text = section("sizing.md", "Requests a worker holds")
+    assert "up to `--max-num-seqs` + max(2, `--max-num-seqs` // 4) requests" in text
+    assert "With the default 256 that is 256 + 64 = 320; two workers hold 640" in text
+    worker = main.get_command(click.Context(main), "worker")
+    assert worker is not None
+    (max_num_seqs,) = [p for p in worker.params if p.name == "max_num_seqs"]
+    assert max_num_seqs.default == 256
+    assert "max(2, N // 4) more queued" in (max_num_seqs.help or "")
+    for n, held in ((256, 320), (4, 6)):  # 4: the queue is at least 2
+        engine = Engine.from_config(toy_model(), EngineConfig(device="cpu", max_num_seqs=n))
+        assert engine.free_capacity() == held
+
+
+def test_the_sizing_page_states_how_the_kv_cache_is_sized(toy_model):
+    from batchgen.cli import main
+    from batchgen.worker.engine import kv_cache
+    from batchgen.worker.engine.engine import Engine
+    from batchgen.worker.engine_config import EngineConfig
+
+    text = section("sizing.md", "The KV cache")
+    config = EngineConfig()
+    assert config.block_size == 16 and "blocks of 16 tokens" in text
+    assert kv_cache.DEFAULT_CPU_KV_BYTES == 1 << 30 and "the pool is 1 GiB" in text
+    assert config.gpu_memory_utilization == 0.9 and "0.9 of the GPU's memory" in text
+    assert kv_cache.STEP_MARGIN_BYTES == 2 << 30 and "a 2 GiB margin" in text
+    # the tiny toy's count is what a real engine on the default budget allocates
+    engine = Engine.from_config(toy_model("qwen3"), EngineConfig(device="cpu"))
+    assert engine.block_manager.num_blocks == 16384
+    assert "64 KiB blocks make 16,384 blocks (262,144 tokens)" in text
+    worker = main.get_command(click.Context(main), "worker")
+    assert worker is not None
+    (blocks,) = [p for p in worker.params if p.name == "num_kv_blocks"]
+    said = " ".join((blocks.help or "").split())
+    assert "blocks of 16 tokens" in said and "fit 1 GiB on CPU" in said
+    assert "0.9 of the GPU's memory" in said and "a 2 GiB margin" in said
+
+
+def test_the_sizing_page_states_how_threads_are_shared(monkeypatch):
+    from batchgen.worker.cpu_threads import usable_cpus
+    from batchgen.worker.loop.supervisor import plan_children
+
+    text = section("sizing.md", "Workers and threads on a CPU")
+    assert "`--workers` engine processes (default 1)" in text
+    assert "`--threads N`: N each" in text
+    assert "else `OMP_NUM_THREADS` from your environment, as you set it" in text
+    assert "else the usable CPUs ÷ `--workers`, rounded down, at least 1" in text
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert len(plan_children(None, "cpu", None)) == 1
+    cpus = usable_cpus()
+    for workers in (1, 2, cpus + 1):
+        share = str(max(1, cpus // workers))
+        plan = plan_children(None, "cpu", workers)
+        assert [c["env"]["OMP_NUM_THREADS"] for c in plan] == [share] * workers
+    assert plan_children(None, "cpu", 2, 3)[1]["env"]["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the children inherit it
+    assert "OMP_NUM_THREADS" not in plan_children(None, "cpu", 2)[0]["env"]
+
+
+def test_the_gpu_section_names_the_cuda_of_the_makefiles_torch():
+    makefile = (REPO / "Makefile").read_text()
+    found = re.search(r'TORCH="torch==([\d.]+) --index-url \S+/whl/cu(\d+)(\d)"', makefile)
+    assert found is not None
+    version, major, minor = found.groups()
+    text = section("install.md", "On a GPU machine")
+    index = f"https://download.pytorch.org/whl/cu{major}{minor}"
+    assert f'TORCH="torch=={version} --index-url {index}"' in text
+    assert f"torch's `cu{major}{minor}` wheels are built with CUDA {major}.{minor}" in text
+    assert f"the driver NVIDIA's CUDA Toolkit Release Notes list for CUDA {major}.{minor}" in text
+    assert f"any CUDA {major}.x application" in text
+    assert f"prints `{major}.{minor} True`" in text
+
+
+def test_every_command_in_the_commands_table_is_one_short_sentence_with_a_link():
+    text = (DOCS / "commands.md").read_text()
+    table = text.split("| command | what it does |\n| --- | --- |\n", 1)[1].split("\n\n", 1)[0]
+    cells = [row.strip("|").split(" | ")[1].strip() for row in table.splitlines()]
+    assert len(cells) == 13
+    heads = anchors(DOCS / "commands.md")
+    for cell in cells:
+        assert len(cell) <= 160 and cell.endswith(".") and ". " not in cell, cell
+        links = re.findall(r"\]\(([^)]+)\)", cell)
+        inside = [link[1:] for link in links if link.startswith("#")]
+        assert links and all(anchor in heads for anchor in inside), cell

@@ -31,11 +31,14 @@ from batchgen.cli._common import (
     type=int,
     default=256,
     show_default=True,
-    help="Max requests in flight per engine.",
+    help="Requests one engine runs at once; it holds max(2, N // 4) more queued behind them.",
 )
 @click.option(
-    "--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)."
-)
+    "--num-kv-blocks", type=int, default=None,
+    help="KV cache blocks of 16 tokens. Default: as many as fit 1 GiB on CPU (its pages used "
+    "only as blocks fill); on CUDA 0.9 of the GPU's memory less what is in use and a 2 GiB "
+    "margin (docs/sizing.md).",
+)  # fmt: skip
 @click.option("--max-model-len", type=int, default=None, help="Cap the context length.")
 @model_impl_option
 @threads_option
