@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
 
-from batchgen.jobs.redis.keys import GROUP, QueueKeys
+from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys
 from benchmarks.soak_chaos import JOBS, CancelRecord
 
 if TYPE_CHECKING:
@@ -72,8 +72,12 @@ def check_world(
         done = subprocess.run([*cli, "delete", job], env=env, capture_output=True, text=True)
         if done.returncode != 0:
             problems.append(f"delete {job}: {done.stderr.strip()}")
+    # each job's tombstone stays (status says it was deleted); nothing else may name it
+    tombstones = {Keys(qk.prefix).deleted(j) for j in JOBS}
     left = [
-        key for key, dump in dump_redis(conn).items() if any(j in key or j in dump for j in JOBS)
+        key
+        for key, dump in dump_redis(conn).items()
+        if key not in tombstones and any(j in key or j in dump for j in JOBS)
     ]
     result.keys_left = len(left)
     if left:

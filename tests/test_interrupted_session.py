@@ -41,7 +41,9 @@ def running(pid: int) -> bool:
 def test_a_stopped_test_session_takes_its_redis_servers_with_it(tmp_path: Path, sig) -> None:
     (tmp_path / "test_holder.py").write_text(HOLDER)
     pids_file = tmp_path / "pids"
-    env = {**os.environ, "SERVER_PIDS": str(pids_file),
+    # not an xdist worker of this run: its session fixtures are its own, not the run's shared ones
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env = {**outer, "SERVER_PIDS": str(pids_file),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     child = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",

@@ -559,7 +559,7 @@ def test_each_retry_counts_its_attempt_on_the_rows_it_ran(
             assert (status["done"], status["failed"]) == (2, 3)
             shell.ok("download", "a", "-o", "a.parquet", "--force")
             got = cli_rows(tmp_path / "a.parquet")
-            assert got["id"] == ["ok0", "long1", None, "ok3", "long4"]
+            assert got["id"] == ["ok0", "long1", "bad2", "ok3", "long4"]  # skip-invalid keeps ids
             assert got["finish_reason"] == ["length", "error", "error", "length", "error"]
             assert got["error"][1].endswith(f"the model's context is {SMALL_CONTEXT} tokens")
             assert got["attempts"] == want
