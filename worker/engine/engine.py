@@ -14,7 +14,7 @@ import functools
 import itertools
 import os
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 from batchgen.worker.engine.admission import Capacity, check_fits
 from batchgen.worker.engine.block_manager import BlockManager
@@ -24,6 +24,7 @@ from batchgen.worker.engine.kv_window import SlidingRelease
 from batchgen.worker.engine.loading import EngineLimits, build_engine
 from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.outputs import EngineStats, build_output
+from batchgen.worker.engine.prompt_text import PromptText
 from batchgen.worker.engine.request import (
     EmbedTask,
     EngineFinishReason,
@@ -53,6 +54,7 @@ class Engine:
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
+        self.text = PromptText(tokenizer)
         self.limits = limits
         self.max_model_len = limits.max_model_len
         self.eos_token_ids = eos_token_ids
@@ -113,30 +115,15 @@ class Engine:
 
     # -- requests in ----------------------------------------------------------
     def encode(
-        self,
-        prompt: str | Sequence[dict[str, Any]],
-        template_kwargs: dict[str, Any] | None = None,
+        self, prompt: str | Sequence[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
     ) -> list[int]:
-        """A string -> token ids; chat messages -> chat template with the generation prompt,
-        ``template_kwargs`` its variables (``enable_thinking``, ...). ValueError for
-        variables given to a checkpoint without a chat template."""
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        if template_kwargs and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("chat_template_kwargs given, but the model has no chat template")
-        ids = self.tokenizer.apply_chat_template(
-            list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False,
-            **(template_kwargs or {}),
-        )  # fmt: skip
-        return list(ids)
+        return self.text.encode(prompt, template_kwargs)  # see PromptText.encode
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        """Generated tokens' text as an output's ``text`` holds it (special tokens skipped)."""
-        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+        return self.text.decode(token_ids)  # see PromptText.decode
 
     def token_text(self, token_id: int) -> str:
-        """One token's text alone, as logprobs show it."""
-        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+        return self.text.token_text(token_id)  # see PromptText.token_text
 
     def add_request(
         self,
@@ -151,12 +138,7 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self._requests:
             raise RequestRejected(request_id, "a request with this id is already in the engine")
-        if isinstance(prompt, str):
-            prompt_ids = self.encode(prompt)
-        elif prompt and isinstance(prompt[0], dict):
-            prompt_ids = self.encode(cast(Sequence[dict[str, Any]], prompt))
-        else:
-            prompt_ids = [int(t) for t in cast(Sequence[int], prompt)]
+        prompt_ids = self.text.prompt_ids(prompt)
         resumed = [int(t) for t in resume_token_ids or ()]
         check_fits(self._capacity, request_id, prompt_ids, resumed, params)
         samples = []
