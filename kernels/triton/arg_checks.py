@@ -30,10 +30,11 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Whether kernels must upcast tl.dot operands to fp32.
 
     The Triton 3.x interpreter's tl.dot multiplies bfloat16 operands as their
-    raw uint16 bits (it stores bf16 as np.uint16), so under TRITON_INTERPRET
-    bf16 dots are done in fp32. Compiled kernels keep bf16 tensor-core dots.
+    raw uint16 bits (it stores bf16 as np.uint16), and float8 ones as uint8,
+    so under TRITON_INTERPRET bf16 and fp8 dots are done in fp32. Compiled
+    kernels keep bf16 and fp8 tensor-core dots.
     """
-    return INTERPRETED and dtype == torch.bfloat16
+    return INTERPRETED and dtype in (torch.bfloat16, torch.float8_e4m3fn)
 
 
 def check_device(**tensors: torch.Tensor) -> torch.device:
