@@ -43,6 +43,30 @@ class ExpertWeights:
         return self.w13.shape[0]
 
 
+@dataclass(slots=True)
+class Mxfp4ExpertWeights:
+    """gpt-oss's routed experts as its checkpoint stores them: MXFP4, e2m1 pairs with e8m0 scales.
+
+    Each projection is output-major, ``*_blocks`` uint8 (E, N, K/32, 16) two
+    e2m1 values a byte (low nibble first) and ``*_scales`` uint8 (E, N, K/32),
+    one power of two 2^(s-127) per 32 inputs (``quant_reference.dequantize_mxfp4``).
+    gate_up's rows, and its bias, interleave gate and up (row 2i gate i, row
+    2i+1 up i), as gpt-oss's ``gate_up_proj`` does.
+    """
+
+    gate_up_blocks: torch.Tensor  # (num_experts, 2 * inter, hidden / 32, 16) uint8
+    gate_up_scales: torch.Tensor  # (num_experts, 2 * inter, hidden / 32) uint8
+    down_blocks: torch.Tensor  # (num_experts, hidden, inter / 32, 16) uint8
+    down_scales: torch.Tensor  # (num_experts, hidden, inter / 32) uint8
+    gate_up_bias: torch.Tensor | None = None  # (num_experts, 2 * inter), interleaved
+    down_bias: torch.Tensor | None = None  # (num_experts, hidden)
+    activation: ClampedSwiGLU | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_blocks.shape[0]
+
+
 def activate(h: torch.Tensor, activation: ClampedSwiGLU | None) -> torch.Tensor:
     """(rows, 2 * inter) gate/up -> (rows, inter), in torch."""
     if activation is None:

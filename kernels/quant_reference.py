@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from batchgen.kernels.experts import ExpertWeights, Mxfp4ExpertWeights
+
 FP8_MAX = 448.0  # largest float8_e4m3fn
 FP8_EPS = 1e-10  # a group of zeros still gets a non-zero scale
 # Bit slot (of eight) of each column of an AWQ word: its order 0,2,4,6,1,3,5,7 inverted
@@ -169,3 +171,17 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     values = torch.stack((lut[b & 0xF], lut[b >> 4]), dim=-1)  # low nibble first
     values = values.flatten(-2) * torch.exp2(scales.float() - 127)[..., None]
     return values.flatten(-2)
+
+
+def dequantize_mxfp4_experts(experts: Mxfp4ExpertWeights) -> ExpertWeights:
+    """gpt-oss's MXFP4 experts -> fp32 ``ExpertWeights`` (input-major, gate columns then up)."""
+    gate_up = dequantize_mxfp4(experts.gate_up_blocks, experts.gate_up_scales)  # (E, 2I, H)
+    gate_first = torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1)
+    bias = experts.gate_up_bias
+    return ExpertWeights(
+        w13=gate_first.transpose(1, 2).contiguous(),
+        w2=dequantize_mxfp4(experts.down_blocks, experts.down_scales).transpose(1, 2).contiguous(),
+        b13=torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1).float() if bias is not None else None,
+        b2=experts.down_bias.float() if experts.down_bias is not None else None,
+        activation=experts.activation,
+    )

@@ -10,6 +10,11 @@ by that expert's weight tile. Blocks past the last expert's run return at once.
 
 fused_moe = gather x -> GEMM with w13 (+ b13) -> activation -> GEMM with w2
 (+ b2), each row weighted by its routing weight -> sum over each token's top_k.
+
+MXFP4 experts (gpt-oss's ``*_blocks``/``*_scales``, ``Mxfp4ExpertWeights``) run
+through the same kernel: each weight tile is read as its e2m1 bytes and e8m0
+scales and turned into x's dtype in registers (exact: an e2m1 value times a
+power of two fits bf16), gate_up's interleaved rows read in gate-then-up order.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.experts import ExpertWeights
+from batchgen.kernels.experts import ExpertWeights, Mxfp4ExpertWeights
 from batchgen.kernels.triton import activation, arg_checks
 
 
@@ -61,10 +66,24 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ex
 
 
 @triton.jit
+def _e2m1_times_e8m0(nibbles, scale_bits):
+    """MXFP4 values: e2m1 codes (0..15, sign bit 8) times 2^(scale_bits - 127), in fp32."""
+    exponent = (nibbles >> 1) & 3
+    mantissa = (nibbles & 1).to(tl.float32)
+    power = (1 << tl.maximum(exponent - 1, 0)).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * power)
+    value = tl.where(nibbles >= 8, -magnitude, magnitude)
+    scale = (scale_bits << 23).to(tl.float32, bitcast=True)  # e8m0 is an fp32 exponent
+    scale = tl.where(scale_bits == 0, 5.877471754111438e-39, scale)  # 2^-127, subnormal
+    return value * scale
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr,  # (num_a_rows, K); pair p reads row p // A_ROW_DIV
-    w_ptr,  # (num_experts, K, N)
-    bias_ptr,  # (num_experts, N) when HAS_BIAS
+    w_ptr,  # (num_experts, K, N); MXFP4: uint8 (num_experts, N', K / 2) e2m1 pairs
+    w_scales_ptr,  # MXFP4: uint8 (num_experts, N', K / 32) e8m0
+    bias_ptr,  # (num_experts, N') when HAS_BIAS
     out_ptr,  # (num_pairs, N)
     sorted_pairs_ptr,  # (num_blocks * BLOCK_M,)
     block_experts_ptr,  # (num_blocks,)
@@ -75,12 +94,16 @@ def _grouped_gemm_kernel(
     K,
     a_stride,
     w_stride_e,
-    w_stride_k,
+    w_stride_k,  # MXFP4: the stride of a weight row (N')
+    w_scales_stride_e,
+    w_scales_stride_n,
     bias_stride_e,
     out_stride,
     A_ROW_DIV: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    MXFP4: tl.constexpr,  # the weight as gpt-oss stores it, dequantized tile by tile
+    INTERLEAVED_N: tl.constexpr,  # output column n < N/2 is stored row 2n, else row 2(n - N/2) + 1
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -97,6 +120,10 @@ def _grouped_gemm_kernel(
     a_rows = pairs // A_ROW_DIV
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    if INTERLEAVED_N:
+        w_rows = tl.where(offs_n < N // 2, 2 * offs_n, 2 * (offs_n - N // 2) + 1)
+    else:
+        w_rows = offs_n
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * a_stride + offs_k[None, :]
     w_ptrs = w_ptr + expert * w_stride_e + offs_k[:, None] * w_stride_k + offs_n[None, :]
@@ -104,7 +131,21 @@ def _grouped_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        if MXFP4:
+            ks = k0 + offs_k
+            bytes_ptrs = w_ptr + expert * w_stride_e + w_rows[None, :] * w_stride_k
+            packed = tl.load(bytes_ptrs + (ks // 2)[:, None], mask=w_mask, other=0).to(tl.int32)
+            nibbles = (packed >> ((ks % 2) * 4)[:, None]) & 0xF  # low nibble: even k
+            scales_ptrs = (
+                w_scales_ptr + expert * w_scales_stride_e + w_rows[None, :] * w_scales_stride_n
+            )
+            scale_bits = tl.load(scales_ptrs + (ks // 32)[:, None], mask=w_mask, other=0).to(
+                tl.int32
+            )
+            w = _e2m1_times_e8m0(nibbles, scale_bits).to(a.dtype)
+        else:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if DOT_FP32:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
@@ -112,7 +153,7 @@ def _grouped_gemm_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * w_stride_k
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + expert * bias_stride_e + offs_n, mask=n_mask, other=0.0)
+        bias = tl.load(bias_ptr + expert * bias_stride_e + w_rows, mask=n_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc *= tl.load(weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
@@ -122,20 +163,31 @@ def _grouped_gemm_kernel(
 
 def fused_moe(
     x: torch.Tensor,
-    experts: ExpertWeights,
+    experts: ExpertWeights | Mxfp4ExpertWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """``moe_reference.fused_moe`` on the GPU: x (num_tokens, hidden) -> (num_tokens, hidden).
 
-    x and the expert weights share one float dtype (fp32 accumulation); the
+    x and float expert weights share one float dtype (fp32 accumulation); the
     weights must be contiguous in their last dimension; topk_ids int32/int64
     in [0, num_experts) (the routers' output; not checked on the device).
+    ``Mxfp4ExpertWeights`` (gpt-oss's checkpoint tensors) are dequantized to
+    x's dtype tile by tile inside the GEMMs, never whole.
     """
-    _check(x, experts, topk_weights, topk_ids)
+    mxfp4 = isinstance(experts, Mxfp4ExpertWeights)
+    if mxfp4:
+        _check_mxfp4(x, experts, topk_weights, topk_ids)
+        gate_up = _Weight(
+            experts.gate_up_blocks, experts.gate_up_scales, experts.gate_up_bias, True
+        )
+        down = _Weight(experts.down_blocks, experts.down_scales, experts.down_bias, False)
+    else:
+        _check(x, experts, topk_weights, topk_ids)
+        gate_up = _Weight(experts.w13, None, experts.b13, False)
+        down = _Weight(experts.w2, None, experts.b2, False)
     num_tokens, top_k = topk_ids.shape
-    num_experts, _, inter2 = experts.w13.shape
-    hidden = experts.w2.shape[2]
+    num_experts, inter2, hidden = experts.num_experts, gate_up.n, down.n
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros((num_tokens, hidden), dtype=x.dtype, device=x.device)
@@ -143,52 +195,82 @@ def fused_moe(
     block_m = 16 if num_pairs <= 32 * num_experts else 64
     order = sort_by_expert(topk_ids, num_experts, block_m)
     h = torch.empty((num_pairs, inter2), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, experts.w13, experts.b13, h, order, num_pairs, top_k, None)
+    _grouped_gemm(x, gate_up, h, order, num_pairs, top_k, None)
     if experts.activation is None:
         act = activation.silu_and_mul(h)
     else:
         act = activation.clamped_swiglu(h, experts.activation.alpha, experts.activation.limit)
     pair_out = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _grouped_gemm(act, experts.w2, experts.b2, pair_out, order, num_pairs, 1, weights)
+    _grouped_gemm(act, down, pair_out, order, num_pairs, 1, weights)
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class _Weight:
+    """One projection of every expert: a float (E, K, N) weight, or MXFP4 blocks (E, N, K/32, 16)."""
+
+    w: torch.Tensor
+    scales: torch.Tensor | None  # MXFP4's (E, N, K/32) e8m0; None: w is float
+    bias: torch.Tensor | None  # (E, N)
+    interleaved: bool  # MXFP4 gate_up: rows alternate gate and up
+
+    @property
+    def n(self) -> int:
+        return self.w.shape[1] if self.scales is not None else self.w.shape[2]
+
+    @property
+    def k(self) -> int:
+        return self.w.shape[2] * 32 if self.scales is not None else self.w.shape[1]
 
 
 def _grouped_gemm(
     a: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
+    weight: _Weight,
     out: torch.Tensor,
     order: ExpertOrder,
     num_pairs: int,
     a_row_div: int,
     weights: torch.Tensor | None,
 ) -> None:
-    num_experts, k, n = w.shape
+    w, scales, bias = weight.w, weight.scales, weight.bias
+    num_experts, n, k = w.shape[0], weight.n, weight.k
     block_n = min(64, arg_checks.pow2(n, 16))
     block_k = min(64 if a.dtype != torch.float32 else 32, arg_checks.pow2(k, 16))
     grid = (order.block_experts.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, w, bias if bias is not None else w, out, order.sorted_pairs, order.block_experts,
-        weights if weights is not None else w,
+        a, w, scales if scales is not None else w, bias if bias is not None else w, out,
+        order.sorted_pairs, order.block_experts, weights if weights is not None else w,
         num_pairs, num_experts, n, k,
-        a.stride(0), w.stride(0), w.stride(1), bias.stride(0) if bias is not None else 0,
-        out.stride(0),
+        a.stride(0), w.stride(0), w.stride(1),
+        scales.stride(0) if scales is not None else 0, scales.stride(1) if scales is not None else 0,
+        bias.stride(0) if bias is not None else 0, out.stride(0),
         A_ROW_DIV=a_row_div, HAS_BIAS=bias is not None, MUL_WEIGHT=weights is not None,
+        MXFP4=scales is not None, INTERLEAVED_N=weight.interleaved,
         BLOCK_M=order.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_FP32=arg_checks.dot_in_fp32(a.dtype),
         num_warps=4,
     )  # fmt: skip
 
 
+def _check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    arg_checks.check_dim("x", x, 2, "(num_tokens, hidden)")
+    arg_checks.check_dim("topk_ids", topk_ids, 2, "(num_tokens, top_k)")
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows for {x.shape[0]} tokens")
+    arg_checks.check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+    arg_checks.check_dtype("x", x, arg_checks.FLOAT_DTYPES)
+    arg_checks.check_dtype("topk_weights", topk_weights, arg_checks.FLOAT_DTYPES)
+    arg_checks.check_dtype("topk_ids", topk_ids, arg_checks.INDEX_DTYPES)
+
+
 def _check(
     x: torch.Tensor, experts: ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> None:
-    arg_checks.check_dim("x", x, 2, "(num_tokens, hidden)")
+    _check_routing(x, topk_weights, topk_ids)
     arg_checks.check_dim("w13", experts.w13, 3, "(num_experts, hidden, 2 * inter)")
     arg_checks.check_dim("w2", experts.w2, 3, "(num_experts, inter, hidden)")
-    arg_checks.check_dim("topk_ids", topk_ids, 2, "(num_tokens, top_k)")
-    num_tokens, hidden = x.shape
+    hidden = x.shape[1]
     num_experts, _, inter2 = experts.w13.shape
     if inter2 % 2:
         raise ValueError(f"w13 must end in an even dimension (gate and up), got {inter2}")
@@ -198,15 +280,44 @@ def _check(
         arg_checks.check_shape("b13", experts.b13, (num_experts, inter2))
     if experts.b2 is not None:
         arg_checks.check_shape("b2", experts.b2, (num_experts, hidden))
-    if topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows for {num_tokens} tokens")
-    arg_checks.check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
-    arg_checks.check_dtype("x", x, arg_checks.FLOAT_DTYPES)
-    arg_checks.check_dtype("topk_weights", topk_weights, arg_checks.FLOAT_DTYPES)
-    arg_checks.check_dtype("topk_ids", topk_ids, arg_checks.INDEX_DTYPES)
     tensors = {"x": x, "w13": experts.w13, "w2": experts.w2}
     biases = {"b13": experts.b13, "b2": experts.b2}
     tensors.update({name: b for name, b in biases.items() if b is not None})
     arg_checks.check_same_dtype(**tensors)
     arg_checks.check_device(**tensors, topk_weights=topk_weights, topk_ids=topk_ids)
     arg_checks.check_last_dim_contiguous(**tensors)
+
+
+def _check_mxfp4(
+    x: torch.Tensor, experts: Mxfp4ExpertWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> None:
+    _check_routing(x, topk_weights, topk_ids)
+    arg_checks.check_dim("gate_up_blocks", experts.gate_up_blocks, 4, "(num_experts, 2 * inter, hidden / 32, 16)")  # fmt: skip
+    arg_checks.check_dim("down_blocks", experts.down_blocks, 4, "(num_experts, hidden, inter / 32, 16)")  # fmt: skip
+    hidden = x.shape[1]
+    num_experts, inter2 = experts.gate_up_blocks.shape[:2]
+    if hidden % 32 or inter2 % 64:
+        raise ValueError(f"MXFP4 experts need hidden and inter multiples of 32, got {hidden}, {inter2 // 2}")  # fmt: skip
+    shapes = {
+        "gate_up_blocks": (experts.gate_up_blocks, (num_experts, inter2, hidden // 32, 16)),
+        "gate_up_scales": (experts.gate_up_scales, (num_experts, inter2, hidden // 32)),
+        "down_blocks": (experts.down_blocks, (num_experts, hidden, inter2 // 64, 16)),
+        "down_scales": (experts.down_scales, (num_experts, hidden, inter2 // 64)),
+    }
+    for name, (t, shape) in shapes.items():
+        arg_checks.check_shape(name, t, shape)
+        arg_checks.check_dtype(name, t, (torch.uint8,))
+        if t.stride(-1) != 1 or (t.dim() == 4 and t.stride(-2) != 16):
+            raise ValueError(
+                f"{name} must be contiguous in its last dimensions (stride {t.stride()})"
+            )
+    biases = {"gate_up_bias": experts.gate_up_bias, "down_bias": experts.down_bias}
+    biases = {name: b for name, b in biases.items() if b is not None}
+    if "gate_up_bias" in biases:
+        arg_checks.check_shape("gate_up_bias", biases["gate_up_bias"], (num_experts, inter2))
+    if "down_bias" in biases:
+        arg_checks.check_shape("down_bias", biases["down_bias"], (num_experts, hidden))
+    arg_checks.check_same_dtype(x=x, **biases)
+    blocks = {name: t for name, (t, _) in shapes.items()}
+    arg_checks.check_device(x=x, **blocks, **biases, topk_weights=topk_weights, topk_ids=topk_ids)
+    arg_checks.check_last_dim_contiguous(x=x, **biases)
