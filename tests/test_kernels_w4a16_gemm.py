@@ -75,6 +75,7 @@ def gptq_tensors(k: int, n: int, group: int, act_order: bool, seed: int = 0):
         (3, 128, 64, 32, False, torch.float16),
         (5, 256, 40, 64, True, torch.bfloat16),  # act-order; N not a multiple of the tile
         (2, 96, 16, 96, False, torch.float32),  # one group
+        (3, 192, 16, 96, False, torch.bfloat16),  # 64-row steps cross groups: per-row scales
         (33, 64, 24, 16, True, torch.float32),
     ],
 )

@@ -56,6 +56,7 @@ def _w4a16_kernel(
     HAS_ZEROS: tl.constexpr,  # else every zero is 8 (symmetric compressed-tensors)
     ZERO_OFFSET: tl.constexpr,  # added to the stored zero (GPTQ stores it minus one)
     HAS_G_IDX: tl.constexpr,
+    ONE_GROUP_PER_STEP: tl.constexpr,  # no g_idx and BLOCK_K divides GROUP_SIZE
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -91,21 +92,28 @@ def _w4a16_kernel(
                 other=0,
             )
             q = (words >> col_shift[None, :]) & 0xF
-        if HAS_G_IDX:
-            groups = tl.load(g_idx_ptr + rows, mask=k_mask, other=0)
+        if ONE_GROUP_PER_STEP:  # the slice's rows share one group: a row of scales and zeros
+            group = k0 // GROUP_SIZE
+            scales = tl.load(
+                scales_ptr + group * s_stride_g + offs_n * s_stride_n, mask=n_mask, other=0.0
+            )[None, :]
+            zero_ptrs = zeros_ptr + group * z_stride_g + (offs_n // 8) * z_stride_n
+            zero_words = tl.load(zero_ptrs, mask=n_mask, other=0)[None, :]
         else:
-            groups = rows // GROUP_SIZE
-        scales = tl.load(
-            scales_ptr + groups[:, None] * s_stride_g + offs_n[None, :] * s_stride_n,
-            mask=w_mask,
-            other=0.0,
-        )
-        if HAS_ZEROS:
-            zero_words = tl.load(
-                zeros_ptr + groups[:, None] * z_stride_g + (offs_n // 8)[None, :] * z_stride_n,
+            if HAS_G_IDX:
+                groups = tl.load(g_idx_ptr + rows, mask=k_mask, other=0)
+            else:
+                groups = rows // GROUP_SIZE
+            scales = tl.load(
+                scales_ptr + groups[:, None] * s_stride_g + offs_n[None, :] * s_stride_n,
                 mask=w_mask,
-                other=0,
+                other=0.0,
             )
+            zero_ptrs = (
+                zeros_ptr + groups[:, None] * z_stride_g + (offs_n // 8)[None, :] * z_stride_n
+            )
+            zero_words = tl.load(zero_ptrs, mask=w_mask, other=0)
+        if HAS_ZEROS:
             zeros = ((zero_words >> col_shift[None, :]) & 0xF) + ZERO_OFFSET
         else:
             zeros = 8
@@ -159,16 +167,20 @@ def _run(x: torch.Tensor, lay: _Layout) -> torch.Tensor:
         return out.view(*x.shape[:-1], lay.n)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 128 if m > 32 else 64
+    group_size = lay.k // lay.num_groups
     block_k = 32 if x.dtype == torch.float32 else 64
+    if lay.g_idx is None and group_size % block_k and group_size in (16, 32):
+        block_k = group_size  # a step within one group: its scales load once
+    one_group_per_step = lay.g_idx is None and group_size % block_k == 0
     grid = (triton.cdiv(m, block_m), triton.cdiv(lay.n, block_n))
     _w4a16_kernel[grid](
         x2, lay.qweight, lay.scales, lay.zeros if lay.zeros is not None else lay.qweight,
         lay.g_idx if lay.g_idx is not None else lay.qweight, out,
         m, lay.n, lay.k, x2.stride(0), out.stride(0),
         *lay.qw_strides, *lay.s_strides, *lay.z_strides,
-        GROUP_SIZE=lay.k // lay.num_groups, PACKED_ALONG_K=lay.packed_along_k,
+        GROUP_SIZE=group_size, PACKED_ALONG_K=lay.packed_along_k,
         AWQ_ORDER=lay.awq_order, HAS_ZEROS=lay.zeros is not None, ZERO_OFFSET=lay.zero_offset,
-        HAS_G_IDX=lay.g_idx is not None,
+        HAS_G_IDX=lay.g_idx is not None, ONE_GROUP_PER_STEP=one_group_per_step,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_FP32=arg_checks.dot_in_fp32(x.dtype), num_warps=4, num_stages=3,
     )  # fmt: skip
