@@ -25,6 +25,7 @@ from batchgen.worker.models.model_config import (
     QKNormScope,
 )
 from batchgen.worker.models.norms import Norm
+from batchgen.worker.models.quant import read_quantized
 from batchgen.worker.models.self_attention import SelfAttention
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear, fuse
@@ -112,6 +113,9 @@ class _Reader:
         return self.fused([name], bias)
 
     def fused(self, names: list[str], bias: bool) -> Linear:
+        quantized = read_quantized(self.store, names, bias, self.layout)
+        if quantized is not None:
+            return quantized
         weights = self.store.take_all(f"{n}.weight" for n in names)
         if self.layout.transposed:
             weights = [w.t() for w in weights]

@@ -181,6 +181,7 @@ class ModelConfig:
     hf_config: Any = None  # the transformers config object (rope init, EOS)
     moe: MoeSpec | None = None  # the experts of MOE layers
     latent: LatentAttentionSpec | None = None  # MLA instead of per-head K/V
+    quantization: Any = None  # the checkpoint's quant.Scheme; None: plain weights
 
     @property
     def kv_shared(self) -> bool:

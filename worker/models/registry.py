@@ -7,6 +7,7 @@ any tensor left unread, and returns the decoder.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from batchgen.worker.models.family import Family
 from batchgen.worker.models.hf_config import HFConfig, read_hf_config
 from batchgen.worker.models.loader import read_checkpoint
 from batchgen.worker.models.model_config import ModelConfig, UnsupportedModelError
+from batchgen.worker.models.quant import read_quantization
 
 # every family batchgen runs natively
 FAMILIES: tuple[Family, ...] = (
@@ -67,8 +69,9 @@ def read_native_config(config: HFConfig) -> ModelConfig:
     architecture, family = found
     reader = ConfigReader(config, family.name)
     model_config = family.read_config(reader, architecture)
+    quantization = read_quantization(reader.extra("quantization_config"))
     check_all_read(reader)
-    return model_config
+    return replace(model_config, quantization=quantization)
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
@@ -87,6 +90,7 @@ def build_model(
     """The native decoder with the checkpoint's weights; every tensor must be used."""
     family = BY_NAME[config.family]
     store = read_checkpoint(Path(path), device, dtype)
+    store.quantization = config.quantization
     weights = family.read_weights(store, config)
     store.check_all_taken(family.name)
     return Decoder(config, weights, ops, max_positions, device)

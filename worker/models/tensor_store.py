@@ -11,10 +11,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from batchgen.worker.models.model_config import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from batchgen.worker.models.quant import Scheme
 
 # Buffers older checkpoints carry that transformers itself skips on load
 # (``_keys_to_ignore_on_load_unexpected``): precomputed rotary frequencies.
@@ -28,11 +32,13 @@ class TensorStore:
         path: Path,
         device: torch.device,
         dtype: torch.dtype,
+        quantization: Scheme | None = None,
     ) -> None:
         self._tensors = {k: v for k, v in tensors.items() if not IGNORED.match(k)}
         self.path = path
         self.device = device
         self.dtype = dtype
+        self.quantization = quantization  # how the checkpoint's quantized projections are stored
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -44,6 +50,14 @@ class TensorStore:
         if tensor is None:
             raise UnsupportedModelError(f"checkpoint {self.path} lacks tensor {name!r}")
         return tensor.to(device=self.device, dtype=torch.float32 if float32 else self.dtype)
+
+    def take_stored(self, name: str) -> torch.Tensor:
+        """The tensor on the model's device in the dtype the checkpoint stores it in
+        (quantized weights and their scales); it counts as used."""
+        tensor = self._tensors.pop(name, None)
+        if tensor is None:
+            raise UnsupportedModelError(f"checkpoint {self.path} lacks tensor {name!r}")
+        return tensor.to(device=self.device)
 
     def take_all(self, names: Iterable[str]) -> list[torch.Tensor]:
         return [self.take(name) for name in names]

@@ -1,0 +1,96 @@
+"""A projection whose weights stay quantized: the product dequantizes them a tile at a time.
+
+``QuantizedLinear`` is a ``Linear`` (x (rows, in) @ W (in, out) + bias) whose W
+is never materialised whole: each call walks the output features in tiles of
+at most ``TILE_BYTES`` of fp32, dequantizes one tile of each part into
+(in, tile) and multiplies it (``weights.linear``), so the extra memory is one
+tile. A tile's columns come out bit for bit as the same columns of
+dequantize-then-matmul would (a column of an fp32 product does not depend on
+the other columns of its call). Fused projections (q/k/v, gate/up) keep one
+``QuantizedWeight`` per module, in the checkpoint's layout, and write their
+outputs side by side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from batchgen.worker.models.model_config import UnsupportedModelError
+from batchgen.worker.models.quant.scheme import QuantizedWeight
+from batchgen.worker.models.tensor_store import TensorStore
+from batchgen.worker.models.weights import Linear, linear
+
+if TYPE_CHECKING:
+    from batchgen.worker.models.dense_weights import CheckpointLayout
+
+TILE_BYTES = 4 << 20  # one dequantized tile, fp32
+
+
+@dataclass(slots=True)
+class QuantizedLinear(Linear):
+    """``weight`` is a meta tensor of the (in, out) shape; ``parts`` hold the data."""
+
+    parts: tuple[QuantizedWeight, ...] = field(default=(), repr=False)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        column = 0
+        for part in self.parts:
+            for start, stop in _tiles(part):
+                tile = part.dequantize(start, stop).to(x.dtype).t().contiguous()
+                bias = None if self.bias is None else self.bias[column + start : column + stop]
+                out[:, column + start : column + stop] = linear(x, tile, bias)
+            column += part.out_features
+        return out
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole (in, out) weight in fp32: what the product equals (tests, references)."""
+        return torch.cat([p.dequantize(0, p.out_features) for p in self.parts]).t().contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return sum(p.nbytes for p in self.parts) + bias
+
+
+def _tiles(part: QuantizedWeight) -> list[tuple[int, int]]:
+    step = part.column_step
+    per_tile = max(step, TILE_BYTES // (4 * part.in_features) // step * step)
+    return [
+        (start, min(start + per_tile, part.out_features))
+        for start in range(0, part.out_features, per_tile)
+    ]
+
+
+def read_quantized(
+    store: TensorStore, names: list[str], bias: bool, layout: CheckpointLayout
+) -> QuantizedLinear | None:
+    """The projections ``names`` (fused in that order) as one ``QuantizedLinear`` when the
+    checkpoint quantizes them; None when it has no quantization or leaves them plain."""
+    scheme = store.quantization
+    if scheme is None:
+        return None
+    quantized = [scheme.quantizes(name) for name in names]
+    if not any(quantized):
+        return None
+    if not all(quantized):
+        raise UnsupportedModelError(
+            f"quantization_config ({scheme.method}) quantizes some of {', '.join(names)} but "
+            "not all; batchgen reads fused projections all quantized or all plain"
+        )
+    if layout.transposed or layout.qkv_per_head or layout.rope_interleaved:
+        raise UnsupportedModelError(
+            f"a {scheme.method}-quantized checkpoint of a family whose projections are "
+            "reordered or transposed at load is not supported"
+        )
+    parts = tuple(scheme.read(store, name) for name in names)
+    in_features = {p.in_features for p in parts}
+    if len(in_features) != 1:
+        raise UnsupportedModelError(f"fused projections {names} differ in input features")
+    biases = store.take_all(f"{n}.bias" for n in names) if bias else []
+    out = sum(p.out_features for p in parts)
+    shape = torch.empty(in_features.pop(), out, device="meta")
+    return QuantizedLinear(shape, torch.cat(biases) if biases else None, decided=True, parts=parts)
