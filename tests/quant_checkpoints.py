@@ -18,7 +18,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -101,3 +101,96 @@ def dequantized(src: Path, out: Path) -> Path:
         return {name: tensor if scale is None else fp8_dequantize(tensor, scale, block)}
 
     return _rewrite(src, out, convert, None)
+
+
+# compressed-tensors schemes as llm-compressor's presets write them
+CT_SCHEMES: dict[str, dict[str, Any]] = {
+    "w4a16": dict(weights=dict(num_bits=4, type="int", symmetric=True, strategy="group",
+                               group_size=32), format="pack-quantized"),
+    "w4a16-asym": dict(weights=dict(num_bits=4, type="int", symmetric=False, strategy="group",
+                                    group_size=16), format="pack-quantized"),
+    "w8a8-int8": dict(weights=dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+                      input_activations=dict(num_bits=8, type="int", symmetric=True,
+                                             strategy="token", dynamic=True),
+                      format="int-quantized"),
+    "fp8-dynamic": dict(weights=dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+                        input_activations=dict(num_bits=8, type="float", symmetric=True,
+                                               strategy="token", dynamic=True),
+                        format="float-quantized"),
+}  # fmt: skip
+
+
+def compress(src: Path, out: Path, scheme: str, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+    """``src`` quantized and saved by the compressed-tensors library itself: its scales from
+    each channel's or group's min/max (``calculate_qparams``), its compressor, its config."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    spec = CT_SCHEMES[scheme]
+    weights = QuantizationArgs(**spec["weights"])
+    acts = spec.get("input_activations")
+    group = QuantizationScheme(
+        targets=["Linear"], weights=weights,
+        input_activations=None if acts is None else QuantizationArgs(**acts),
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": group}, ignore=list(ignore))
+    )
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "quantization_scheme", None) is None:
+                continue
+            module = cast(Any, module)  # a Linear with the scheme's parameters added
+            w = module.weight
+            if weights.group_size is not None:
+                w = w.unflatten(-1, (-1, weights.group_size))
+            scale, zero_point = calculate_qparams(w.amin(-1), w.amax(-1), weights)
+            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=spec["format"])
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(str(out))
+    for file in src.iterdir():
+        if file.suffix != ".safetensors" and file.name != "config.json":
+            shutil.copy(file, out / file.name)
+    return out
+
+
+def compressed_reference(path: Path) -> Any:
+    """transformers' model of a compressed-tensors checkpoint, its weights decompressed
+    (``CompressedTensorsConfig(run_compressed=False)``), with each quantized projection's
+    input quantized dynamically by compressed-tensors' own functions, as its quantized
+    forward does (transformers' decompressed model drops that step)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager",
+        quantization_config=CompressedTensorsConfig(run_compressed=False),
+    )  # fmt: skip
+    model.eval()
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    (group,) = config["config_groups"].values()
+    if group.get("input_activations") is not None:
+        args = QuantizationArgs(**group["input_activations"])
+
+        def quantize_input(module: torch.nn.Module, inputs: tuple[torch.Tensor]) -> tuple:
+            scale, zero_point = compute_dynamic_scales_and_zp(inputs[0], args, module)
+            return (fake_quantize(inputs[0], scale, zero_point, args),)
+
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name not in config["ignore"]:
+                module.register_forward_pre_hook(quantize_input)
+    return model

@@ -13,6 +13,7 @@ outputs side by side.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,8 +35,12 @@ class QuantizedLinear(Linear):
     """``weight`` is a meta tensor of the (in, out) shape; ``parts`` hold the data."""
 
     parts: tuple[QuantizedWeight, ...] = field(default=(), repr=False)
+    # the input's dynamic quantize-dequantize (W8A8 schemes); None: the input as it is
+    quantize_input: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantize_input is not None:
+            x = self.quantize_input(x)
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         column = 0
         for part in self.parts:
@@ -90,7 +95,13 @@ def read_quantized(
     in_features = {p.in_features for p in parts}
     if len(in_features) != 1:
         raise UnsupportedModelError(f"fused projections {names} differ in input features")
+    activations = {scheme.activation(name) for name in names}
+    if len(activations) != 1:
+        raise UnsupportedModelError(f"fused projections {names} quantize their input differently")
     biases = store.take_all(f"{n}.bias" for n in names) if bias else []
     out = sum(p.out_features for p in parts)
     shape = torch.empty(in_features.pop(), out, device="meta")
-    return QuantizedLinear(shape, torch.cat(biases) if biases else None, decided=True, parts=parts)
+    return QuantizedLinear(
+        shape, torch.cat(biases) if biases else None, decided=True, parts=parts,
+        quantize_input=activations.pop(),
+    )  # fmt: skip

@@ -6,11 +6,13 @@ from collections.abc import Callable
 from typing import Any
 
 from batchgen.worker.models.model_config import UnsupportedModelError
+from batchgen.worker.models.quant.compressed_tensors import read_compressed_tensors
 from batchgen.worker.models.quant.fp8 import read_fp8
 from batchgen.worker.models.quant.scheme import Scheme
 
 METHODS: dict[str, Callable[[dict[str, Any]], Scheme]] = {
     "fp8": read_fp8,
+    "compressed-tensors": read_compressed_tensors,
 }
 
 

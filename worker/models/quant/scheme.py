@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -62,6 +62,11 @@ class Scheme(abc.ABC):
     @abc.abstractmethod
     def read(self, store: TensorStore, module: str) -> QuantizedWeight:
         """The module's quantized tensors, taken from the store."""
+
+    def activation(self, module: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What the module's input goes through first (dynamic quantize-dequantize of
+        W8A8 schemes, as the reference computes it); None: the input as it is."""
+        return None
 
 
 class Options:
