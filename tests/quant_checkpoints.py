@@ -194,3 +194,124 @@ def compressed_reference(path: Path) -> Any:
             if isinstance(module, torch.nn.Linear) and name not in config["ignore"]:
                 module.register_forward_pre_hook(quantize_input)
     return model
+
+
+def _pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """(K, N) unsigned -> (K * bits / 32, N) int32: rows low bits first (GPTQ's qweight)."""
+    per = 32 // bits
+    q = q.to(torch.int32).view(q.shape[0] // per, per, q.shape[1])
+    word = torch.zeros(q.shape[0], q.shape[2], dtype=torch.int32)
+    for j in range(per):
+        word |= q[:, j] << (bits * j)
+    return word
+
+
+def _pack_columns(q: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """(R, N) unsigned -> (R, N * bits / 32) int32; field i of a word holds column order[i]."""
+    per = 32 // bits
+    q = q.to(torch.int32).view(q.shape[0], -1, per)
+    word = torch.zeros(q.shape[0], q.shape[1], dtype=torch.int32)
+    for i, column in enumerate(order or range(per)):
+        word |= q[..., column] << (bits * i)
+    return word
+
+
+def _int_groups(
+    weight: torch.Tensor, group_of: torch.Tensor, groups: int, bits: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) fp32 -> q (K, N) unsigned, zeros (groups, N), fp16 scales (groups, N), from
+    each group's min/max (what GPTQ/AWQ's packers store; their rounding search is theirs)."""
+    maxq = (1 << bits) - 1
+    n = weight.shape[0]
+    scales, zeros = torch.zeros(groups, n), torch.zeros(groups, n, dtype=torch.int32)
+    for g in range(groups):
+        cols = weight[:, group_of == g]
+        lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+        if symmetric:
+            scale = torch.maximum(lo.abs(), hi).clamp(min=1e-8) * 2 / maxq
+            zero = torch.full((n,), (maxq + 1) // 2, dtype=torch.int32)
+        else:
+            scale = ((hi - lo) / maxq).clamp(min=1e-8)
+            zero = torch.round(-lo / scale).clamp(1, maxq).to(torch.int32)
+        scales[g], zeros[g] = scale.half().float(), zero
+    per_k = scales[group_of].t(), zeros[group_of].t()  # (N, K)
+    q = torch.clamp(torch.round(weight / per_k[0]) + per_k[1], 0, maxq).to(torch.int32)
+    return q.t().contiguous(), zeros, scales.half()
+
+
+def _int_dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(K, N) values with per-row zeros/scales (K, N) -> (N, K) fp32: (q - zero) * scale
+    in the scales' fp16, as the formats define it."""
+    return ((q - zeros).to(scales.dtype) * scales).float().t().contiguous()
+
+
+def _int_checkpoint(
+    src: Path, out: Path, reference: Path,
+    quantize: Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]],
+    config: dict[str, Any],
+) -> tuple[Path, Path]:  # fmt: skip
+    plain: dict[str, torch.Tensor] = {}
+
+    def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not PROJECTION.match(name):
+            return {name: tensor}
+        stored, dequantized_weight = quantize(name.removesuffix(".weight"), tensor.float())
+        plain[name] = dequantized_weight
+        return stored
+
+    _rewrite(src, out, convert, config)
+    _rewrite(src, reference, lambda name, tensor: {name: plain.get(name, tensor)}, None)
+    return out, reference
+
+
+def quantize_gptq(
+    src: Path, out: Path, reference: Path, group: int = 32, act_order: bool = False
+) -> tuple[Path, Path]:
+    """A 4-bit symmetric GPTQ checkpoint (v1 ``checkpoint_format: gptq``: zero points stored
+    less one), with act-order's permuted g_idx where asked; and its dequantized twin."""
+    rng = torch.Generator().manual_seed(5)
+
+    def quantize(module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        k = weight.shape[1]
+        order = torch.randperm(k, generator=rng) if act_order else torch.arange(k)
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[order] = torch.arange(k, dtype=torch.int32) // group
+        q, zeros, scales = _int_groups(weight, g_idx, k // group, 4, symmetric=True)
+        stored = {
+            f"{module}.qweight": _pack_rows(q, 4),
+            f"{module}.qzeros": _pack_columns((zeros - 1) & 0xF, 4),
+            f"{module}.scales": scales,
+            f"{module}.g_idx": g_idx,
+        }
+        return stored, _int_dequantize(q, zeros[g_idx.long()], scales[g_idx.long()])
+
+    config = {
+        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
+        "sym": True, "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
+        "checkpoint_format": "gptq", "model_name_or_path": None,
+        "model_file_base_name": None, "quantizer": ["gptqmodel:2.2.0"], "pack_dtype": "int32",
+        "lm_head": False, "meta": {"quantizer": ["gptqmodel:2.2.0"]},
+    }  # fmt: skip
+    return _int_checkpoint(src, out, reference, quantize, config)
+
+
+def quantize_awq(src: Path, out: Path, reference: Path, group: int = 32) -> tuple[Path, Path]:
+    """A 4-bit AWQ GEMM checkpoint (AutoAWQ's interleaved packing), and its dequantized twin."""
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+
+    def quantize(module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        k = weight.shape[1]
+        group_of = torch.arange(k) // group
+        q, zeros, scales = _int_groups(weight, group_of, k // group, 4, symmetric=False)
+        stored = {
+            f"{module}.qweight": _pack_columns(q, 4, order),
+            f"{module}.qzeros": _pack_columns(zeros, 4, order),
+            f"{module}.scales": scales,
+        }
+        return stored, _int_dequantize(q, zeros[group_of], scales[group_of])
+
+    config = {
+        "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+        "version": "gemm", "modules_to_not_convert": None,
+    }  # fmt: skip
+    return _int_checkpoint(src, out, reference, quantize, config)

@@ -24,8 +24,10 @@ from batchgen import Engine, SamplingParams
 from batchgen.worker.models import UnsupportedModelError
 from batchgen.worker.models.quant import QuantizedLinear
 from batchgen.worker.models.quant import linear as quant_linear
+from batchgen.worker.models.quant.awq import AwqWeight
 from batchgen.worker.models.quant.compressed_tensors import CompressedWeight
 from batchgen.worker.models.quant.fp8 import Fp8BlockWeight
+from batchgen.worker.models.quant.gptq import GptqWeight
 from batchgen.worker.models.registry import load_model_config
 from batchgen.worker.models.weights import Linear, linear
 from tests.family_parity import engine_prompt_logits, random_prompts
@@ -36,7 +38,9 @@ from tests.quant_checkpoints import (
     compressed_reference,
     dequantized,
     fp8_block,
+    quantize_awq,
     quantize_fp8_block,
+    quantize_gptq,
 )
 
 NEAR_TIE = 2e-3  # a reference top-2 gap this small may flip on summation order alone
@@ -230,6 +234,31 @@ def test_compressed_tensors_ignore_list(zoo_model, tmp_path: Path) -> None:
     _check_matches(engine, compressed_reference(path))
 
 
+@pytest.mark.parametrize("kind", ["gptq", "gptq-act-order", "awq"])
+def test_int4_checkpoint(zoo_model, tmp_path: Path, kind: str) -> None:
+    """GPTQ (v1 packing, with and without act-order) and AWQ (GEMM packing), written by the
+    formats' definitions (no GPTQ/AWQ library installs here); the reference is the same
+    checkpoint dequantized by definition, run by transformers as a plain one."""
+    src, out, ref = zoo_model("qwen3"), tmp_path / kind, tmp_path / "plain"
+    if kind == "awq":
+        path, plain = quantize_awq(src, out, ref)
+    else:
+        path, plain = quantize_gptq(src, out, ref, act_order=kind == "gptq-act-order")
+    engine = Engine.from_pretrained(path, num_kv_blocks=64, max_num_batched_tokens=24)
+    projections = [p for p in _projections(engine) if isinstance(p, QuantizedLinear)]
+    assert len(projections) == 8
+    parts = [q for p in projections for q in p.parts]
+    assert len(parts) == 14
+    assert all(isinstance(q, AwqWeight if kind == "awq" else GptqWeight) for q in parts)
+    bf16 = sum(2 * q.out_features * q.in_features for q in parts)
+    assert sum(p.nbytes for p in projections) < 0.4 * bf16
+    # each projection equals its dequantized twin's weight exactly
+    twin = Engine.from_pretrained(plain, num_kv_blocks=8)
+    for mine, theirs in zip(projections, _projections(twin)):
+        assert torch.equal(mine.dequantized(), theirs.weight)
+    _check_matches(engine, hf_model(plain))
+
+
 def _with_quantization(tmp_path: Path, src: Path, config: dict) -> Path:
     out = tmp_path / "edited"
     shutil.copytree(src, out)
@@ -264,7 +293,7 @@ FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size
     [
         (
             {"quant_method": "bitsandbytes"},
-            "quant_method 'bitsandbytes' is not supported; batchgen runs compressed-tensors, fp8",
+            "quant_method 'bitsandbytes' is not supported; batchgen runs awq, compressed-tensors, fp8, gptq",
         ),
         (
             {**FP8, "activation_scheme": "static"},
@@ -275,6 +304,14 @@ FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size
         ({**FP8, "modules_to_convert": ["model.embed_tokens"]}, "modules_to_convert"),
         ({**FP8, "weight_block_size": [32]}, "weight_block_size=[32] is not supported"),
         ({**FP8, "rounding": "stochastic"}, "(fp8) sets rounding, which batchgen does not read"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "(gptq): bits=3 is not supported"),
+        (
+            {"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
+            "(gptq): checkpoint_format='marlin' is not supported",
+        ),
+        ({"quant_method": "gptq", "bits": 4, "lm_head": True}, "(gptq): lm_head=True"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "(awq): version='gemv'"),
+        ({"quant_method": "awq", "bits": 4, "zero_point": False}, "(awq): zero_point=False"),
         (_ct(format="nvfp4-pack-quantized"), "format 'nvfp4-pack-quantized' is not supported"),
         (_ct(weights={**W4, "num_bits": 3}), "num_bits=3 is not supported (batchgen runs 4, 8)"),
         (_ct(weights={**W4, "dynamic": True}), "weights): dynamic=True is not supported"),

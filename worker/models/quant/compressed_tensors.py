@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from batchgen.worker.models.model_config import UnsupportedModelError
+from batchgen.worker.models.quant.packing import unpack
 from batchgen.worker.models.quant.scheme import Options, QuantizedWeight, Scheme
 from batchgen.worker.models.tensor_store import TensorStore
 
@@ -40,12 +41,7 @@ FP8_MAX = 448.0
 
 def unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Rows of int32 words -> (rows, count) signed ints (the stored value - 2^(bits-1))."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
-    fields = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return fields.reshape(packed.shape[0], packed.shape[1] * per_word)[:, :count] - (
-        1 << (bits - 1)
-    )
+    return unpack(packed, bits, dim=1)[:, :count] - (1 << (bits - 1))
 
 
 @dataclass(frozen=True, slots=True)
