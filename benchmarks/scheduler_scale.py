@@ -26,7 +26,7 @@ from typing import Any
 import redis
 
 from batchgen.jobs.consumer.dispatch import DISPATCH, dispatch
-from batchgen.jobs.ops import backlog, deadlines
+from batchgen.jobs.ops import backlog, deadlines, job_index
 from batchgen.jobs.ops.chunk_append import APPEND_CHUNK
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import CREATE
@@ -42,9 +42,11 @@ TENANTS = 4
 
 
 def populate(conn: redis.Redis, qk: QueueKeys, n: int, lines: int, now: float) -> None:
-    """``n`` jobs of ``lines`` requests, tenants t0..t3 in turn, every third with a
-    deadline between 1 and 24 h from ``now``."""
+    """``n`` jobs of ``lines`` requests, tenants t0..t3 in turn (serve's tenants too),
+    every third with a deadline between 1 and 24 h from ``now``; in the job index and
+    the listings' index (job_index.py) as submit leaves them."""
     ensure_group(conn, qk)
+    conn.sadd(KEYS.tenants, *(f"t{t}" for t in range(TENANTS)))
     encoded = [
         QueuedRequest(prompt=f"line {i}", sampling=dict(DEFAULTS)).encode() for i in range(lines)
     ]
@@ -52,8 +54,10 @@ def populate(conn: redis.Redis, qk: QueueKeys, n: int, lines: int, now: float) -
     pipe = conn.pipeline(transaction=False)
     for k in range(n):
         job_id = f"j{k:05d}"
-        record = JobRecord(id=job_id, model=MODEL, queue=MODEL, total=lines,
-                           tenant=f"t{k % TENANTS}", cost=20.0)  # fmt: skip
+        tenant = f"t{k % TENANTS}"
+        record = JobRecord(id=job_id, model=MODEL, queue=MODEL, tag=qk.tag, total=lines,
+                           tenant=tenant, api_tenant=tenant, cost=20.0,
+                           created_at=now + k / 1000)  # fmt: skip
         if k % 3 == 0:
             record.deadline = now + 3600 * (1 + (k * 7919) % 23)
         jk = qk.job(job_id)
@@ -61,6 +65,8 @@ def populate(conn: redis.Redis, qk: QueueKeys, n: int, lines: int, now: float) -
         CREATE(pipe, job=jk.job, active=qk.active, job_id=job_id, fields=fields)
         APPEND_CHUNK(pipe, job=jk.job, ready=qk.ready, backlogs=jk.backlogs, job_id=job_id,
                      events=qk.events, start=0, items=items)  # fmt: skip
+        pipe.hset(KEYS.jobs, job_id, qk.tag)
+        job_index.add(pipe, KEYS, record)
         if k % 200 == 199:
             pipe.execute()
     pipe.execute()

@@ -44,3 +44,36 @@ def test_dispatch_and_the_deadline_check_run_a_bounded_number_of_commands(redis_
     assert check_commands <= 8 * deadlines.CHECK_BATCH + 50, check_commands
     # 16 requests from four-request jobs: a few commands a request, ~20 a job taken from
     assert dispatch_commands <= 250, dispatch_commands
+
+
+def test_a_listing_reads_the_jobs_it_shows_not_every_job(redis_url):
+    """At 2,000 jobs, the dashboard's overview, /api/jobs and `batchgen jobs` run a
+    command or so a job they show, an admin's and a tenant's key alike (before the
+    listings' index: an HGETALL per job in Redis, for every key, every 2 s)."""
+    from click.testing import CliRunner
+
+    from batchgen.cli.jobs import jobs
+    from batchgen.serve import dashboard
+    from batchgen.serve.api_keys import Principal
+
+    conn = redis.Redis.from_url(redis_url)
+    populate(conn, QK, 2000, lines=1, now=time.time())
+    admin, tenant = Principal("root", admin=True), Principal("t1")
+    for who, newest in ((admin, "j01999"), (tenant, "j01997")):
+        conn.config_resetstat()
+        shown = dashboard.jobs(conn, KEYS, who, limit=50)
+        assert dashboard.unseen_notice(conn, KEYS, who) is None
+        assert [j["job_id"] for j in shown][:1] == [newest] and len(shown) == 50
+        assert {j["tenant"] for j in shown} == ({"t0", "t1", "t2", "t3"} if who.admin else {"t1"})
+        assert commands(conn) <= 50 + 10, commands(conn)
+    page = dashboard.jobs(conn, KEYS, tenant, offset=490, limit=20)
+    assert [j["job_id"] for j in page] == [f"j{k:05d}" for k in range(37, 0, -4)]  # the last 10
+    env = {"BATCHGEN_PREFIX": KEYS.prefix}
+    conn.config_resetstat()
+    out = CliRunner().invoke(jobs, ["--redis", redis_url, "--limit", "30"], env=env)
+    assert out.exit_code == 0, out.output
+    lines = out.stdout.splitlines()
+    assert len(lines) == 31 and lines[-1].startswith("j01999 ")
+    assert out.stderr == "batchgen: 1970 older job(s) not listed (--limit 0 lists every job)\n"
+    assert commands(conn) <= 30 + 15, commands(conn)
+

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import redis
 
+from batchgen.jobs.ops import job_index
 from batchgen.jobs.ops.job_record import queue_of_job
-from batchgen.jobs.ops.status_report import all_statuses, job_status
+from batchgen.jobs.ops.status_report import job_status, listed_statuses
 from batchgen.jobs.ops.usage import tenants_report
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import Keys, text
+from batchgen.serve.api_keys import Principal
 from batchgen.serve.series import worker_rate
 
 MAX_JOBS = 200
@@ -34,19 +35,31 @@ def workers(conn: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     return sorted(out, key=lambda w: (w["host"] or "", w["name"]))
 
 
-def jobs(conn: redis.Redis, keys: Keys, sees: Callable[[str], bool]) -> list[dict[str, Any]]:
-    """The newest MAX_JOBS jobs of the tenants ``sees`` admits, newest first."""
-    shown = [s for s in reversed(all_statuses(conn, keys)) if sees(s.record.api_tenant)]
-    return [s.to_dict() for s in shown[:MAX_JOBS]]
+def listed_tenant(who: Principal) -> str | None:
+    """Whose jobs ``who`` lists: every job's (None) for an admin, else its tenant's."""
+    return None if who.admin else who.tenant
 
 
-def unseen_notice(conn: redis.Redis, keys: Keys, sees: Callable[[str], bool]) -> str | None:
+def jobs(
+    conn: redis.Redis, keys: Keys, who: Principal, offset: int = 0, limit: int = MAX_JOBS
+) -> list[dict[str, Any]]:
+    """The jobs ``who`` sees, newest first: ``limit`` from the ``offset``-th on."""
+    listed = listed_statuses(conn, keys, listed_tenant(who), offset, limit)
+    return [s.to_dict() for s in listed]
+
+
+def unseen_notice(conn: redis.Redis, keys: Keys, who: Principal) -> str | None:
     """Why the live workers are busy with more than the jobs a key sees, for a key that
     does not see every job: the requests they hold for jobs not its own (every key sees
     the workers' in-flight counts anyway); None when they hold none."""
-    mine = {s.record.id for s in all_statuses(conn, keys) if sees(s.record.api_tenant)}
-    held = sum(int(n) for w in live_workers(conn, keys)
-               for job_id, n in w.get("in_flight", {}).items() if job_id not in mine)  # fmt: skip
+    if who.admin:
+        return None
+    held_by_job: dict[str, int] = {}
+    for w in live_workers(conn, keys):
+        for job_id, n in w.get("in_flight", {}).items():
+            held_by_job[job_id] = held_by_job.get(job_id, 0) + int(n)
+    mine = job_index.among(conn, keys, who.tenant, list(held_by_job))
+    held = sum(n for job_id, n in held_by_job.items() if job_id not in mine)
     if not held:
         return None
     return (f"The live workers hold {held} requests of jobs this key does not see: jobs "
@@ -55,9 +68,9 @@ def unseen_notice(conn: redis.Redis, keys: Keys, sees: Callable[[str], bool]) ->
             "to see them (a --keys-file line: KEY TENANT admin).")  # fmt: skip
 
 
-def tenants(conn: redis.Redis, keys: Keys, sees: Callable[[str], bool]) -> list[dict[str, Any]]:
-    """The tenants ``sees`` admits: settings, what they hold of their quotas, usage."""
-    return [t for t in tenants_report(conn, keys) if sees(t["tenant"])]
+def tenants(conn: redis.Redis, keys: Keys, who: Principal) -> list[dict[str, Any]]:
+    """The tenants ``who`` sees: settings, what they hold of their quotas, usage."""
+    return [t for t in tenants_report(conn, keys) if who.sees(t["tenant"])]
 
 
 def job_detail(conn: redis.Redis, keys: Keys, job_id: str) -> dict[str, Any]:

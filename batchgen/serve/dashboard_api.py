@@ -8,16 +8,22 @@ its own jobs' lines, and the fleet's total. A key that is not an admin, while th
 workers hold requests of jobs it does not see, gets the overview's ``notice``
 saying so and why, which the page shows (a one-key setup's own CLI jobs stay
 hidden from its key: whoever holds that key is a client, not Redis's owner).
+
+Listings are pages of an index by submit time (job_index.py): the overview shows the
+newest ``MAX_JOBS`` and ``total_jobs``, /api/jobs takes ``offset`` and ``limit``
+(``MAX_JOBS`` at most); a page costs Redis a command a job shown, whatever the number
+of jobs, and a key that is not an admin's reads its tenant's index only.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import redis
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 
+from batchgen.jobs.ops import job_index
 from batchgen.jobs.ops.cancellation import cancel
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.redis.keys import Keys
@@ -45,20 +51,25 @@ def router(conn: redis.Redis, keys: Keys) -> APIRouter:
         points = read_series(conn, keys)
         if who.admin:
             return points
-        mine = {j["job_id"] for j in dashboard.jobs(conn, keys, who.sees)}
+        named = sorted({j for p in points for j in p["jobs"]})
+        mine = job_index.among(conn, keys, who.tenant, named)
         return [{**p, "jobs": {j: r for j, r in p["jobs"].items() if j in mine}} for p in points]
 
     @api.get("/api/overview")
     def api_overview(who: Who) -> Any:
-        notice = None if who.admin else dashboard.unseen_notice(conn, keys, who.sees)
-        return {"now": time.time(), "jobs": dashboard.jobs(conn, keys, who.sees),
+        return {"now": time.time(), "jobs": dashboard.jobs(conn, keys, who),
+                "total_jobs": job_index.count(conn, keys, dashboard.listed_tenant(who)),
                 "workers": dashboard.workers(conn, keys),
-                "tenants": dashboard.tenants(conn, keys, who.sees), "series": series(who),
-                "notice": notice}  # fmt: skip
+                "tenants": dashboard.tenants(conn, keys, who), "series": series(who),
+                "notice": dashboard.unseen_notice(conn, keys, who)}  # fmt: skip
 
     @api.get("/api/jobs")
-    def api_jobs(who: Who) -> Any:
-        return dashboard.jobs(conn, keys, who.sees)
+    def api_jobs(
+        who: Who,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=dashboard.MAX_JOBS)] = dashboard.MAX_JOBS,
+    ) -> Any:
+        return dashboard.jobs(conn, keys, who, offset, limit)
 
     @api.get("/api/jobs/{job_id}")
     def api_job(job_id: str, who: Who) -> Any:

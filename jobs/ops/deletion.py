@@ -29,7 +29,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from batchgen.jobs.intake.kept import KEPT
-from batchgen.jobs.ops import fair_index, tenants
+from batchgen.jobs.ops import fair_index, job_index, tenants
 from batchgen.jobs.ops.cancellation import cancel
 from batchgen.jobs.ops.finalize_tasks import finalize_queue
 from batchgen.jobs.ops.job_record import JobRecord, queue_of_job
@@ -93,6 +93,7 @@ def delete(
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     kept = f"; its output {report.kept_output} was kept" if report.kept_output else ""
     conn.set(keys.deleted(job_id), f"`batchgen delete` at {when}{kept}", ex=TOMBSTONE_S)
+    job_index.forget(conn, keys, [job_id])
     conn.hdel(keys.jobs, job_id)  # last: it is how a re-run finds what is left
     return report
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import redis
 
+from batchgen.jobs.ops import job_index
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.lifecycle import MARK_LOST, JobState
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys, text
@@ -60,6 +61,7 @@ def forget_expired(conn: redis.Redis, keys: Keys, qk: QueueKeys, now: float | No
     gone = [text(j) for j in conn.zrangebyscore(qk.expiring, 0, now or time.time())]
     if not gone:
         return 0
+    job_index.forget(conn, keys, gone)
     conn.hdel(keys.jobs, *gone)
     conn.zrem(qk.expiring, *gone)
     return len(gone)

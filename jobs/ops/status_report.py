@@ -15,10 +15,11 @@ from typing import Any
 
 import redis
 
+from batchgen.jobs.ops import job_index
 from batchgen.jobs.ops.job_record import JobRecord, load_job
 from batchgen.jobs.ops.schedule import status_fields
 from batchgen.jobs.redis.heartbeat import live_workers
-from batchgen.jobs.redis.keys import Keys, text_hash
+from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.storage.names import redact_uri
 
 
@@ -91,21 +92,24 @@ def job_status(conn: redis.Redis, keys: Keys, job_id: str, now: float | None = N
     return _status(record, live_workers(conn, keys, record.tag), now or time.time())
 
 
-def all_statuses(conn: redis.Redis, keys: Keys) -> list[JobStatus]:
-    index = text_hash(conn.hgetall(keys.jobs))
-    pipe = conn.pipeline(transaction=False)
-    ids = sorted(index)
-    for job_id in ids:
-        pipe.hgetall(keys.queue(index[job_id]).job(job_id).job)
+def listed_statuses(
+    conn: redis.Redis,
+    keys: Keys,
+    api_tenant: str | None = None,
+    offset: int = 0,
+    limit: int | None = None,
+) -> list[JobStatus]:
+    """A page of the jobs, newest first (job_index.py): every job's (``api_tenant``
+    None) or a serve tenant's, from the ``offset``-th on, ``limit`` at most (None: all)."""
+    records = job_index.page(conn, keys, api_tenant, offset, limit)
     workers = live_workers(conn, keys)
     now = time.time()
-    out = []
-    for job_id, raw in zip(ids, pipe.execute()):
-        if not raw:
-            continue  # an interrupted submit before its record, or lost state
-        record = JobRecord.from_hash(job_id, raw)
-        out.append(_status(record, [w for w in workers if w.get("tag") == record.tag], now))
-    return sorted(out, key=lambda s: s.record.created_at)
+    return [_status(r, [w for w in workers if w.get("tag") == r.tag], now) for r in records]
+
+
+def all_statuses(conn: redis.Redis, keys: Keys) -> list[JobStatus]:
+    """Every job, oldest first."""
+    return sorted(listed_statuses(conn, keys), key=lambda s: s.record.created_at)
 
 
 def _status(record: JobRecord, workers: list[dict[str, Any]], now: float) -> JobStatus:

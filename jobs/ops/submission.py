@@ -44,7 +44,7 @@ from batchgen.jobs.intake.sources import local_copy, locate
 from batchgen.jobs.intake.table_spec import TableSpec
 from batchgen.jobs.intake.tables import validate_table
 from batchgen.jobs.intake.validate import SpoolDir, Validation, validate_file
-from batchgen.jobs.ops import backlog, retention, tenants
+from batchgen.jobs.ops import backlog, job_index, retention, tenants
 from batchgen.jobs.ops.chunk_append import (
     enqueue_chunks,
     enqueued_after_outage,
@@ -247,7 +247,7 @@ def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> 
         )
     raw = conn.hgetall(jk.job)
     if raw:
-        return _resume(JobRecord.from_hash(job_id, raw), record)
+        return _resume_listed(conn, keys, JobRecord.from_hash(job_id, raw), record)
     tenants.reserve(conn, keys, record, record.est_input_tokens)  # refused: nothing created
     try:
         record.output_token = new_token()
@@ -266,8 +266,20 @@ def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> 
             tenants.release(conn, keys, record.tenant, job_id)
         raise
     if created:
+        job_index.add(conn, keys, record)
         return False, 0
-    return _resume(JobRecord.from_hash(job_id, conn.hgetall(jk.job)), record)  # lost a race
+    existing = JobRecord.from_hash(job_id, conn.hgetall(jk.job))
+    return _resume_listed(conn, keys, existing, record)  # lost a race
+
+
+def _resume_listed(
+    conn: redis.Redis, keys: Keys, existing: JobRecord, record: JobRecord
+) -> tuple[bool, int]:
+    """Resume the existing job, and list it (job_index.py): a submit killed before it
+    did is listed once resumed."""
+    resumed = _resume(existing, record)
+    job_index.add(conn, keys, existing)
+    return resumed
 
 
 def _resume(existing: JobRecord, record: JobRecord) -> tuple[bool, int]:

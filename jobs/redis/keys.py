@@ -228,6 +228,15 @@ class Keys:
         return f"{self.prefix}:jobs"
 
     @property
+    def jobs_by_time(self) -> str:
+        """Every job by submit time, for listings (job_index.py)."""
+        return f"{self.prefix}:jobs:by-time"
+
+    def api_tenant_jobs(self, api_tenant: str) -> str:
+        """A serve tenant's jobs by submit time (job_index.py)."""
+        return f"{self.prefix}:jobs:by-time:api:{api_tenant}"
+
+    @property
     def queues(self) -> str:
         return f"{self.prefix}:queues"
 

@@ -236,8 +236,9 @@ async function refresh() {
   try {
     const data = await getJSON("/api/overview");
     const running = data.jobs.filter((j) => j.state === "running" || j.state === "queued").length;
+    const shown = data.total_jobs > data.jobs.length ? `the newest ${data.jobs.length} of ` : "";
     document.getElementById("summary").textContent =
-      `${data.jobs.length} jobs, ${running} active · ${data.workers.length} live workers`;
+      `${shown}${data.total_jobs} jobs, ${running} active · ${data.workers.length} live workers`;
     const notice = document.getElementById("notice");
     notice.textContent = data.notice || "";
     notice.hidden = !data.notice;
