@@ -186,8 +186,10 @@ def test_a_share_whose_job_was_never_created_is_dropped_after_a_minute(redis_url
     conn = rconn(redis_url)
     tk = KEYS.tenant("t")
     now = time.time()
-    conn.hset(tk.jobs, mapping={"died-before-create": f"500 {int(now) - 61}",
-                                "creating-now": f"500 {int(now)}"})  # fmt: skip
+    for job_id, since in (("died-before-create", int(now) - 61), ("creating-now", int(now))):
+        tenants.RESERVE(conn, settings=tk.settings, jobs=tk.jobs, held=tk.held, job_id=job_id,
+                        tokens=500, now=since)  # fmt: skip
+    assert tenants.holding(conn, KEYS, "t") == {"jobs": 2, "enqueued_tokens": 1000}
     assert tenants.prune(conn, KEYS, "t", now) == ["died-before-create"]
     assert tenants.holding(conn, KEYS, "t") == {"jobs": 1, "enqueued_tokens": 500}
 

@@ -15,13 +15,16 @@ refused (``check_priority``), never lowered silently.
 Quotas are checked by one script on the tenant's own keys before a job is created
 (``reserve``): it records the job's share (its estimated input tokens) in the
 tenant's ``jobs`` hash only if the total stays within the limits, so two submits
-can never both squeeze under one. The job's keys live in its model's hash slot
-and the tenant's in another, so this is a step of its own: a share whose job was
-never created (a submit that died in between) is dropped by the next reserve once
-it is a minute old, and a finished job's share when it finishes (``release``) or,
-failing that, at the next reserve. ``batchgen retry`` reserves a share the same
-way for the rows it queues again, before it reopens the job: while it holds the
-job's lease a reserve leaves that share alone, and the job's next finish releases it.
+can never both squeeze under one. The total is kept in ``held`` (jobs, tokens) by
+that script and by ``release``'s, so a reserve costs the same with 10 or 10,000
+unfinished jobs. The job's keys live in its model's hash slot and the tenant's in
+another, so this is a step of its own: a share whose job was never created (a
+submit that died in between) is dropped once it is a minute old, and a finished
+job's share when it finishes (``release``) or, failing that, by a later reserve:
+each looks at the next ``PRUNE_BATCH`` shares in turn (``prune``), refused ones
+too. ``batchgen retry`` reserves a share the same way for the rows it queues again,
+before it reopens the job: while it holds the job's lease a reserve leaves that
+share alone, and the job's next finish releases it.
 
 The weight also lives in each model's ``fair`` hash (``w:TENANT``), where the
 dispatch script reads it: written when a job is created and by ``save``.
@@ -45,6 +48,7 @@ from batchgen.jobs.schema.errors import QuotaExceeded, UsageError
 WEIGHTS = (1e-3, 1e3)  # a weight's bounds: 1e6 to 1 at most between two tenants
 KEYED_MAX_PRIORITY = 0  # a serve key's tenant without max_priority: the normal class
 ORPHAN_S = 60  # a share this old whose job does not exist is a submit that died
+PRUNE_BATCH = 10  # shares a reserve looks at (prune)
 
 # OpenAI's code for a batch past the queue limit; its API has no limit on concurrent
 # batches, so that refusal has a code of batchgen's own.
@@ -117,21 +121,40 @@ def names(conn: redis.Redis, keys: Keys) -> list[str]:
 
 RESERVE = LuaScript.define(
     "reserve quota",
-    keys=[("settings", "the tenant's settings"), ("jobs", "its unfinished jobs' shares")],
+    keys=[("settings", "the tenant's settings"), ("jobs", "its unfinished jobs' shares"),
+          ("held", "their sum")],  # fmt: skip
     args=[("job_id", ""), ("tokens", "the job's estimated input tokens"), ("now", "unix s")],
     body="""
 if redis.call('HEXISTS', jobs, job_id) == 1 then return {1, '', 0} end  -- a resumed submit
 local v = redis.call('HMGET', settings, 'max_jobs', 'max_enqueued_tokens')
-local held = redis.call('HVALS', jobs)
+local h = redis.call('HMGET', held, 'jobs', 'tokens')
 local max_jobs, max_tokens = tonumber(v[1]), tonumber(v[2])  -- JSON null: no limit
-if max_jobs and #held + 1 > max_jobs then return {0, 'jobs', #held} end
-if max_tokens then
-  local sum = 0
-  for _, share in ipairs(held) do sum = sum + tonumber(string.match(share, '^%d+')) end
-  if sum + tonumber(tokens) > max_tokens then return {0, 'tokens', sum} end
-end
+local n, sum = tonumber(h[1]) or 0, tonumber(h[2]) or 0
+if max_jobs and n + 1 > max_jobs then return {0, 'jobs', n} end
+if max_tokens and sum + tonumber(tokens) > max_tokens then return {0, 'tokens', sum} end
 redis.call('HSET', jobs, job_id, tokens .. ' ' .. now)
+redis.call('HINCRBY', held, 'jobs', 1)
+redis.call('HINCRBY', held, 'tokens', tokens)
 return {1, '', 0}
+""",
+)
+
+RELEASE = LuaScript.define(
+    "release quota",
+    keys=[("jobs", "the tenant's unfinished jobs' shares"), ("held", "their sum")],
+    args=[("*job_ids", "")],
+    body="""
+local released = 0
+for _, job_id in ipairs(job_ids) do
+  local share = redis.call('HGET', jobs, job_id)
+  if share then
+    redis.call('HDEL', jobs, job_id)
+    redis.call('HINCRBY', held, 'jobs', -1)
+    redis.call('HINCRBY', held, 'tokens', -tonumber(string.match(share, '^%d+')))
+    released = released + 1
+  end
+end
+return released
 """,
 )
 
@@ -142,8 +165,8 @@ def reserve(conn: redis.Redis, keys: Keys, record: JobRecord, tokens: int) -> No
     (nothing held) if it does not fit."""
     tk = keys.tenant(record.tenant)
     prune(conn, keys, record.tenant)
-    ok, which, held = RESERVE(conn, settings=tk.settings, jobs=tk.jobs, job_id=record.id,
-                              tokens=tokens, now=int(time.time()))  # fmt: skip
+    ok, which, held = RESERVE(conn, settings=tk.settings, jobs=tk.jobs, held=tk.held,
+                              job_id=record.id, tokens=tokens, now=int(time.time()))  # fmt: skip
     if ok:
         return
     tenant = load(conn, keys, record.tenant)
@@ -163,16 +186,23 @@ def reserve(conn: redis.Redis, keys: Keys, record: JobRecord, tokens: int) -> No
     )
 
 
-def release(conn: redis.Redis, keys: Keys, tenant: str, job_id: str) -> None:
-    """The job finished (or is gone): its share of the quotas is free again."""
-    conn.hdel(keys.tenant(tenant).jobs, job_id)
+def release(conn: redis.Redis, keys: Keys, tenant: str, *job_ids: str) -> None:
+    """The jobs finished (or are gone): their share of the quotas is free again."""
+    tk = keys.tenant(tenant)
+    RELEASE(conn, jobs=tk.jobs, held=tk.held, job_ids=list(job_ids))
 
 
 def prune(conn: redis.Redis, keys: Keys, tenant: str, now: float | None = None) -> list[str]:
-    """Drop shares of jobs that finished, or that were never created; their ids."""
+    """Drop shares of jobs that finished, or that were never created; their ids. Each
+    call looks at the next ``PRUNE_BATCH`` shares or so (HSCAN, its cursor kept in
+    ``held``), so a submit costs the same with 10 or 10,000 unfinished jobs; every
+    share is looked at within (shares / PRUNE_BATCH) submits (refused ones too)."""
     now = time.time() if now is None else now
-    jobs_key = keys.tenant(tenant).jobs
-    shares = {text(k): text(v) for k, v in conn.hgetall(jobs_key).items()}
+    tk = keys.tenant(tenant)
+    cursor = int(conn.hget(tk.held, "cursor") or 0)  # type: ignore[arg-type]
+    cursor, raw = conn.hscan(tk.jobs, cursor, count=PRUNE_BATCH)  # type: ignore[misc]
+    conn.hset(tk.held, "cursor", cursor)
+    shares = {text(k): text(v) for k, v in raw.items()}
     if not shares:
         return []
     ids = sorted(shares)
@@ -195,11 +225,11 @@ def prune(conn: redis.Redis, keys: Keys, tenant: str, now: float | None = None) 
             pipe.exists(lease)
         gone += [job_id for (job_id, _), leased in zip(ended, pipe.execute()) if not leased]
     if gone:
-        conn.hdel(jobs_key, *gone)
+        release(conn, keys, tenant, *gone)
     return gone
 
 
 def holding(conn: redis.Redis, keys: Keys, tenant: str) -> dict[str, Any]:
     """What the tenant's unfinished jobs hold of its quotas: {jobs, enqueued_tokens}."""
-    shares = [text(v) for v in conn.hvals(keys.tenant(tenant).jobs)]
-    return {"jobs": len(shares), "enqueued_tokens": sum(int(s.split(" ")[0]) for s in shares)}
+    jobs, tokens = conn.hmget(keys.tenant(tenant).held, ["jobs", "tokens"])  # type: ignore[misc]
+    return {"jobs": int(jobs or 0), "enqueued_tokens": int(tokens or 0)}

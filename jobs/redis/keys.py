@@ -213,6 +213,7 @@ class TenantKeys:
 
     settings: str
     jobs: str  # unfinished jobs -> their quota share
+    held: str  # those shares' sum (jobs, tokens) and where the share check goes on
 
 
 @dataclass(slots=True, frozen=True)
@@ -278,7 +279,7 @@ class Keys:
 
     def tenant(self, name: str) -> TenantKeys:
         base = f"{self.prefix}:{{tenant-{queue_tag(name)}}}"
-        return TenantKeys(f"{base}:settings", f"{base}:jobs")
+        return TenantKeys(f"{base}:settings", f"{base}:jobs", f"{base}:held")
 
     def cache(self, uri: str) -> CacheKeys:
         base = f"{self.prefix}:{{cache-{queue_tag(uri)}}}"
