@@ -113,9 +113,12 @@ def _table(statuses) -> str:
 def status(job_id: str | None, watch: bool, as_json: bool, redis_url: str | None) -> None:
     """Show JOB_ID's state, counts, tokens, speed, ETA and live workers; all jobs without one.
 
-    States: queued, running, finalizing, completed, failed, cancelling, cancelled.
+    States: queued, running, finalizing, completed, failed, cancelling, cancelled. While
+    Redis refuses writes (out of memory, a failed snapshot, a replica) an outage line
+    comes first and says why (on stderr with --json).
     """
     from batchgen.jobs.ops.status_report import all_statuses, job_status
+    from batchgen.jobs.redis.outage_probe import refused_writes
     from batchgen.jobs.storage.names import check_job_id
 
     conn, keys, _ = connect(redis_url)
@@ -137,6 +140,11 @@ def status(job_id: str | None, watch: bool, as_json: bool, redis_url: str | None
             statuses = all_statuses(conn, keys)
             text = json.dumps([x.to_dict() for x in statuses]) if as_json else _table(statuses)
             finished = all(x.record.state.terminal for x in statuses)
+        outage = refused_writes(conn, keys)
+        if outage and as_json:
+            click.echo(f"batchgen: warning: {outage}", err=True)
+        elif outage:
+            text = f"outage     {outage}\n{text}"
         if watch and not as_json and sys.stdout.isatty():
             click.clear()
         click.echo(text)

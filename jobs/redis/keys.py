@@ -246,6 +246,12 @@ class Keys:
         return f"{self.prefix}:deleted:{job_id}"
 
     @property
+    def write_probe(self) -> str:
+        """Never created: ``batchgen status`` writes nothing to it to ask whether Redis
+        takes writes (outage_probe.py)."""
+        return f"{self.prefix}:write-probe"
+
+    @property
     def workers(self) -> str:
         return f"{self.prefix}:workers"
 
