@@ -9,7 +9,7 @@ workers hold requests of jobs it does not see, gets the overview's ``notice``
 saying so and why, which the page shows (a one-key setup's own CLI jobs stay
 hidden from its key: whoever holds that key is a client, not Redis's owner).
 
-Listings are pages of an index by submit time (job_index.py): the overview shows the
+Listings are pages of an index by submit time (jobs/ops/job_index.py): the overview shows the
 newest ``MAX_JOBS`` and ``total_jobs``, /api/jobs takes ``offset`` and ``limit``
 (``MAX_JOBS`` at most); a page costs Redis a command a job shown, whatever the number
 of jobs, and a key that is not an admin's reads its tenant's index only.
