@@ -122,10 +122,10 @@ class ZeroEngine:
     def token_text(self, token_id: int) -> str:
         return str(token_id)
 
-    def encode(self, prompt: Any, template_kwargs: Any = None) -> list[int]:
+    def encode(self, prompt: Any, template_kwargs: Any = None, tools: Any = None) -> list[int]:
         return [1, 2, 3]
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], keep_special: bool = False) -> str:
         return ""
 
     def add_embedding(self, request_id, prompt, dimensions=None):

@@ -102,12 +102,13 @@ class FakeEngine:
     def token_text(self, token_id: int) -> str:
         return str(token_id)
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], keep_special: bool = False) -> str:
         return " ".join(map(str, token_ids))
 
     def encode(
-        self, prompt: str | list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
-    ) -> list[int]:
+        self, prompt: str | list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:  # fmt: skip
         if isinstance(prompt, list):
             prompt = "".join(f"<{m['role']}>{m['content']}" for m in prompt) + "<assistant>"
         if "\x07" in prompt:

@@ -45,12 +45,12 @@ JOB_HASH_BEFORE = {
 
 
 # fields added since, at their defaults (cancelled rows; fair share, deadlines and usage;
-# reasoning)
+# reasoning; tools)
 JOB_HASH_ADDED = {
     "cancelled_rows": "0", "tenant": "", "priority": "0", "deadline": "0.0", "expire": "0",
     "est_input_tokens": "0", "cost": "0.0", "backlog": "0", "vtime": "0.0", "urgent": "0", "late": "0",
     "eta": "0.0", "engine_us": "0", "failed_prompt_tokens": "0",
-    "reasoning_parser": "", "reasoning_tokens": "0",
+    "reasoning_parser": "", "reasoning_tokens": "0", "tool_call_parser": "",
 }  # fmt: skip
 
 

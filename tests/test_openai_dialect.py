@@ -85,8 +85,8 @@ def test_fields_clients_send_are_accepted(line, expected):
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        (_chat(tools=[{"type": "function"}]), "body.tools is not supported by batchgen"),
-        (_chat(tool_choice="auto"), "body.tool_choice is not supported by batchgen"),
+        (_chat(tools=[{"type": "function"}]), "tools[0].function must be an object with a name"),
+        (_chat(tool_choice="auto"), 'tool_choice "auto" needs tools'),
         (_chat(functions=[]), "body.functions is not supported by batchgen"),
         (_chat(function_call="none"), "body.function_call is not supported by batchgen"),
         (_chat(audio={"voice": "x"}), "body.audio is not supported by batchgen"),
@@ -117,10 +117,10 @@ def test_refusals_name_the_field(line, message):
 
 
 def test_a_refusal_points_at_the_field():
-    line = json.dumps(_chat(tools=[]))
+    line = json.dumps(_chat(functions=[]))
     out = parse_line(4, line.encode(), DEFAULTS)
     assert isinstance(out, LineError)
-    assert out.line == 4 and line[out.column - 1 :].startswith('"tools"')
+    assert out.line == 4 and line[out.column - 1 :].startswith('"functions"')
 
 
 # -- engine ----------------------------------------------------------------------------

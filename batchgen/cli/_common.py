@@ -109,6 +109,13 @@ def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
             "think:START,END, or none. Default: the one the checkpoint's chat template makes "
             "unambiguous (none when it has no think tags).",
         ),
+        click.option(
+            "--tool-call-parser",
+            metavar="NAME",
+            default=None,
+            help="Find the tool calls of tool_choice auto rows: hermes, llama3_json, mistral, "
+            "or none. Default: the one the checkpoint's chat template makes unambiguous.",
+        ),
     ]
 
     @functools.wraps(func)

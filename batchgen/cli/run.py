@@ -54,7 +54,8 @@ def run(
     defaults: dict[str, Any], table: TableSpec, device: str | None, max_num_seqs: int,
     num_kv_blocks: int | None, max_model_len: int | None, model_impl: str,
     threads: int | None, job_id: str | None,
-    skip_invalid: bool, reasoning_parser: str | None, redis_url: str | None,
+    skip_invalid: bool, reasoning_parser: str | None, tool_call_parser: str | None,
+    redis_url: str | None,
 ) -> None:  # fmt: skip
     """Generate for every line (or table row) of PROMPTS and write OUTPUT, all in this
     process. PROMPTS is what submit takes: JSONL, Parquet, CSV or a folder of them.
@@ -97,7 +98,7 @@ def run(
     result = submit(
         conn, keys, source_path=prompts, model=model, output=output, defaults=defaults,
         job_id=job_id, skip_invalid=skip_invalid, table=table, queue=queue,
-        reasoning_parser=reasoning_parser,
+        reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
     )  # fmt: skip
     report_submit(result)
     tag = queue_tag(queue)

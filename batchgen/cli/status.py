@@ -36,6 +36,10 @@ def _render(s) -> str:
             f"reasoning  {d['reasoning_parser']} parser; {d['reasoning_tokens']} of the out "
             "tokens reasoned"
         )
+    if d["tool_call_parser"]:
+        lines.append(
+            f"tools      {d['tool_call_parser']} parser: tool_calls of tool_choice auto rows"
+        )
     lines += _fair_share_lines(d)
     if d["retry_rounds"]:
         lines.append(f"retried    {d['retried']} rows in {d['retry_rounds']} retry round(s)")

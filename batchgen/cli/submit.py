@@ -96,6 +96,7 @@ def submit(
     deadline: str | None,
     expire: bool,
     reasoning_parser: str | None,
+    tool_call_parser: str | None,
     as_json: bool,
     redis_url: str | None,
 ) -> None:
@@ -154,7 +155,7 @@ def submit(
         job_id=job_id, skip_invalid=skip_invalid, wait_s=REDIS_WAIT.get(), retention_s=retention_s,
         cache=cache_uri,
         table=table,
-        schedule=schedule, reasoning_parser=reasoning_parser,
+        schedule=schedule, reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
     )  # fmt: skip
     report_submit(result)
     if as_json:

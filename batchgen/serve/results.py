@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from batchgen.jobs.intake.lines import read_lines
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.result import RESULT
-from batchgen.jobs.schema.rows import FinishReason
+from batchgen.jobs.schema.rows import SUCCEEDED, FinishReason
 from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.serve.batch_lifecycle import BatchState
 from batchgen.serve.batch_record import BatchRecord
@@ -26,8 +26,8 @@ from batchgen.serve.files import FileStore, new_file_id
 
 COLUMNS = ["index", "id", "text", "finish_reason", "error", "prompt_tokens",
            "completion_tokens", "cached_tokens", "choices", "logprobs", "embedding", "reasoning",
-           "reasoning_tokens"]  # fmt: skip
-OK = (FinishReason.STOP.value, FinishReason.LENGTH.value)
+           "reasoning_tokens", "tool_calls"]  # fmt: skip
+OK = SUCCEEDED
 
 
 @dataclass(slots=True)
@@ -56,7 +56,8 @@ def completion_body(batch: BatchRecord, row: dict[str, Any], created: int) -> di
                  "reasoning_tokens": row.get("reasoning_tokens") or 0}}  # fmt: skip
     samples = row.get("choices") or [
         {"index": 0, "text": row["text"], "finish_reason": row["finish_reason"],
-         "logprobs": row.get("logprobs"), "reasoning": row.get("reasoning")}
+         "logprobs": row.get("logprobs"), "reasoning": row.get("reasoning"),
+         "tool_calls": row.get("tool_calls")}
     ]  # n > 1: every sample  # fmt: skip
     if batch.endpoint == "/v1/completions":
         choices = [{"text": c["text"], "index": c["index"],
@@ -73,8 +74,13 @@ def completion_body(batch: BatchRecord, row: dict[str, Any], created: int) -> di
 
 
 def chat_message(sample: dict[str, Any]) -> dict[str, Any]:
-    """A choice's ``message``; with a reasoning parser, its reasoning as vLLM returns it."""
-    message = {"role": "assistant", "content": sample["text"], "refusal": None}
+    """A choice's ``message``; with a reasoning parser, its reasoning as vLLM returns it;
+    with tool calls, OpenAI's ``tool_calls`` (and no content when none came with them)."""
+    calls = sample.get("tool_calls")
+    content = None if calls and not sample["text"].strip() else sample["text"]
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        message["tool_calls"] = calls
     if sample.get("reasoning") is not None:
         message["reasoning_content"] = sample["reasoning"]
     return message

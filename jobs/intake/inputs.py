@@ -33,19 +33,24 @@ from batchgen.jobs.intake.lines import MAX_LINE_BYTES as MAX_LINE_BYTES  # submi
 from batchgen.jobs.intake.lines import LineError
 from batchgen.jobs.intake.openai_body import FIELDS as BODY_FIELDS
 from batchgen.jobs.intake.openai_body import PARAMS, BodyError, body_params
-from batchgen.jobs.schema import chat_template
-from batchgen.jobs.schema.constraints import from_response_format
+from batchgen.jobs.schema import chat_template, tools
+from batchgen.jobs.schema.constraints import check_spec, from_response_format
 from batchgen.jobs.schema.entry import QueuedRequest, compact_json
-from batchgen.jobs.schema.sampling import CHECKS, ParamError, check_together
+from batchgen.jobs.schema.sampling import CHECKS, ParamError, check_together, show
 
 MAX_ID_CHARS = 1024
 MAX_METADATA_BYTES = 64 << 10
 MAX_MESSAGES = 10_000
 ROLES = ("system", "developer", "user", "assistant", "tool")
+BASE_FIELDS = ("role", "content", "name")
+# a message's fields by role (an assistant's tool calls, a tool result's call id)
+MESSAGE_FIELDS = {"assistant": (*BASE_FIELDS, "tool_calls"), "tool": (*BASE_FIELDS, "tool_call_id")}
 
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # tools.py
 NATIVE_FIELDS = frozenset(
-    {"id", "prompt", "messages", "metadata", "response_format", chat_template.NAME, *CHECKS}
-)
+    {"id", "prompt", "messages", "metadata", "response_format", chat_template.NAME,
+     *TOOL_FIELDS, *CHECKS}
+)  # fmt: skip
 EMBED_FIELDS = frozenset({"id", "input", "task", "dimensions", "metadata"})
 OPENAI_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}
@@ -128,7 +133,9 @@ def _native(
     given = {k: v for k, v in value.items() if k in CHECKS}
     paths: dict[str, tuple[str, ...]] = {}
     _response_format(value, given, paths, ())
+    _tools(value, request, given, paths, ())
     request.sampling = _params(given, defaults, (), paths, vocab_size)
+    _check_tool_samples(request, ())
     if "metadata" in value:
         request.metadata = _metadata(value["metadata"], ("metadata",), line_chars)
     return request
@@ -214,7 +221,9 @@ def _openai(
     }
     paths["logprobs"] = ("body", "top_logprobs" if "top_logprobs" in body else "logprobs")
     _response_format(body, params, paths, ("body",))
+    _tools(body, request, params, paths, ("body",))
     request.sampling = _params(params, defaults, ("body",), paths, vocab_size)
+    _check_tool_samples(request, ("body",))
     if "metadata" in body:
         request.metadata = _metadata(body["metadata"], ("body", "metadata"), line_chars)
     return request
@@ -283,7 +292,7 @@ def _prompt(value: Any, path: tuple[str, ...]) -> str:
     return value
 
 
-def _messages(value: Any, path: tuple[str, ...]) -> list[dict[str, str]]:
+def _messages(value: Any, path: tuple[str, ...]) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise FieldError(path, "messages must be a non-empty list of {role, content} objects")
     if len(value) > MAX_MESSAGES:
@@ -293,24 +302,58 @@ def _messages(value: Any, path: tuple[str, ...]) -> list[dict[str, str]]:
         at: tuple[str | int, ...] = (*path, i)
         if not isinstance(message, dict):
             raise FieldError(at, "each message must be an object with role and content")
+        role = message.get("role")
+        allowed = MESSAGE_FIELDS.get(role, BASE_FIELDS) if isinstance(role, str) else BASE_FIELDS
         for key in message:
-            if key not in ("role", "content", "name"):
+            if key not in allowed:
                 raise FieldError(
                     (*at, key), f"unknown message field {strictjson.clip(key)}", at_key=True
                 )
-        role = message.get("role")
         if role not in ROLES:
             raise FieldError((*at, "role"), f"role must be one of {', '.join(ROLES)}")
-        if "content" not in message:
+        calls = message.get("tool_calls")
+        if "content" not in message and not calls:
             raise FieldError(at, "message without content")
-        normalized = {"role": role, "content": _content(message["content"], (*at, "content"))}
+        content = message.get("content")
+        normalized: dict[str, Any] = {
+            "role": role,
+            "content": "" if content is None and calls else _content(content, (*at, "content")),
+        }
         if "name" in message:
             if not isinstance(message["name"], str):
                 raise FieldError((*at, "name"), "name must be a string")
             normalized["name"] = message["name"]
+        if calls is not None:
+            normalized["tool_calls"] = _message_calls(calls, (*at, "tool_calls"))
+        if "tool_call_id" in message:
+            if not isinstance(message["tool_call_id"], str):
+                raise FieldError((*at, "tool_call_id"), "tool_call_id must be a string")
+            normalized["tool_call_id"] = message["tool_call_id"]
         out.append(normalized)
-    if not any(m["content"] for m in out):
+    if not any(m["content"] or m.get("tool_calls") for m in out):
         raise FieldError(path, "every message is empty")
+    return out
+
+
+def _message_calls(value: Any, path: tuple[str | int, ...]) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls, as a row's tool_calls column writes them."""
+    shape = (
+        'tool_calls must be a list of {"id", "type": "function", "function": {"name", "arguments"}}'
+    )
+    if not isinstance(value, list):
+        raise FieldError(path, shape)
+    out = []
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(call, dict) or call.get("type", "function") != "function"
+            or set(call) - {"id", "type", "function"} or not isinstance(function, dict)
+            or set(function) - {"name", "arguments"} or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments", ""), str)
+            or not isinstance(call.get("id", ""), str)
+        ):  # fmt: skip
+            raise FieldError((*path, i), shape + " (arguments a JSON string)")
+        out.append({**call, "type": "function"})
     return out
 
 
@@ -375,6 +418,57 @@ def _response_format(
     except ParamError as exc:
         raise FieldError(path, str(exc)) from None
     paths["structured_output"] = path
+
+
+def _tools(
+    value: dict[str, Any], request: QueuedRequest, given: dict[str, Any],
+    paths: dict[str, tuple[str, ...]], at: tuple[str, ...],
+) -> None:  # fmt: skip
+    """A chat line's tools and tool_choice onto its request; ``required`` or a named
+    function as the structured_output that makes every output a valid call."""
+    present = [name for name in TOOL_FIELDS if name in value]
+    if not present:
+        return
+    if request.messages is None:
+        raise FieldError((*at, present[0]), f"{present[0]} needs messages: a prompt is not "
+                         "rendered by the chat template")  # fmt: skip
+    try:
+        if "tools" in value:
+            request.tools = tools.check_tools(value["tools"])
+    except ParamError as exc:
+        raise FieldError((*at, "tools"), str(exc)) from None
+    choice_path = (*at, "tool_choice")
+    try:
+        if "tool_choice" in value:
+            request.tool_choice = tools.check_choice(value["tool_choice"], request.tools)
+    except ParamError as exc:
+        raise FieldError(choice_path, str(exc)) from None
+    parallel = value.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise FieldError((*at, "parallel_tool_calls"), "parallel_tool_calls must be true or "
+                         f"false, got {show(parallel)}")  # fmt: skip
+    if request.tools is None or request.tool_choice is None:
+        return
+    forced = tools.forced_constraint(request.tools, request.tool_choice, parallel)
+    if forced is None:
+        return
+    if given.get("structured_output"):
+        raise FieldError(choice_path, f"tool_choice {tools.kind(request.tool_choice)} "
+                         "constrains the output to a call: give no response_format or "
+                         "structured_output with it")  # fmt: skip
+    try:
+        given["structured_output"] = check_spec(forced)
+    except ParamError as exc:
+        raise FieldError((*at, "tools"), f"a function's parameters cannot constrain the "
+                         f"output: {exc}") from None  # fmt: skip
+    paths["structured_output"] = choice_path
+
+
+def _check_tool_samples(request: QueuedRequest, at: tuple[str, ...]) -> None:
+    """One sample per row with tools: the samples of n > 1 have no tool_calls column."""
+    if request.tools is not None and request.param("n", 1) > 1:
+        raise FieldError((*at, "n"), "n > 1 cannot be combined with tools (a row holds the "
+                         "tool calls of one sample)")  # fmt: skip
 
 
 def _metadata(value: Any, path: tuple[str, ...], line_chars: int) -> dict[str, Any]:

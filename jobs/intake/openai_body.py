@@ -3,8 +3,9 @@
 Which body fields are sampling parameters (and under which name), which are
 accepted and ignored once their value is checked (clients set them by default),
 and which are refused as "not supported by batchgen" rather than as unknown.
-The prompt, messages, metadata, response_format and the chat template variables
-(``chat_template_kwargs``, ``reasoning_effort``) are ``inputs``' business.
+The prompt, messages, metadata, response_format, the chat template variables
+(``chat_template_kwargs``, ``reasoning_effort``) and the tools (``tools``,
+``tool_choice``, ``parallel_tool_calls``) are ``inputs``' business.
 """
 
 from __future__ import annotations
@@ -23,17 +24,16 @@ IGNORED: dict[str, type] = {
     "user": str,
     "store": bool,
     "service_tier": str,
-    "parallel_tool_calls": bool,  # tools themselves are refused
 }
 # only these values mean what batchgen does; any other is not supported
 FIXED: dict[str, Any] = {"stream": False, "echo": False, "suffix": None}
 UNSUPPORTED = frozenset(
-    {"tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction",
-     "web_search_options"}
+    {"functions", "function_call", "audio", "modalities", "prediction", "web_search_options"}
 )  # fmt: skip
-# chat template variables (vLLM's body field, and OpenAI's reasoning_effort for gpt-oss)
+# chat template variables (vLLM's body field, and OpenAI's reasoning_effort for gpt-oss),
+# and the tools the template renders
 OWN = frozenset({"messages", "prompt", "metadata", "response_format", "chat_template_kwargs",
-                 "reasoning_effort"})  # fmt: skip
+                 "reasoning_effort", "tools", "tool_choice", "parallel_tool_calls"})  # fmt: skip
 FIELDS = frozenset(
     {*PARAMS, *IGNORED, *FIXED, *UNSUPPORTED, *OWN, "logprobs", "top_logprobs", "best_of"}
 )

@@ -24,12 +24,12 @@ import pyarrow.parquet as pq
 
 from batchgen.jobs.ops.result import RESULT
 from batchgen.jobs.schema.errors import OutputError
-from batchgen.jobs.schema.rows import ADDED_LATER, SCHEMA, FinishReason, default_column
+from batchgen.jobs.schema.rows import ADDED_LATER, SCHEMA, SUCCEEDED, FinishReason, default_column
 from batchgen.jobs.storage.output_store import OutputDir
 
 PART_ROWS = 1 << 16  # rows in one carried part (finalize's windows stay bounded)
 _BATCH_ROWS = 8192
-_OK = pa.array([FinishReason.STOP.value, FinishReason.LENGTH.value])
+_OK = pa.array(SUCCEEDED)
 _TOKENS = ("prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens")
 
 

@@ -49,7 +49,7 @@ from batchgen.jobs.ops.result import (
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 from batchgen.jobs.redis.lease import Lease
 from batchgen.jobs.schema.errors import BatchgenError
-from batchgen.jobs.schema.rows import FinishReason
+from batchgen.jobs.schema.rows import SUCCEEDED, FinishReason
 from batchgen.jobs.storage.output_store import OutputDir
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def _write(
     body = manifest(record, counts, finished_at)
     out.write_atomic((MANIFEST,), json.dumps(body, indent=2).encode())
     CrashPlan.from_env().reached("before_finalize_commit")
-    failed = counts.rows - counts.by_reason.get("stop", 0) - counts.by_reason.get("length", 0)
+    failed = counts.rows - sum(counts.by_reason.get(reason, 0) for reason in SUCCEEDED)
     final = FINISH(
         conn, job=jk.job, done=jk.done, now=repr(finished_at), failed=failed,
         cancelled=counts.by_reason.get(FinishReason.CANCELLED.value, 0),

@@ -58,6 +58,8 @@ class JobRecord:
     cache: str = ""  # the result cache's location (result_cache.py) when submitted with --cache
     # what splits each output into reasoning and answer (jobs/schema/reasoning.py); "": none
     reasoning_parser: str = ""
+    # what finds the tool calls of tool_choice auto rows (jobs/schema/tool_parsers.py)
+    tool_call_parser: str = ""
     retried: int = 0  # rows re-queued by `batchgen retry`, all rounds together (rerun.py)
     retry_rounds: int = 0  # retries that re-opened the job
     retry_cursor: int = 0  # the input index the current retry enqueues from next

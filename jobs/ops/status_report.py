@@ -63,6 +63,7 @@ class JobStatus:
             "completion_tokens": r.completion_tokens + self.pending_completion_tokens,
             "cached_tokens": r.cached_tokens,
             "reasoning_parser": r.reasoning_parser or None,
+            "tool_call_parser": r.tool_call_parser or None,
             "reasoning_tokens": r.reasoning_tokens,
             "tokens_per_s": round(self.tokens_per_s, 1),
             "rows_per_s": round(self.rows_per_s, 2),

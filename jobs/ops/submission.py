@@ -57,7 +57,7 @@ from batchgen.jobs.redis.connection import describe_connection_error
 from batchgen.jobs.redis.keys import Keys, QueueKeys, model_name, queue_name, queue_tag, text
 from batchgen.jobs.redis.sentinel import replicated
 from batchgen.jobs.redis.stream import ensure_group
-from batchgen.jobs.schema import reasoning
+from batchgen.jobs.schema import reasoning, tool_parsers
 from batchgen.jobs.schema.errors import InvalidInput, JobConflict, RedisUnavailable, UsageError
 from batchgen.jobs.storage.names import check_job_id
 from batchgen.jobs.storage.output_store import OutputDir
@@ -101,6 +101,7 @@ def submit(
     queue: str | None = None,
     api_tenant: str = "",
     reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> SubmitResult:
     """``table``: how a Parquet or CSV input's rows become requests (tables.py);
     ``input_format``: "jsonl", "parquet" or "csv" when the name does not say;
@@ -108,9 +109,11 @@ def submit(
     the queue's name when it is not the model's (keys.run_queue_name); ``api_tenant``:
     the serve tenant whose key submitted it (job_record.py); ``reasoning_parser``: its
     name, "none" for none, None for the one the checkpoint's chat template makes
-    unambiguous (``choose_reasoning_parser``)."""
+    unambiguous (``choose_reasoning_parser``); ``tool_call_parser`` the same for the tool
+    calls of tool_choice auto rows (``choose_tool_call_parser``)."""
     schedule = schedule or Schedule()
     parser_name = choose_reasoning_parser(reasoning_parser, model)
+    tool_parser_name = choose_tool_call_parser(tool_call_parser, model)
     job_id = check_job_id(job_id) if job_id else new_job_id()
     tenants.check_priority(conn, keys, schedule.tenant, schedule.priority, keyed=False)
     with SpoolDir() as spool_dir:
@@ -149,6 +152,7 @@ def submit(
             model_fingerprint=fingerprint(model),  # "" for an HF id: the first worker sets it
             cache=cache,
             reasoning_parser=parser_name,
+            tool_call_parser=tool_parser_name,
             input_format=fmt,
             kept_columns=kept_names,
             table=table.to_json() if table else "",
@@ -198,6 +202,20 @@ def choose_reasoning_parser(name: str | None, model: str) -> str:
     try:
         return reasoning.parser(name).name
     except reasoning.ParserError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def choose_tool_call_parser(name: str | None, model: str) -> str:
+    """The job's tool-call parser: ``name`` checked ("none": none), else the one a local
+    checkpoint's chat template makes unambiguous ("" when none does, or it is not here).
+    UsageError for a name that is no parser."""
+    if name == "none":
+        return ""
+    if name is None:
+        return tool_parsers.detect(chat_template(model))
+    try:
+        return tool_parsers.parser(name).name
+    except tool_parsers.ParserError as exc:
         raise UsageError(str(exc)) from None
 
 

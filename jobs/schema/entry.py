@@ -21,7 +21,8 @@ rows count the earlier deliveries in ``attempts``).
 Inside ``r``: ``id`` the row id, ``p`` prompt | ``m`` messages | ``e`` embedding input,
 ``dim`` dimensions, ``s`` sampling parameters (named as in ``sampling.FIELDS``: the job's
 defaults merged with the line's own), ``ct`` a chat line's chat template variables (the
-job's merged with the line's own, chat_template.py), ``md`` metadata; a worker needs
+job's merged with the line's own, chat_template.py), ``tl`` its tools and ``tc`` its
+tool_choice (tools.py), ``md`` metadata; a worker needs
 nothing else. An
 invalid line submitted with ``--skip-invalid`` is an entry too, so its row keeps its
 place: ``err`` (written first) says what is wrong with it, and its row is that error.
@@ -104,13 +105,16 @@ class QueuedRequest:
 
     id: str | None = None  # the row id (a line's id or custom_id)
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None  # {role, content, name?} each
+    # {role, content, name?} each; an assistant's tool_calls, a tool's tool_call_id
+    messages: list[dict[str, Any]] | None = None
     embed: str | list[int] | None = None  # an embedding line's one input: text or token ids
     dimensions: int | None = None  # the embedding's length, when truncated
     sampling: dict[str, Any] | None = None  # sampling.FIELDS name -> value; None: embedding
     metadata: dict[str, Any] | None = None  # the line's own, returned with its row
     invalid: str | None = None  # an invalid line's error (--skip-invalid): its row is that
     template_kwargs: dict[str, Any] | None = None  # chat template variables (messages only)
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template (tools.py)
+    tool_choice: str | dict[str, Any] | None = None  # None: auto (with tools)
 
     @classmethod
     def rejected(cls, error: str, row_id: str | None = None) -> QueuedRequest:
@@ -118,7 +122,7 @@ class QueuedRequest:
         return cls(id=row_id, invalid=error)
 
     @property
-    def prompt_input(self) -> str | list[dict[str, str]] | None:
+    def prompt_input(self) -> str | list[dict[str, Any]] | None:
         """What the engine tokenizes to generate from: the prompt or the chat messages."""
         return self.prompt if self.prompt is not None else self.messages
 
@@ -146,6 +150,10 @@ class QueuedRequest:
             wire["s"] = self.sampling
         if self.template_kwargs is not None:
             wire["ct"] = self.template_kwargs
+        if self.tools is not None:
+            wire["tl"] = self.tools
+        if self.tool_choice is not None:
+            wire["tc"] = self.tool_choice
         if self.metadata is not None:
             wire["md"] = self.metadata
         return compact_json(wire).encode("utf-8")
@@ -157,7 +165,7 @@ class QueuedRequest:
             raise EntryError("the request is not a JSON object")
         get = wire.get
         return cls(get("id"), get("p"), get("m"), get("e"), get("dim"), get("s"), get("md"),
-                   get("err"), get("ct"))  # fmt: skip
+                   get("err"), get("ct"), get("tl"), get("tc"))  # fmt: skip
 
 
 def is_rejected(encoded: bytes) -> bool:

@@ -13,9 +13,13 @@ import pyarrow.compute as pc
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop string / token
     LENGTH = "length"  # max_tokens reached
+    TOOL_CALLS = "tool_calls"  # stopped after writing tool calls (the tool_calls column)
     ERROR = "error"  # could not run; see the error column
     CANCELLED = "cancelled"  # the job was cancelled before this row was made
 
+
+# the reasons of a row that ran and succeeded
+SUCCEEDED = (FinishReason.STOP.value, FinishReason.LENGTH.value, FinishReason.TOOL_CALLS.value)
 
 _TS = pa.timestamp("ms", tz="UTC")
 _TOP = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
@@ -23,6 +27,11 @@ _TOP = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", 
 LOGPROBS = pa.list_(
     pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32()),
                ("top", pa.list_(_TOP))])
+)  # fmt: skip
+# OpenAI's tool call: {id, type "function", function {name, arguments (JSON text)}}
+TOOL_CALLS = pa.list_(
+    pa.struct([("id", pa.string()), ("type", pa.string()),
+               ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
 )  # fmt: skip
 CHOICES = pa.list_(
     pa.struct([("index", pa.int32()), ("text", pa.string()), ("token_ids", pa.list_(pa.int32())),
@@ -56,6 +65,7 @@ SCHEMA = pa.schema(
         # that wrote it (its end tag included); else null
         pa.field("reasoning", pa.string()),
         pa.field("reasoning_tokens", pa.int32()),
+        pa.field("tool_calls", TOOL_CALLS),  # the calls the output wrote (tools.py); else null
     ]
 )
 
@@ -85,6 +95,7 @@ class Row:
     cache_source: str | None = None
     reasoning: str | None = None
     reasoning_tokens: int | None = None
+    tool_calls: list[dict] | None = None
 
     @property
     def failed(self) -> bool:
@@ -131,14 +142,15 @@ def to_table(rows: Sequence[Row]) -> pa.Table:
         columns["cache_source"].append(row.cache_source)
         columns["reasoning"].append(row.reasoning)
         columns["reasoning_tokens"].append(row.reasoning_tokens)
+        columns["tool_calls"].append(row.tool_calls)
     return pa.Table.from_pydict(columns, schema=SCHEMA)
 
 
 # Columns later versions added: a file written before one of them means its default
-# (no constraint, no logprobs, one sample, no embedding, not cached, no reasoning parser:
-# null, cached false).
+# (no constraint, no logprobs, one sample, no embedding, not cached, no reasoning parser,
+# no tool calls: null, cached false).
 ADDED_LATER = frozenset({"structured", "logprobs", "choices", "embedding", "cached",
-                         "cache_source", "reasoning", "reasoning_tokens"})  # fmt: skip
+                         "cache_source", "reasoning", "reasoning_tokens", "tool_calls"})  # fmt: skip
 
 
 def default_column(name: str, length: int) -> pa.Array:

@@ -115,12 +115,13 @@ class Engine:
 
     # -- requests in ----------------------------------------------------------
     def encode(
-        self, prompt: str | Sequence[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
-    ) -> list[int]:
-        return self.text.encode(prompt, template_kwargs)  # see PromptText.encode
+        self, prompt: str | Sequence[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:  # fmt: skip
+        return self.text.encode(prompt, template_kwargs, tools)  # see PromptText.encode
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.text.decode(token_ids)  # see PromptText.decode
+    def decode(self, token_ids: Sequence[int], keep_special: bool = False) -> str:
+        return self.text.decode(token_ids, keep_special)  # see PromptText.decode
 
     def token_text(self, token_id: int) -> str:
         return self.text.token_text(token_id)  # see PromptText.token_text

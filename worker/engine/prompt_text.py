@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
+from batchgen.jobs.schema.tools import template_messages
+
 
 class PromptText:
     """The engine's tokenizer, as the engine and the queue loop use it."""
@@ -17,17 +19,21 @@ class PromptText:
         self,
         prompt: str | Sequence[dict[str, Any]],
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """A string -> token ids; chat messages -> chat template with the generation prompt,
-        ``template_kwargs`` its variables (``enable_thinking``, ...). ValueError for
-        variables given to a checkpoint without a chat template."""
+        ``template_kwargs`` its variables (``enable_thinking``, ...), ``tools`` the
+        functions it renders (tools.py). ValueError for variables or tools given to a
+        checkpoint without a chat template."""
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        if template_kwargs and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("chat_template_kwargs given, but the model has no chat template")
+        if not getattr(self.tokenizer, "chat_template", None):
+            for given, name in ((template_kwargs, "chat_template_kwargs"), (tools, "tools")):
+                if given:
+                    raise ValueError(f"{name} given, but the model has no chat template")
         ids = self.tokenizer.apply_chat_template(
-            list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False,
-            **(template_kwargs or {}),
+            template_messages(list(prompt)), tools=tools, add_generation_prompt=True,
+            tokenize=True, return_dict=False, **(template_kwargs or {}),
         )  # fmt: skip
         return list(ids)
 
@@ -39,9 +45,10 @@ class PromptText:
             return self.encode(cast(Sequence[dict[str, Any]], prompt))
         return [int(t) for t in cast(Sequence[int], prompt)]
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Generated tokens' text as an output's ``text`` holds it (special tokens skipped)."""
-        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+    def decode(self, token_ids: Sequence[int], keep_special: bool = False) -> str:
+        """Generated tokens' text as an output's ``text`` holds it (special tokens skipped;
+        ``keep_special``: kept, for a tool-call parser whose markers are special tokens)."""
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=not keep_special))
 
     def token_text(self, token_id: int) -> str:
         """One token's text alone, as logprobs show it."""

@@ -6,12 +6,14 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from batchgen.jobs.consumer.queue import Delivery
+from batchgen.jobs.schema import tools
 from batchgen.jobs.schema.constraints import kind_of
 from batchgen.jobs.schema.reasoning import Split, ThinkTags
 from batchgen.jobs.schema.rows import FinishReason, Row
+from batchgen.jobs.schema.tool_parsers import Call, ToolParser
 from batchgen.worker.loop.engine_api import EngineOutput
 
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
@@ -36,6 +38,14 @@ class Flight:
     # its output tokens counted in the worker's progress so far (resumed ones from the start)
     counted: int = 0
     reasoning: Reasoning | None = None  # the job's reasoning parser, when it has one
+    # the job's tool-call parser, for a request whose tool_choice is auto
+    tool_parser: ToolParser | None = None
+
+
+class Decode(Protocol):
+    """Generated tokens' text, as the output's (or with special tokens kept)."""
+
+    def __call__(self, token_ids: list[int], keep_special: bool = False) -> str: ...
 
 
 def _metadata(delivery: Delivery) -> str | None:
@@ -59,7 +69,7 @@ def now_ms() -> int:
 
 def output_row(
     flight: Flight, out: EngineOutput, worker: str, token_text: Callable[[int], str],
-    decode: Callable[[list[int]], str],
+    decode: Decode,
 ) -> Row:  # fmt: skip
     """The row of a finished engine output (``RequestOutput``); ``token_text``: a token
     id's text alone, for the logprobs columns; ``decode``: tokens' text as the output's."""
@@ -73,6 +83,11 @@ def output_row(
         split = parser.split(text, flight.reasoning.closed)
         reasoning_count = reasoning_tokens(token_ids, text, split, parser.end, decode)
         text, reasoning = split.text, split.reasoning
+    calls: list[Call] = []
+    if reason and d.request.tools is not None:
+        text, calls = tool_calls(flight, text, token_ids, decode)
+        if calls and reason is FinishReason.STOP:
+            reason = FinishReason.TOOL_CALLS
     top_k = d.request.param("logprobs")
     samples = out.samples if len(out.samples) > 1 else []
     choices: list[dict[str, Any]] = [
@@ -103,7 +118,33 @@ def output_row(
         logprobs=_logprobs(token_ids, out.logprobs, top_k, token_text),
         choices=choices or None,
         embedding=list(out.embedding) if out.embedding is not None else None,
+        tool_calls=[tools.call_record(c, d.job_id, d.index, i) for i, c in enumerate(calls)]
+        or None,
     )
+
+
+def tool_calls(
+    flight: Flight, answer: str, token_ids: list[int], decode: Decode
+) -> tuple[str, list[Call]]:
+    """A tool request's answer as (its text, the calls it wrote): under ``required`` or a
+    named function the constrained output read back, under ``auto`` what the job's
+    parser finds; an output whose calls do not parse stays all text."""
+    request = flight.delivery.request
+    kind = tools.kind(request.tool_choice)
+    if kind in tools.FORCING:
+        assert request.tool_choice is not None
+        forced = tools.forced_calls(answer, request.tool_choice)
+        return ("", forced) if forced else (answer, [])
+    parser = flight.tool_parser
+    if kind == "none" or parser is None:
+        return answer, []
+    source = answer
+    if parser.keeps_special:  # its markers are special tokens, which the answer drops
+        source = decode(token_ids, True)
+        if flight.reasoning is not None:
+            source = flight.reasoning.parser.split(source, flight.reasoning.closed).text
+    found = parser.extract(source)
+    return (found.text, found.calls) if found.calls else (answer, [])
 
 
 def reasoning_tokens(

@@ -19,9 +19,10 @@ from batchgen.jobs.consumer.queue import Delivery, dead_letter
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.modelinfo import fingerprint
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
-from batchgen.jobs.schema import reasoning
+from batchgen.jobs.schema import reasoning, tool_parsers
 from batchgen.jobs.schema.reasoning import ThinkTags
 from batchgen.jobs.schema.rows import Row
+from batchgen.jobs.schema.tool_parsers import ToolParser
 from batchgen.worker.loop.flight import error_row
 from batchgen.worker.loop.loop_config import LoopConfig
 
@@ -34,6 +35,7 @@ class JobInfo:
     cache: str = ""  # the result cache's location when the job uses it
     refused: str = ""  # why this worker will not run the job's requests (other weights)
     reasoning: ThinkTags | None = None  # splits each output into reasoning and answer
+    tool_parser: ToolParser | None = None  # finds the calls of tool_choice auto rows
 
 
 class JobBook:
@@ -59,19 +61,20 @@ class JobBook:
         if job_id not in self.jobs:
             jk = self.qk.job(job_id)
             pipe = self.conn.pipeline(transaction=False)
-            pipe.hmget(jk.job, ["output", "cache", "reasoning_parser"])
+            pipe.hmget(jk.job, ["output", "cache", "reasoning_parser", "tool_call_parser"])
             if self.fingerprint:
                 pipe.hsetnx(jk.job, "model_fingerprint", self.fingerprint)
             pipe.hget(jk.job, "model_fingerprint")
-            (output, cache, parser_name), *_, expected = pipe.execute()
+            (output, cache, parser_name, tool_name), *_, expected = pipe.execute()
             if output is None:
                 self.jobs[job_id] = None
                 return None
             refused = self._refusal(job_id, text(expected))
-            name = text(parser_name)
+            name, tool_name = text(parser_name), text(tool_name)
             self.jobs[job_id] = JobInfo(
-                text(output), text(cache), refused, reasoning.parser(name) if name else None
-            )
+                text(output), text(cache), refused, reasoning.parser(name) if name else None,
+                tool_parsers.parser(tool_name) if tool_name else None,
+            )  # fmt: skip
         return self.jobs[job_id]
 
     def _refusal(self, job_id: str, expected: str) -> str:

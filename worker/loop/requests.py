@@ -22,6 +22,7 @@ import redis
 
 from batchgen.jobs.consumer.queue import Delivery, HandBack
 from batchgen.jobs.consumer.sink import PartSink
+from batchgen.jobs.schema import tools
 from batchgen.jobs.schema.rows import Row, cached_input_tokens
 from batchgen.worker.loop.caching import LoopCache
 from batchgen.worker.loop.engine_api import EngineAPI, EngineOutput
@@ -214,9 +215,10 @@ class Requests:
             prepared = self._prepare(d, job.output)
             if prepared is not None:
                 ready.append((d, job, *prepared))
-        # a job with a reasoning parser leaves the cache alone: its rows are split
-        lookups = [(job.cache, d, ids) for d, job, _, ids in ready
-                   if job.cache and cached and job.reasoning is None]  # fmt: skip
+        # a job with a reasoning parser, and a request with tools, leave the cache alone:
+        # their rows are split
+        lookups = [(job.cache, d, ids) for d, job, _, ids in ready if job.cache and cached
+                   and job.reasoning is None and d.request.tools is None]  # fmt: skip
         hits = self.cache.lookup(lookups) if lookups else {}
         for d, job, params, token_ids in ready:
             row = hits.get(d.entry_id)
@@ -234,9 +236,14 @@ class Requests:
                 self.error(d, job.output, f"request rejected: {reason}", len(token_ids))
                 continue
             flight = Flight(d, job.output, len(token_ids), counted=len(d.resume))
+            kind = tools.kind(d.request.tool_choice) if d.request.tools is not None else ""
             if job.reasoning is not None:
                 tail = self.engine.decode(token_ids[-PROMPT_TAIL_TOKENS:])
-                flight.reasoning = Reasoning(job.reasoning, job.reasoning.closed_by(tail))
+                # a forced call is constrained from its first token: it has no reasoning
+                closed = kind in tools.FORCING or job.reasoning.closed_by(tail)
+                flight.reasoning = Reasoning(job.reasoning, closed)
+            if kind == "auto":
+                flight.tool_parser = job.tool_parser
             self.flights[d.entry_id] = flight
             self.progress.started(d.job_id)
 
@@ -263,7 +270,7 @@ class Requests:
             self.error(d, output, f"invalid sampling parameters: {exc}")
             return None
         try:
-            token_ids = self.engine.encode(prompt, d.request.template_kwargs)
+            token_ids = self.engine.encode(prompt, d.request.template_kwargs, d.request.tools)
         except Exception as exc:  # a tokenizer or chat-template failure fails this row only
             self.error(d, output, f"cannot tokenize the prompt: {exc}")
             return None

@@ -1,0 +1,430 @@
+"""Tool calls: parsers on the real releases' output shapes, tools and tool_choice at
+submit, and the tool_calls column through the CLI and serve on a toy checkpoint with
+Qwen's tool tokens and its (hermes) chat template."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from batchgen.jobs.intake.inputs import parse_line
+from batchgen.jobs.intake.lines import LineError
+from batchgen.jobs.schema import tools
+from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.jobs.schema.tool_parsers import Call, Extracted, ParserError, detect, parser
+from tests.cli_session import Shell, rows, write_jsonl
+
+# -- parsers on the releases' output shapes ----------------------------------------------
+
+WEATHER = Call("get_weather", '{"city": "Paris", "days": 3}')
+TIME = Call("get_time", '{"zone": "CET"}')
+
+
+def extract(name: str, text: str) -> Extracted:
+    return parser(name).extract(text)
+
+
+def test_hermes_reads_qwens_tool_call_blocks():
+    one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+    assert extract("hermes", one) == Extracted("", [WEATHER])
+    # two calls in one output, text before them (Qwen writes a newline between blocks)
+    two = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+           '"days": 3}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+           '{"zone": "CET"}}\n</tool_call>')  # fmt: skip
+    assert extract("hermes", two) == Extracted("Let me check.\n", [WEATHER, TIME])
+    # the model stopped at EOS before the last end tag
+    cut = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n'
+    assert extract("hermes", cut) == Extracted("", [TIME])
+    # arguments given as a JSON string are kept as that text
+    stringly = '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}</tool_call>'
+    assert extract("hermes", stringly) == Extracted("", [TIME])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Paris is sunny.",  # no call at all
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut by max_tokens
+        "<tool_call>\n{'name': 'get_time', 'arguments': {}}\n</tool_call>",  # not JSON
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',  # arguments no object
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>oops</tool_call>',
+    ],
+)
+def test_hermes_keeps_an_output_whose_calls_do_not_parse_as_text(text):
+    assert extract("hermes", text) == Extracted(text)
+
+
+def test_llama3_json_reads_llamas_parameters_objects():
+    one = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'
+    assert extract("llama3_json", one) == Extracted("", [WEATHER])
+    # <|python_tag|> kept (decoded with special tokens), two calls joined by ";"
+    two = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+           '{"name": "get_time", "parameters": {"zone": "CET"}}')  # fmt: skip
+    assert extract("llama3_json", two) == Extracted("", [WEATHER, TIME])
+    for text in ("The weather is fine.", '{"name": "get_weather", "parameters": {"city": ',
+                 '{"name": "get_time", "parameters": {}} and then', '{"no": "name"}'):  # fmt: skip
+        assert extract("llama3_json", text) == Extracted(text)
+
+
+def test_mistral_reads_both_tool_call_formats():
+    v3 = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+          '{"name": "get_time", "arguments": {"zone": "CET"}}]</s>')  # fmt: skip
+    assert extract("mistral", v3) == Extracted("", [WEATHER, TIME])
+    v11 = ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'
+           '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"zone": "CET"}</s>')  # fmt: skip
+    assert extract("mistral", v11) == Extracted("Checking.", [WEATHER, TIME])
+    assert extract("mistral", '[TOOL_CALLS]get_time{"zone": "CET"}') == Extracted("", [TIME])
+    for text in ("no calls", '[TOOL_CALLS][{"name": "get_time", "arguments": {"zo',
+                 "[TOOL_CALLS]get_time[ARGS]not json"):  # fmt: skip
+        assert extract("mistral", text) == Extracted(text)
+    assert parser("mistral").keeps_special and not parser("hermes").keeps_special
+
+
+def test_a_wrong_parser_name_says_which_exist():
+    with pytest.raises(ParserError) as caught:
+        parser("qwen")
+    assert (
+        str(caught.value) == "unknown tool-call parser 'qwen': one of hermes, llama3_json, mistral"
+    )
+
+
+def test_detect_reads_the_chat_template():
+    assert detect(None) == detect("{{ messages }}") == ""
+    assert detect(QWEN_TEMPLATE) == "hermes"
+    assert detect("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert detect("{{ '<|python_tag|>' }}") == "llama3_json"
+    assert detect("<tool_call>[TOOL_CALLS]") == ""  # two formats: ambiguous
+
+
+# -- tools and tool_choice at submit -----------------------------------------------------
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False,
+}  # fmt: skip
+TIME_PARAMS = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+               "required": ["zone"], "additionalProperties": False}  # fmt: skip
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather by city",
+                                      "parameters": WEATHER_PARAMS}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}},
+]  # fmt: skip
+SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+
+
+def _entry(line: dict) -> dict:
+    out = parse_line(1, json.dumps(line).encode(), dict(DEFAULTS))
+    assert not isinstance(out, LineError), str(out)
+    return json.loads(out)
+
+
+def _refusal(line: dict) -> str:
+    out = parse_line(1, json.dumps(line).encode(), dict(DEFAULTS))
+    assert isinstance(out, LineError), out
+    return str(out)
+
+
+def _body(**body: Any) -> dict[str, Any]:
+    return {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": ASK, **body}}  # fmt: skip
+
+
+def test_tools_reach_the_entry_and_forced_choices_constrain_the_output():
+    auto = _entry({"messages": ASK, "tools": TOOLS})
+    assert (auto["tl"], "tc" in auto, "structured_output" in auto["s"]) == (TOOLS, False, False)
+    assert _entry(_body(tools=TOOLS, tool_choice="none"))["tc"] == "none"
+    named = _entry(_body(tools=TOOLS, tool_choice=NAMED))
+    assert named["tc"] == NAMED and named["s"]["structured_output"] == {"json": TIME_PARAMS}
+    required = _entry({"messages": ASK, "tools": TOOLS, "tool_choice": "required"})
+    schema = required["s"]["structured_output"]["json"]
+    assert schema == tools.forced_constraint(TOOLS, "required")["json"]  # type: ignore[index]
+    assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [
+        ["get_weather"], ["get_time"]]  # fmt: skip
+    assert "maxItems" not in schema
+    one = _entry(_body(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
+    assert one["s"]["structured_output"]["json"]["maxItems"] == 1
+
+
+def test_multi_turn_messages_keep_tool_calls_and_tool_results():
+    turns: list[dict[str, Any]] = [*ASK,
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "call_1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+    entry = _entry(_body(messages=turns, tools=TOOLS))
+    assert entry["m"] == [ASK[0], {**turns[1], "content": ""}, turns[2]]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ({"prompt": "hi", "tools": TOOLS},
+         "tools needs messages: a prompt is not rendered by the chat template"),
+        ({"messages": ASK, "tools": []},
+         'tools must be a non-empty list of {"type": "function", "function": {...}} objects'),
+        ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+         'tools[0].function.name must be 1 to 64 letters, digits, _, ., : or -, got "a b"'),
+        ({"messages": ASK, "tools": [TOOLS[0], TOOLS[0]]},
+         "tools name the function 'get_weather' twice"),
+        ({"messages": ASK, "tool_choice": "required"}, 'tool_choice "required" needs tools'),
+        ({"messages": ASK, "tools": TOOLS, "tool_choice": "any"},
+         'tool_choice must be "auto", "none", "required" or {"type": "function", "function": '
+         '{"name": ...}}, got "any"'),
+        ({"messages": ASK, "tools": TOOLS,
+          "tool_choice": {"type": "function", "function": {"name": "get_stock"}}},
+         'tool_choice names the function "get_stock", which tools does not list'),
+        ({"messages": ASK, "tools": TOOLS, "tool_choice": "required",
+          "response_format": {"type": "json_object"}},
+         "tool_choice required constrains the output to a call: give no response_format or "
+         "structured_output with it"),
+        ({"messages": ASK, "tools": TOOLS, "n": 2},
+         "n > 1 cannot be combined with tools (a row holds the tool calls of one sample)"),
+        ({"messages": ASK, "tools": TOOLS, "parallel_tool_calls": "no"},
+         'parallel_tool_calls must be true or false, got "no"'),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+         "unknown message field 'tool_calls'"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                          "arguments": {}}}]}]},
+         'tool_calls must be a list of {"id", "type": "function", "function": {"name", '
+         '"arguments"}} (arguments a JSON string)'),
+        (_body(functions=[]), "body.functions is not supported by batchgen"),
+    ],
+)  # fmt: skip
+def test_wrong_tools_are_refused_by_name(line, message):
+    assert message in _refusal(line)
+
+
+def test_forced_calls_read_back_the_constrained_output():
+    assert tools.forced_calls('{"zone":"CET"}', NAMED) == [Call("get_time", '{"zone": "CET"}')]
+    out = '[{"name":"get_weather","parameters":{"city":"Paris","days":3}},{"name":"get_time","parameters":{"zone":"CET"}}]'
+    assert tools.forced_calls(out, "required") == [WEATHER, TIME]
+    assert tools.forced_calls('[{"name":"get_time","parameters":{"zo', "required") is None
+    record = tools.call_record(TIME, "job", 7, 0)
+    assert record == {"id": record["id"], "type": "function",
+                      "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}  # fmt: skip
+    assert record["id"].startswith("call_") and len(record["id"]) == 29
+    assert tools.call_record(TIME, "job", 7, 0) == record != tools.call_record(TIME, "job", 7, 1)
+
+
+# -- a Qwen-shaped toy checkpoint, through the engine, the CLI and serve -----------------
+
+# Qwen2.5's chat template (the hermes tool format) as the release writes it.
+QWEN_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    '{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user '
+    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
+    '\\n<tools>" }}'
+    '{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}'
+    '{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name '
+    'and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": '
+    '<function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}'
+    "{%- else %}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+@pytest.fixture(scope="module")
+def qwen_model(tmp_path_factory) -> Path:
+    """A toy qwen2 whose tokenizer has Qwen's tool tokens as added (not special) tokens,
+    as the release's, inside the embedding table, and Qwen2.5's chat template."""
+    from transformers import AutoTokenizer
+
+    from batchgen.toy import write_toy_checkpoint
+    from batchgen.toy.checkpoint import SIZES
+
+    out = tmp_path_factory.mktemp("qwen-tools")
+    size = replace(SIZES["tiny"], tokenizer_vocab_size=SIZES["tiny"].vocab_size - 4)
+    write_toy_checkpoint(out, arch="qwen2", size=size)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.add_tokens(QWEN_TOOL_TOKENS)
+    tokenizer.chat_template = QWEN_TEMPLATE
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+TURNS: list[dict[str, Any]] = [*ASK,
+         {"role": "assistant", "content": None, "tool_calls": [
+             {"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
+         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]  # fmt: skip
+
+
+def test_tools_and_tool_turns_render_as_transformers_renders_them(qwen_model):
+    from transformers import AutoTokenizer
+
+    from batchgen import Engine
+
+    hf: Any = AutoTokenizer.from_pretrained(str(qwen_model))
+    engine = Engine.from_pretrained(qwen_model, num_kv_blocks=64, device="cpu")
+    entry = _entry({"messages": TURNS, "tools": TOOLS})
+    rendered = engine.encode(entry["m"], None, entry["tl"])
+    # as vLLM passes them: the arguments string is the object templates write with tojson
+    as_objects: list[Any] = [*TURNS[:1], {**TURNS[1], "content": "", "tool_calls": [
+        {**TURNS[1]["tool_calls"][0], "function": {"name": "get_weather",
+                                                   "arguments": {"city": "Paris", "days": 3}}}]},
+                  TURNS[2]]  # fmt: skip
+    assert rendered == hf.apply_chat_template(as_objects, tools=TOOLS, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)  # fmt: skip
+    text = hf.decode(rendered)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}' in text
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+    assert json.dumps(TOOLS[1]) in text  # the tools, as the template writes them
+    assert engine.encode(ASK) == hf.apply_chat_template(ASK, add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False)  # fmt: skip
+    assert detect(hf.chat_template) == "hermes"
+
+
+# an auto line whose output is steered (by a grammar) into two hermes calls: what a model
+# that calls tools writes, so the worker's parser reads real blocks. The grammar names
+# the added tokens as tokens (<tool_call>): llguidance forces a regex's "<tool_call>" text
+# as that token, then refuses it as not the text's bytes (the request aborts)
+HERMES_GRAMMAR = (r'start: <tool_call> "\n{\"name\": \"get_weather\", \"arguments\": '
+                  r'{\"city\": \"" /(Paris|Oslo)/ "\", \"days\": " /[1-9]/ "}}\n" </tool_call> '
+                  r'"\n" <tool_call> "\n{\"name\": \"get_time\", \"arguments\": {\"zone\": '
+                  r'\"" /(UTC|CET)/ "\"}}\n" </tool_call>')  # fmt: skip
+
+
+def _tool_lines() -> list[dict[str, Any]]:
+    lines: list[dict[str, Any]] = []
+    for i in range(8):
+        sampled = {"temperature": 1.0, "seed": i}
+        lines.append({"id": f"req{i}", "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+                      "max_tokens": 1000, **sampled})  # fmt: skip
+        lines.append({"id": f"one{i}", "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+                      "parallel_tool_calls": False, "max_tokens": 120, **sampled})  # fmt: skip
+        lines.append({"id": f"named{i}", "messages": TURNS, "tools": TOOLS,
+                      "tool_choice": NAMED, "max_tokens": 60, **sampled})  # fmt: skip
+    lines.append({"id": "auto", "messages": ASK, "tools": TOOLS, "max_tokens": 200,
+                  "structured_output": {"grammar": HERMES_GRAMMAR}})  # fmt: skip
+    lines.append({"id": "prose", "messages": ASK, "tools": TOOLS, "max_tokens": 8})
+    lines.append({"id": "none", "messages": ASK, "tools": TOOLS, "tool_choice": "none",
+                  "max_tokens": 200, "structured_output": {"grammar": HERMES_GRAMMAR}})  # fmt: skip
+    return lines
+
+
+def _assert_valid_calls(calls: list[dict[str, Any]], names: list[str]) -> None:
+    assert [c["function"]["name"] for c in calls] == names if names else calls
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]),
+                            SCHEMAS[call["function"]["name"]])  # fmt: skip
+
+
+def test_every_forced_row_is_a_valid_call_through_the_cli(qwen_model, tmp_path, private_redis):
+    (tmp_path / "qwen").symlink_to(qwen_model)
+    write_jsonl(tmp_path / "p.jsonl", _tool_lines())
+    shell = Shell(tmp_path, tmp_path / "home", private_redis.url)
+    # no --tool-call-parser: the template's <tool_call> chooses hermes
+    out = shell.run("run", "p.jsonl", "--model", "qwen", "-o", "out.parquet", "--job-id",
+                    "tools", "--device", "cpu", "--job-output", str(tmp_path / "job"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert shell.status("tools")["tool_call_parser"] == "hermes"
+    got = rows(tmp_path / "out.parquet")
+    by_id = {row_id: {k: got[k][i] for k in got} for i, row_id in enumerate(got["id"])}
+    for i in range(8):
+        for kind in ("req", "one", "named"):
+            row = by_id[f"{kind}{i}"]
+            assert (row["finish_reason"], row["text"], row["error"]) == ("tool_calls", "", None)
+            calls = row["tool_calls"]
+            _assert_valid_calls(calls, ["get_time"] if kind == "named" else [])
+            assert len(calls) == 1 if kind != "req" else len(calls) >= 1
+            assert row["structured"] == "json"
+    assert {c["function"]["name"] for i in range(8) for c in by_id[f"req{i}"]["tool_calls"]} == {
+        "get_weather", "get_time"}  # fmt: skip
+    auto = by_id["auto"]
+    assert auto["finish_reason"] == "tool_calls" and auto["text"] == ""
+    _assert_valid_calls(auto["tool_calls"], ["get_weather", "get_time"])
+    # tool_choice none: the same output stays text; prose from auto stays text
+    assert by_id["none"]["tool_calls"] is None and by_id["none"]["text"].startswith("<tool_call>")
+    assert by_id["none"]["finish_reason"] == "stop"
+    prose = by_id["prose"]
+    assert prose["tool_calls"] is None and prose["finish_reason"] in ("stop", "length")
+
+
+def test_serve_returns_openai_tool_calls(qwen_model, tmp_path):
+    from openai import OpenAI
+
+    from tests.serve_stack import KEY, private_stack
+
+    model = str(qwen_model)
+    bodies = {
+        "req": {"tools": TOOLS, "tool_choice": "required", "max_tokens": 1000, "seed": 1,
+                "temperature": 1.0},
+        "named": {"tools": TOOLS, "tool_choice": NAMED, "max_tokens": 60},
+        "prose": {"tools": TOOLS, "max_tokens": 4},
+    }  # fmt: skip
+    requests = [{"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": model, "messages": TURNS, **body}}
+                for cid, body in bodies.items()]  # fmt: skip
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    with private_stack(tmp_path / "stack", qwen_model) as stack:
+        stack.serve("--api-key", KEY)
+        stack.worker(qwen_model)
+        client = OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0)
+        with (tmp_path / "in.jsonl").open("rb") as f:
+            file = client.files.create(file=f, purpose="batch")
+        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")  # fmt: skip
+        for _ in range(1500):
+            batch = client.batches.retrieve(batch.id)
+            if batch.status in ("completed", "failed", "cancelled", "expired"):
+                break
+            time.sleep(0.2)
+        assert batch.status == "completed", batch
+        assert batch.output_file_id is not None
+        text = client.files.content(batch.output_file_id).text
+    from openai.types.chat import ChatCompletion
+
+    out = {line["custom_id"]: line for line in map(json.loads, text.splitlines())}
+    assert sorted(out) == ["named", "prose", "req"]
+    for cid in ("req", "named"):
+        body = out[cid]["response"]["body"]
+        choice = ChatCompletion.model_validate(body).choices[0]  # OpenAI's own types
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None and choice.message.tool_calls
+        calls = [c.model_dump() for c in choice.message.tool_calls]
+        _assert_valid_calls(calls, ["get_time"] if cid == "named" else [])
+        assert body["choices"][0]["message"]["tool_calls"] == calls
+    prose = out["prose"]["response"]["body"]["choices"][0]
+    assert "tool_calls" not in prose["message"] and isinstance(prose["message"]["content"], str)
