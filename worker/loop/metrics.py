@@ -33,6 +33,11 @@ COUNTERS: dict[str, tuple[str, dict[str, str], str]] = {
     "lost_entries": ("batchgen_lost_entries_total", {}, "Pending entries found deleted."),
     "prompt_tokens": ("batchgen_prompt_tokens_total", {}, "Prompt tokens of finished requests."),
     "generation_tokens": ("batchgen_generation_tokens_total", {}, "Generated tokens."),
+    "reasoning_tokens": (
+        "batchgen_reasoning_tokens_total",
+        {},
+        "Generated tokens that wrote reasoning (rows of jobs with a reasoning parser).",
+    ),
     "cached_tokens": (
         "batchgen_cached_tokens_total",
         {},

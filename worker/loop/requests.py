@@ -304,6 +304,7 @@ class Requests:
         self.count("prompt_tokens", row.prompt_tokens)
         self.count("cached_tokens", cached_input_tokens(row))
         self.count("generation_tokens", row.completion_tokens)
+        self.count("reasoning_tokens", row.reasoning_tokens or 0)
         self.count("engine_us", engine_us)
 
     def charge_step(self, elapsed_s: float) -> None:
