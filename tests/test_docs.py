@@ -195,14 +195,18 @@ def test_every_page_a_tracked_file_names_exists():
 def test_the_readme_states_the_sampling_defaults_beside_the_first_job():
     """Where the first job is shown, the README says what a line without max_tokens or
     temperature gets: the values jobs/schema/sampling.py defines."""
-    from batchgen.jobs.schema.sampling import DEFAULTS
+    from batchgen.jobs.schema.sampling import DEFAULTS, default_max_tokens
 
     readme = (REPO / "README.md").read_text()
     first_job = readme.index("<!-- block: first-job -->")
     said = readme.index("A line without `max_tokens` gets", first_job)
     assert said < readme.index("<!-- block: workers -->")
     stated = " ".join(readme[said : readme.index("\n\n", said)].split())
-    assert f"A line without `max_tokens` gets {DEFAULTS['max_tokens']} tokens" in stated
+    assert default_max_tokens(chat=True) is None and (
+        "a chat line runs to the end of its answer (EOS, a stop string) or of the model's "
+        "context" in stated
+    )
+    assert f"a prompt line gets {default_max_tokens(chat=False)} tokens" in stated
     assert DEFAULTS["temperature"] == 0 and "greedy (`temperature` 0)" in stated
 
 

@@ -106,17 +106,19 @@ def test_a_newcomers_session_from_make_demo_to_their_own_model(tmp_path, toy_mod
     out = run_sh(doc_block("first-job"), clone, shell)
     first = rows(clone / "answers.parquet")
     assert first["id"] == ["sea", "redis", "r3"] and first["index"] == [0, 1, 2]
-    assert_lengths(first, [32, 16, 16])  # the line's max_tokens, else the default 16
+    # the line's max_tokens; the chat line without one runs to its end, past 16 tokens
+    assert_lengths(first, [32, 4096 - first["prompt_tokens"][1], 16])
+    assert len(first["token_ids"][1]) > 16
     assert "sea" in out.stdout and "finish_reason" in out.stdout
 
     run_sh(doc_block("workers"), clone, shell)
     again = rows(clone / "fleet.parquet")
     assert again["id"] == first["id"]
     assert_lengths(again, [32, 64, 16])  # --max-tokens 64 for the line without its own
-    # greedy rows are the same tokens; the seeded one makes the same draws, and more
+    # greedy rows are the same tokens; the seeded one makes the same draws, 64 of them
     assert again["token_ids"][0] == first["token_ids"][0]
     assert again["token_ids"][2] == first["token_ids"][2]
-    assert again["token_ids"][1][: len(first["token_ids"][1])] == first["token_ids"][1]
+    assert first["token_ids"][1][: len(again["token_ids"][1])] == again["token_ids"][1]
 
     model = own_checkpoint(clone / "my-model", toy)
     run_sh(doc_block("own-model"), clone, shell)

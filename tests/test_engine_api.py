@@ -156,6 +156,19 @@ def test_requests_that_can_never_fit_are_rejected(toy_model):
     assert not engine.has_unfinished()
 
 
+def test_no_max_tokens_runs_to_the_context_or_what_the_pool_holds(toy_model):
+    """max_tokens None (a chat line's default): up to the context, or to the most tokens
+    the KV pool holds for one request when that is less (here 4 blocks of 16 = 64)."""
+    unbounded = SamplingParams(max_tokens=None, ignore_eos=True)
+    for blocks, limit in ((16, 100), (4, 64)):
+        engine = Engine.from_pretrained(toy_model("qwen2"), num_kv_blocks=blocks,
+                                        max_model_len=100)  # fmt: skip
+        out = engine.generate([_prompt(30, 1)], unbounded)[0]
+        assert (out.finish_reason, len(out.token_ids)) == ("length", limit - 30)
+    with pytest.raises(RequestRejected, match="needs 5 KV blocks but the pool has 4"):
+        engine.add_request("full", list(range(64)), unbounded)  # not one token of room
+
+
 def test_stats_and_free_capacity(toy_model):
     engine = Engine.from_pretrained(toy_model("qwen2"), num_kv_blocks=64, max_num_seqs=4)
     assert engine.free_capacity() == 6  # 4 running + a queue of 2 behind them

@@ -24,7 +24,8 @@ S16 = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
 # Input lines and the exact ``r`` bytes the release before this module made of them
 # (captured from its parse_line): a job's fingerprint is their sha256, so a resumed
-# submit or a retry of a job submitted before an upgrade must make the same bytes.
+# submit or a retry of a job submitted before an upgrade must make the same bytes. One
+# change on purpose: a chat line without max_tokens runs to its end (null), not 16 tokens.
 LINES_AND_BYTES = [
     ({"id": "row-1", "prompt": "Tell me about café ☕", "max_tokens": 64, "temperature": 0.7,
       "top_p": 0.9, "seed": 7, "stop": ["\n\n"], "logit_bias": {"50256": -100}, "logprobs": 2,
@@ -35,7 +36,7 @@ LINES_AND_BYTES = [
     ({"messages": [{"role": "system", "content": "Be brief."},
                    {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "bob"}]},
      b'{"m":[{"role":"system","content":"Be brief."},{"role":"user","content":"hi",'
-     b'"name":"bob"}],"s":{"max_tokens":16,"temperature":0.0,"top_p":1.0,"top_k":0}}'),
+     b'"name":"bob"}],"s":{"max_tokens":null,"temperature":0.0,"top_p":1.0,"top_k":0}}'),
     ({"prompt": "json please", "response_format": {"type": "json_object"}},
      b'{"p":"json please","s":{"max_tokens":16,"temperature":0.0,"top_p":1.0,"top_k":0,'
      b'"structured_output":{"json_object":true}}}'),
@@ -136,7 +137,8 @@ def test_entries_the_release_before_wrote_still_read() -> None:
     )  # fmt: skip
     assert (back.attempts, back.failed_attempts) == (3, 3)
     carried = Delivery.parse(b"1796169345226-1", OLD_WITH_ROW)
-    assert carried.request == QueuedRequest.decode(LINES_AND_BYTES[1][1])
+    assert carried.request == QueuedRequest.decode(OLD_WITH_ROW[b"r"])
+    assert carried.request.sampling == {**S16, "max_tokens": 16}  # as written then
     assert (carried.resume, carried.prior_runs, carried.prior_failures) == ([5, 6], 1, 0)
     assert carried.finished == ROW
 

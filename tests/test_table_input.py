@@ -38,6 +38,11 @@ def run(conn, source, tmp_path, job_id="t1", **kw):
                   job_id=job_id, **kw)  # fmt: skip
 
 
+# an entry's sampling when its row sets none: a prompt gets 16 tokens, chat runs to its end
+PROMPT = {"max_tokens": 16, **DEFAULTS}
+CHAT = {"max_tokens": None, **DEFAULTS}
+
+
 def entries(conn, job_id="t1") -> list[dict[str, Any]]:
     return [json.loads(r) for _, _, r in backlog.queued(conn, KEYS.queue_for_model("m"), job_id)]
 
@@ -66,9 +71,9 @@ def test_parquet_template_sampling_columns_and_id_column(redis_url, tmp_path):
     # a value holding "{x}" is inserted as it is, never expanded
     assert entries(rconn(redis_url)) == [
         {"id": "d-a", "p": "Summarise: Cats\npurr {x}",
-         "s": {**DEFAULTS, "max_tokens": 5, "temperature": 0.5, "seed": 1}},
+         "s": {**PROMPT, "max_tokens": 5, "temperature": 0.5, "seed": 1}},
         {"id": "d-b", "p": "Summarise: Dogs {x}\nwoof {x}",
-         "s": {**DEFAULTS, "temperature": 0.0, "seed": 2}},
+         "s": {**PROMPT, "temperature": 0.0, "seed": 2}},
     ]  # fmt: skip
     record = load_job(rconn(redis_url), KEYS, "t1")
     assert (record.input_format, record.kept_columns, record.total) == ("parquet", [], 2)
@@ -104,8 +109,8 @@ def test_messages_column_with_names_and_a_logit_bias_map(redis_url, tmp_path):
     assert entries(rconn(redis_url)) == [
         {"id": "0", "m": [{"role": "system", "content": "Be brief."},
                           {"role": "user", "content": "Hi", "name": "ann"}],
-         "s": {**DEFAULTS, "n": 1, "logit_bias": {"5": 1.5}}},
-        {"id": "1", "m": [{"role": "user", "content": "Bye"}], "s": {**DEFAULTS, "n": 2}},
+         "s": {**CHAT, "n": 1, "logit_bias": {"5": 1.5}}},
+        {"id": "1", "m": [{"role": "user", "content": "Bye"}], "s": {**CHAT, "n": 2}},
     ]  # fmt: skip
 
 
@@ -336,14 +341,14 @@ def test_columns_named_like_sampling_fields_are_data_unless_mapped(redis_url, tm
                  str(tmp_path / "o1"), "--redis", redis_url, "--prompt-column", "q",
                  "--keep-columns", "all", "--job-id", "data")  # fmt: skip
     assert (result.exit_code, result.output) == (0, "data\n")
-    assert [e["s"] for e in entries(conn, "data")] == [DEFAULTS, DEFAULTS]
+    assert [e["s"] for e in entries(conn, "data")] == [PROMPT, PROMPT]
     assert load_job(conn, KEYS, "data").kept_columns == ["q", "n", "seed", "budget"]
     result = cli("submit", str(tmp_path / "counts.parquet"), "--model", "m", "--output",
                  str(tmp_path / "o2"), "--redis", redis_url, "--prompt-column", "q",
                  "--sampling-columns", "seed, max_tokens=budget", "--job-id", "mapped")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert [e["s"] for e in entries(conn, "mapped")] == [
-        {**DEFAULTS, "seed": 7, "max_tokens": 3}, {**DEFAULTS, "seed": 8, "max_tokens": 5}]  # fmt: skip
+        {**PROMPT, "seed": 7, "max_tokens": 3}, {**PROMPT, "seed": 8, "max_tokens": 5}]  # fmt: skip
     # mapped, n is checked as n: the count 40 is refused, by row and column
     result = cli("submit", str(tmp_path / "counts.parquet"), "--model", "m", "--output",
                  str(tmp_path / "o3"), "--redis", redis_url, "--prompt-column", "q",

@@ -65,7 +65,13 @@ def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
     The command receives them checked, as one ``defaults`` dict (``jobs.params``).
     """
     options = [
-        click.option("--max-tokens", type=int, default=None, help="Default 16."),
+        click.option(
+            "--max-tokens",
+            type=int,
+            default=None,
+            help="For lines without their own. Default: 16 for a prompt; a chat line runs to "
+            "the end of its answer or the context.",
+        ),
         click.option("--temperature", type=float, default=None, help="Default 0 (greedy)."),
         click.option("--top-p", type=float, default=None, help="In (0, 1]; default 1."),
         click.option("--top-k", type=int, default=None, help="0 turns it off (default)."),

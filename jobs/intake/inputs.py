@@ -14,8 +14,9 @@ silently ignored). An OpenAI body's dialect (fields accepted and ignored, fields
 refused as not supported, chat's logprobs) is ``openai_body``'s.
 
 A line becomes a ``QueuedRequest`` (jobs/schema/entry.py): the prompt or messages, every
-sampling parameter (job defaults merged with the line's own), id and metadata, so a
-worker needs nothing else.
+sampling parameter (job defaults merged with the line's own; a max_tokens neither gives
+is ``sampling.default_max_tokens``'s: 16 for a prompt, null for chat), id and metadata,
+so a worker needs nothing else.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from batchgen.jobs.intake.openai_body import PARAMS, BodyError, body_params
 from batchgen.jobs.schema import chat_template, tools
 from batchgen.jobs.schema.constraints import check_spec, from_response_format
 from batchgen.jobs.schema.entry import QueuedRequest, compact_json
-from batchgen.jobs.schema.sampling import CHECKS, ParamError, check_together, show
+from batchgen.jobs.schema.sampling import CHECKS, ParamError, check_together, default_max_tokens, show
 
 MAX_ID_CHARS = 1024
 MAX_METADATA_BYTES = 64 << 10
@@ -134,7 +135,7 @@ def _native(
     paths: dict[str, tuple[str, ...]] = {}
     _response_format(value, given, paths, ())
     _tools(value, request, given, paths, ())
-    request.sampling = _params(given, defaults, (), paths, vocab_size)
+    request.sampling = _params(given, defaults, has_messages, (), paths, vocab_size)
     _check_tool_samples(request, ())
     if "metadata" in value:
         request.metadata = _metadata(value["metadata"], ("metadata",), line_chars)
@@ -222,7 +223,7 @@ def _openai(
     paths["logprobs"] = ("body", "top_logprobs" if "top_logprobs" in body else "logprobs")
     _response_format(body, params, paths, ("body",))
     _tools(body, request, params, paths, ("body",))
-    request.sampling = _params(params, defaults, ("body",), paths, vocab_size)
+    request.sampling = _params(params, defaults, chat, ("body",), paths, vocab_size)
     _check_tool_samples(request, ("body",))
     if "metadata" in body:
         request.metadata = _metadata(body["metadata"], ("body", "metadata"), line_chars)
@@ -375,11 +376,14 @@ def _content(value: Any, path: tuple[str | int, ...]) -> str:
 def _params(
     given: dict[str, Any],
     defaults: dict[str, Any],
+    chat: bool,
     at: tuple[str, ...],
     paths: dict[str, tuple[str, ...]] | None = None,
     vocab_size: int | None = None,
 ) -> dict[str, Any]:
-    merged = dict(defaults)
+    # max_tokens first, where the job's defaults always put it: a prompt line's bytes stay
+    # as the releases before wrote them
+    merged = {"max_tokens": default_max_tokens(chat), **defaults}
     merged.pop(chat_template.NAME, None)  # the job's chat template variables: not sampling
     paths = paths or {}
     for name, value in given.items():

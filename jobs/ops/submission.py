@@ -59,6 +59,7 @@ from batchgen.jobs.redis.sentinel import replicated
 from batchgen.jobs.redis.stream import ensure_group
 from batchgen.jobs.schema import reasoning, tool_parsers
 from batchgen.jobs.schema.errors import InvalidInput, JobConflict, RedisUnavailable, UsageError
+from batchgen.jobs.schema.sampling import COMPLETION_MAX_TOKENS
 from batchgen.jobs.storage.names import check_job_id
 from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.jobs.storage.ownership import claim, new_token
@@ -244,7 +245,9 @@ def _estimate(record: JobRecord, checked: Validation[Any], defaults: dict[str, A
     """The job's estimated input tokens (quotas) and cost a request (fair share: input
     and the job's max_tokens)."""
     record.est_input_tokens = sum(map(backlog.estimate_input_tokens, checked.entries()))
-    output = int(defaults.get("max_tokens") or 16)
+    # a chat line without max_tokens runs to its answer's end, unknown here: the
+    # completions default stands in for it
+    output = int(defaults.get("max_tokens") or COMPLETION_MAX_TOKENS)
     record.cost = max(record.est_input_tokens / max(record.total, 1) + output, 1.0)
 
 

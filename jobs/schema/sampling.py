@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_TOKENS_LIMIT = 1 << 20  # far above any context window; 10**9 is a typo
+COMPLETION_MAX_TOKENS = 16  # OpenAI's completions default: a prompt line's max_tokens
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 64
@@ -137,7 +138,8 @@ class Field:
 
 
 FIELDS: dict[str, Field] = {
-    "max_tokens": Field(16, _int_in(1, MAX_TOKENS_LIMIT)),
+    # a prompt's default (the engine's too); a chat line's is default_max_tokens's
+    "max_tokens": Field(COMPLETION_MAX_TOKENS, _int_in(1, MAX_TOKENS_LIMIT)),
     # greedy unless asked: a batch rerun gives the same rows
     "temperature": Field(0.0, _number_in(0.0, 100.0)),
     "top_p": Field(1.0, _number_in(0.0, 1.0, low_open=True, what="in (0, 1]")),
@@ -164,10 +166,18 @@ FIELDS: dict[str, Field] = {
 CHECKS: dict[str, Callable[[str, Any], Any]] = {
     name: f.check for name, f in FIELDS.items() if f.in_lines
 }
-# Written into every job when neither the CLI nor the line says otherwise.
+# Written into every job when neither the CLI nor the line says otherwise (max_tokens
+# is not: its default depends on the line, default_max_tokens).
 DEFAULTS: dict[str, Any] = {
-    name: FIELDS[name].default for name in ("max_tokens", "temperature", "top_p", "top_k")
+    name: FIELDS[name].default for name in ("temperature", "top_p", "top_k")
 }
+
+
+def default_max_tokens(chat: bool) -> int | None:
+    """A request's max_tokens when neither its line nor its job gives one, as OpenAI's
+    defaults are: a chat answer runs to its end (EOS, a stop) or to the end of the
+    context (None, which the engine's SamplingParams takes so), a prompt gets 16."""
+    return None if chat else COMPLETION_MAX_TOKENS
 
 
 def check(name: str, value: Any) -> Any:

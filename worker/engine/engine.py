@@ -141,7 +141,7 @@ class Engine:
             raise RequestRejected(request_id, "a request with this id is already in the engine")
         prompt_ids = self.text.prompt_ids(prompt)
         resumed = [int(t) for t in resume_token_ids or ()]
-        check_fits(self._capacity, request_id, prompt_ids, resumed, params)
+        params = check_fits(self._capacity, request_id, prompt_ids, resumed, params)
         samples = []
         for i in range(params.n):
             req = EngineRequest(

@@ -25,7 +25,8 @@ class SamplingParams:
     Raises ``ParamError`` (a ValueError) naming the field for a bad value.
     """
 
-    max_tokens: int = FIELDS["max_tokens"].default
+    # None: to the end of the context (a chat line's default, sampling.default_max_tokens)
+    max_tokens: int | None = FIELDS["max_tokens"].default
     temperature: float = FIELDS["temperature"].default
     top_p: float = FIELDS["top_p"].default
     top_k: int = FIELDS["top_k"].default  # 0: off
@@ -52,8 +53,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if value is None and FIELDS[field.name].default is None:
-                continue  # unset
+            if value is None and (FIELDS[field.name].default is None or field.name == "max_tokens"):
+                continue  # unset (max_tokens: no limit but the context)
             if field.name == "logit_bias" and isinstance(value, tuple):
                 value = dict(value)  # already normalized (dataclasses.replace)
             value = check(field.name, list(value) if isinstance(value, tuple) else value)

@@ -28,6 +28,7 @@ def stop_reason(
             return EngineFinishReason.STOP
     if req.matcher is not None and req.matcher.is_stopped():
         return EngineFinishReason.STOP  # the constraint is complete and cannot go on
-    if req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
+    limit = p.max_tokens  # set when the request was added (admission.check_fits)
+    if (limit is not None and req.num_output_tokens >= limit) or req.num_tokens >= max_model_len:
         return EngineFinishReason.LENGTH
     return None
