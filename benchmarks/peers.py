@@ -52,27 +52,29 @@ def run_batchgen_transformers(path: Path, wl: Workload, **engine_kwargs: Any) ->
     return run_batchgen(path, wl, **engine_kwargs, model_impl="transformers")
 
 
-def _hf_model(path: Path, attn: str = "sdpa"):
+def _hf_model(path: Path, attn: str = "sdpa", dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=attn
+            path, dtype=getattr(torch, dtype), attn_implementation=attn
         )
     except ValueError:  # no SDPA for this architecture (Gemma 2's soft-capping): eager
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager"
+            path, dtype=getattr(torch, dtype), attn_implementation="eager"
         )
     model.eval()
     model.generation_config.eos_token_id = None  # EOS off: else generate fills in the config's
     return model
 
 
-def run_hf_static(path: Path, wl: Workload, batch_size: int = 16) -> dict[str, Any]:
+def run_hf_static(
+    path: Path, wl: Workload, batch_size: int = 16, dtype: str = "float32"
+) -> dict[str, Any]:
     """HF generate on static batches of 16, left padded; each batch runs to its longest output."""
     from transformers import GenerationConfig
 
-    model = _hf_model(path)
+    model = _hf_model(path, dtype=dtype)
     pad = 0
 
     def batch_generate(prompts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -100,11 +102,13 @@ def run_hf_static(path: Path, wl: Workload, batch_size: int = 16) -> dict[str, A
     return {"wall_s": time.perf_counter() - start, "output_tokens": useful, "token_ids": token_ids}
 
 
-def run_hf_continuous(path: Path, wl: Workload, block_size: int = 16) -> dict[str, Any]:
+def run_hf_continuous(
+    path: Path, wl: Workload, block_size: int = 16, dtype: str = "float32"
+) -> dict[str, Any]:
     """HF's own continuous batching with a max_new_tokens per request."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    model = _hf_model(path)
+    model = _hf_model(path, dtype=dtype)
     num_blocks = sum(-(-(len(p) + n) // block_size) for p, n in zip(wl.prompts, wl.max_tokens))
     cb_config = ContinuousBatchingConfig(
         block_size=block_size,
