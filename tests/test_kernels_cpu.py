@@ -112,18 +112,53 @@ def test_decode_matches_dense(path, num_heads, num_kv_heads, block_size):
     _assert_decode_rows_match_dense(out, q, rows_kv, scale)
 
 
-def test_paged_decode_attention_takes_the_kernel_for_fp32_and_torch_for_bf16():
+def test_paged_decode_attention_takes_the_kernel_for_fp32_and_bf16():
+    if cpu_native._compiler() is None:
+        pytest.skip("no C compiler on this machine: the torch path is the CPU path")
     contexts = [40, 17, 3]
     k_cache, v_cache, tables, rows_kv = _paged(contexts, 2, 16, 16, seed=4)
     q = torch.randn(3, 4, 16)
     lens = torch.tensor(contexts, dtype=torch.int32)
     out = cpu_decode.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 40)
     _assert_decode_rows_match_dense(out, q, rows_kv, 0.25)
-    half = cpu_decode.paged_decode_attention(
-        q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.25, 40
-    )
+    halves = (q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16())
+    plan = cpu_decode.plan_decode(tables, lens, *halves[1:])
+    assert isinstance(plan, KernelDecode)
+    half = cpu_decode.paged_decode_attention(*halves, tables, lens, 0.25, 40)
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.float(), out, atol=3e-2, rtol=2e-2)
+
+
+# The bf16 kernel sums in fp32 over bf16 K/V widened exactly: against the same sums in
+# torch's fp32 (over the widened cache) only the order of the additions differs
+BF16_KERNEL_TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (14, 2), (8, 1)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 30.0)])
+def test_the_kernel_on_a_bf16_cache_is_fp32_attention_over_the_widened_cache(
+    num_heads, num_kv_heads, window, softcap
+):
+    if cpu_native._compiler() is None:
+        pytest.skip("no C compiler on this machine: the torch path is the CPU path")
+    contexts = [70, 33, 17, 16, 15, 1]
+    head_dim = 64
+    k32, v32, tables, _ = _paged(contexts, num_kv_heads, head_dim, 16, seed=num_heads)
+    k_cache, v_cache = k32.bfloat16(), v32.bfloat16()
+    q = torch.randn(len(contexts), num_heads, head_dim)
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    plan = cpu_decode.plan_decode(tables, lens, k_cache, v_cache, window=window, softcap=softcap)
+    assert isinstance(plan, KernelDecode)
+    scale = 1 / math.sqrt(head_dim)
+    out = plan(q, k_cache, v_cache, scale)
+    assert out.dtype == torch.float32
+    widened = _dense_of(k_cache.float(), v_cache.float(), tables, contexts)
+    for i, (k, v) in enumerate(widened):
+        expected = attention_by_loops(q[i : i + 1], k, v, scale, window, softcap)
+        torch.testing.assert_close(out[i : i + 1], expected, **BF16_KERNEL_TOLERANCE)
+    # a bf16 query is widened exactly and the fp32 output rounded once, to bf16
+    half = plan(q.bfloat16(), k_cache, v_cache, scale)
+    assert torch.equal(half, plan(q.bfloat16().float(), k_cache, v_cache, scale).bfloat16())
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])

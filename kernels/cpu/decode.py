@@ -5,8 +5,9 @@ tests compare it with; layouts are those of ``reference.py``. How to go about
 a step's decode rows is the same for every layer, so ``plan_decode`` decides
 once per step and every layer calls the plan:
 
-- fp32 caches in the engine's layout: the C kernel (``decode_native.py``),
-  which reads each sequence's K/V once, straight from its blocks;
+- fp32 or bf16 caches in the engine's layout: the C kernel
+  (``decode_native.py``), which reads each sequence's K/V once, straight
+  from its blocks (bf16 widened as read, its sums in fp32);
 - otherwise (no C compiler, other dtypes) torch: each row's blocks gathered
   into a dense tensor and SDPA over it, rows of similar length together (the
   scheduler orders decodes longest first), so short rows are not padded to
@@ -80,7 +81,7 @@ def paged_decode_attention(
     per-head sink logits (gpt-oss). Returns (num_seqs, num_heads, head_dim)."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    use_kernel = q.dtype == torch.float32 and q.stride(2) == 1
+    use_kernel = q.dtype in (torch.float32, torch.bfloat16)
     plan = plan_decode(block_tables, context_lens, k_cache, v_cache, use_kernel, window, softcap)
     return plan(q, k_cache, v_cache, scale, sinks)
 

@@ -30,37 +30,54 @@
 
 #include "exp8.h"
 
-/* q (S, H, D) with row/head strides, unit stride in D; k/v caches contiguous
-   (num_blocks, BS, HK, D); tables (S, >= ceil(ctx / BS)) int32 rows; lens (S,)
-   int32; out (S, H, D) contiguous. */
+/* q (S, H, D) fp32 with row/head strides, unit stride in D; k/v caches contiguous
+   (num_blocks, BS, HK, D), fp32 or bf16 (kv_bf16: the upper 16 bits of an fp32, as
+   torch stores it; widened to fp32 as read, every sum in fp32); tables (S, >= ceil(ctx
+   / BS)) int32 rows; lens (S,) int32; out (S, H, D) fp32 contiguous. */
 typedef struct {
     const float *q; int64_t q_stride_s, q_stride_h;
-    const float *k_cache, *v_cache;
+    const void *k_cache, *v_cache; int kv_bf16;
     const int32_t *tables; int64_t table_stride; const int32_t *lens;
     float *out; int64_t S, H, HK, D, BS; float scale; int64_t max_len;
     int64_t window; float softcap; /* 0: no sliding window, no soft-capping */
     const float *sinks; /* (H,) per-head sink logits, or NULL */
 } Decode;
 
-/* The cache lines of one position's K or V (n floats), asked for ahead of their use:
+/* The cache lines of one position's K or V (n bytes), asked for ahead of their use:
    blocks lie anywhere in the cache, where the hardware's prefetchers do not follow.
    K is read one block later (kept out of the outer caches, where the weights the
    matmuls read next are), V only after all of the row's scores (into L2). */
-static inline void prefetch_k(const float *at, int64_t n)
+static inline void prefetch_k(const char *at, int64_t n)
 {
-    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(at + i, 0, 0);
+    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(at + i, 0, 0);
 }
 
-static inline void prefetch_v(const float *at, int64_t n)
+static inline void prefetch_v(const char *at, int64_t n)
 {
-    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(at + i, 0, 2);
+    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(at + i, 0, 2);
 }
 
-/* One row s; scores: H * max_len + H floats of scratch. */
-static void decode_row(const Decode *a, int64_t s, float *scores)
+/* Element d of a K/V row as fp32: a bf16 is the upper half of its fp32. */
+static inline float kv_at(const void *row, int64_t d, const int bf16)
+{
+    if (bf16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return ((const float *)row)[d];
+}
+
+/* One row s; scores: H * max_len + H floats of scratch. Inlined into one copy per
+   K/V type (bf16 a constant there), so the inner loops vectorise for each. */
+static inline __attribute__((always_inline)) void decode_row_as(
+    const Decode *a, int64_t s, float *scores, const int bf16)
 {
     const int64_t H = a->H, D = a->D, BS = a->BS, group = H / a->HK;
-    const int64_t row = a->HK * D; /* floats from one position to the next */
+    const int64_t row = a->HK * D; /* elements from one position to the next */
+    const int64_t size = bf16 ? 2 : 4, row_bytes = row * size;
+    const char *k_cache = a->k_cache, *v_cache = a->v_cache;
     float *top = scores + H * a->max_len;
     const int64_t n = a->lens[s];
     const int32_t *table = a->tables + s * a->table_stride;
@@ -72,16 +89,17 @@ static void decode_row(const Decode *a, int64_t s, float *scores)
     const int64_t lo = (a->window > 0 && n > a->window) ? n - a->window : 0;
     for (int64_t h = 0; h < H; h++) top[h] = -INFINITY;
     for (int64_t p = lo; p < n; p++) { /* scores: K read once, every head of a position together */
-        const int64_t at = ((int64_t)table[p / BS] * BS + p % BS) * row;
-        const float *k = a->k_cache + at;
+        const int64_t at = ((int64_t)table[p / BS] * BS + p % BS) * row_bytes;
+        const char *k = k_cache + at;
         if (p + BS < n) /* the next block's K is on its way while this block is read */
-            prefetch_k(a->k_cache + ((int64_t)table[(p + BS) / BS] * BS + p % BS) * row, row);
-        prefetch_v(a->v_cache + at, row); /* and this position's V, for the sum below */
+            prefetch_k(k_cache + ((int64_t)table[(p + BS) / BS] * BS + p % BS) * row_bytes, row_bytes);
+        prefetch_v(v_cache + at, row_bytes); /* and this position's V, for the sum below */
         for (int64_t h = 0; h < H; h++) {
-            const float *qh = qs + h * a->q_stride_h, *kh = k + (h / group) * D;
+            const float *qh = qs + h * a->q_stride_h;
+            const char *kh = k + (h / group) * D * size;
             float dot = 0.f;
             #pragma omp simd reduction(+:dot)
-            for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
+            for (int64_t d = 0; d < D; d++) dot += qh[d] * kv_at(kh, d, bf16);
             dot *= a->scale;
             if (a->softcap > 0.f) dot = a->softcap * tanhf(dot / a->softcap);
             scores[h * n + p] = dot;
@@ -107,14 +125,24 @@ static void decode_row(const Decode *a, int64_t s, float *scores)
         for (int64_t p = lo; p < n; p++) sh[p] *= inv;
     }
     for (int64_t p = lo; p < n; p++) { /* weighted sum: V read once */
-        const float *v = a->v_cache + ((int64_t)table[p / BS] * BS + p % BS) * row;
+        const char *v = v_cache + ((int64_t)table[p / BS] * BS + p % BS) * row_bytes;
         for (int64_t h = 0; h < H; h++) {
-            const float w = scores[h * n + p], *vh = v + (h / group) * D;
+            const float w = scores[h * n + p];
+            const char *vh = v + (h / group) * D * size;
             float *oh = o + h * D;
             #pragma omp simd
-            for (int64_t d = 0; d < D; d++) oh[d] += w * vh[d];
+            for (int64_t d = 0; d < D; d++) oh[d] += w * kv_at(vh, d, bf16);
         }
     }
+}
+
+static void decode_row_f32(const Decode *a, int64_t s, float *scores) { decode_row_as(a, s, scores, 0); }
+static void decode_row_bf16(const Decode *a, int64_t s, float *scores) { decode_row_as(a, s, scores, 1); }
+
+static void decode_row(const Decode *a, int64_t s, float *scores)
+{
+    if (a->kv_bf16) decode_row_bf16(a, s, scores);
+    else decode_row_f32(a, s, scores);
 }
 
 /* A pool of helper threads that lives as long as the process, started as calls ask
@@ -192,17 +220,17 @@ static void forget_pool(void)
 
 static void watch_forks(void) { pthread_atfork(NULL, NULL, forget_pool); }
 
-/* Rows of the step over this thread and up to threads - 1 helpers. Returns 0,
-   or 1 when out of memory. */
-int paged_decode_attention_f32(
+/* Rows of the step over this thread and up to threads - 1 helpers; K/V fp32, or bf16
+   where kv_bf16 is 1. Returns 0, or 1 when out of memory. */
+int paged_decode_attention(
     const float *q, int64_t q_stride_s, int64_t q_stride_h,
-    const float *k_cache, const float *v_cache,
+    const void *k_cache, const void *v_cache, int64_t kv_bf16,
     const int32_t *tables, int64_t table_stride, const int32_t *lens,
     float *out, int64_t S, int64_t H, int64_t HK, int64_t D, int64_t BS,
     float scale, int64_t max_len, int64_t window, float softcap, const float *sinks,
     int64_t threads)
 {
-    const Decode job = {q, q_stride_s, q_stride_h, k_cache, v_cache, tables, table_stride,
+    const Decode job = {q, q_stride_s, q_stride_h, k_cache, v_cache, kv_bf16 != 0, tables, table_stride,
                         lens, out, S, H, HK, D, BS, scale, max_len, window, softcap, sinks};
     int64_t helpers = threads - 1 < S - 1 ? threads - 1 : S - 1;
     if (helpers > MAX_HELPERS) helpers = MAX_HELPERS;

@@ -33,21 +33,23 @@ class KernelDecode:
         scale: float,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q (num_seqs, num_heads, head_dim) fp32, unit stride in head_dim -> a new
-        (num_seqs, num_heads, head_dim); sinks (num_heads,) per-head sink logits."""
-        assert (
-            q.dtype == torch.float32
-            and q.stride(2) == 1
-            and q.shape[0] == self.context_lens.shape[0]
-        )
+        """q (num_seqs, num_heads, head_dim) -> a new (num_seqs, num_heads, head_dim) of
+        q's dtype; sinks (num_heads,) per-head sink logits. The C code takes q and gives
+        its output in fp32 (bf16 K/V widened as read): a bf16 q is widened first and
+        the output rounded back, as transformers' bf16 attention rounds its output."""
+        assert q.shape[0] == self.context_lens.shape[0]
+        dtype = q.dtype
+        if dtype != torch.float32 or q.stride(2) != 1:
+            q = q.to(torch.float32).contiguous()
         num_seqs, num_heads, head_dim = q.shape
         if sinks is not None:
             sinks = sinks.to(torch.float32).contiguous()
             assert sinks.shape == (num_heads,) and sinks.device.type == "cpu"
         _, block_size, num_kv_heads, _ = k_cache.shape
         out = torch.empty(num_seqs, num_heads, head_dim)
-        status = self.native.paged_decode_attention_f32(
+        status = self.native.paged_decode_attention(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+            int(k_cache.dtype == torch.bfloat16),
             self.block_tables.data_ptr(), self.block_tables.stride(0),
             self.context_lens.data_ptr(), out.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, self.max_context_len,
@@ -56,7 +58,7 @@ class KernelDecode:
         )  # fmt: skip
         if status != 0:
             raise MemoryError("paged decode attention: no memory for the scores")
-        return out
+        return out if dtype == torch.float32 else out.to(dtype)
 
 
 def plan_kernel_decode(
@@ -67,15 +69,15 @@ def plan_kernel_decode(
     window: int | None = None,
     softcap: float | None = None,
 ) -> KernelDecode | None:
-    """The step's plan for the C kernel, or None where it does not apply (not fp32
-    CPU caches in the engine's contiguous layout, or no kernel). The C code
+    """The step's plan for the C kernel, or None where it does not apply (not fp32 or
+    bf16 CPU caches in the engine's contiguous layout, or no kernel). The C code
     trusts every block id and length, so they are checked here, once a step."""
     usable = (
-        k_cache.dtype == torch.float32
+        k_cache.dtype in (torch.float32, torch.bfloat16)
         and k_cache.device.type == "cpu"
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
-        and v_cache.dtype == torch.float32
+        and v_cache.dtype == k_cache.dtype
         and v_cache.shape == k_cache.shape
     )
     native = load() if usable else None

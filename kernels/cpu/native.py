@@ -6,7 +6,8 @@
 - ``exp8``, e^x eight floats at a time, which the attention's softmax and
   SiLU share: ``exp8.h``.
 
-The C files ship beside this module (package data). fp32 throughout; the
+The C files ship beside this module (package data). fp32 throughout, but for
+the decode attention's K/V cache, which may be bf16 (its sums in fp32); the
 callers (``decode_native.py``, ``elementwise.py``) check what the C code
 trusts. The two files are compiled into one library with the machine's C
 compiler (``$CC``, else cc, gcc or clang; well under a second) and called
@@ -55,9 +56,9 @@ DIGEST = "cpu_native.so.sha256"
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # name -> (argument types, return type)
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
-    "paged_decode_attention_f32": (
-        [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
-         _F32, _I64, _I64, _F32, _PTR, _I64], ctypes.c_int,
+    "paged_decode_attention": (
+        [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
+         _I64, _F32, _I64, _I64, _F32, _PTR, _I64], ctypes.c_int,
     ),
     "add_rms_norm_f32": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
     "rotary_f32": (
@@ -123,9 +124,9 @@ def cache_key(cc: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Native:
-    """The compiled functions, called as ``native.paged_decode_attention_f32(...)``."""
+    """The compiled functions, called as ``native.paged_decode_attention(...)``."""
 
-    paged_decode_attention_f32: Any
+    paged_decode_attention: Any
     add_rms_norm_f32: Any
     rotary_f32: Any
     silu_and_mul_f32: Any
