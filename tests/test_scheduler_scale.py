@@ -113,5 +113,8 @@ def test_a_submit_costs_the_same_with_10_or_1000_unfinished_jobs(redis_url, tmp_
     few = submit_commands("with-10")
     hold(10, 1000)
     many = [submit_commands(f"with-1000-{i}") for i in range(5)]
-    assert tenants.holding(conn, KEYS, "acme") == {"jobs": 1006, "enqueued_tokens": 10018}  # 3 a submit
+    assert tenants.holding(conn, KEYS, "acme") == {
+        "jobs": 1006,
+        "enqueued_tokens": 10018,
+    }  # 3 a submit
     assert max(many) <= few + 15, (few, many)

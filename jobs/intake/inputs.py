@@ -37,7 +37,13 @@ from batchgen.jobs.intake.openai_body import PARAMS, BodyError, body_params
 from batchgen.jobs.schema import chat_template, tools
 from batchgen.jobs.schema.constraints import check_spec, from_response_format
 from batchgen.jobs.schema.entry import QueuedRequest, compact_json
-from batchgen.jobs.schema.sampling import CHECKS, ParamError, check_together, default_max_tokens, show
+from batchgen.jobs.schema.sampling import (
+    CHECKS,
+    ParamError,
+    check_together,
+    default_max_tokens,
+    show,
+)
 
 MAX_ID_CHARS = 1024
 MAX_METADATA_BYTES = 64 << 10

@@ -121,8 +121,11 @@ def names(conn: redis.Redis, keys: Keys) -> list[str]:
 
 RESERVE = LuaScript.define(
     "reserve quota",
-    keys=[("settings", "the tenant's settings"), ("jobs", "its unfinished jobs' shares"),
-          ("held", "their sum")],  # fmt: skip
+    keys=[
+        ("settings", "the tenant's settings"),
+        ("jobs", "its unfinished jobs' shares"),
+        ("held", "their sum"),
+    ],  # fmt: skip
     args=[("job_id", ""), ("tokens", "the job's estimated input tokens"), ("now", "unix s")],
     body="""
 if redis.call('HEXISTS', jobs, job_id) == 1 then return {1, '', 0} end  -- a resumed submit
