@@ -217,10 +217,10 @@ def load(url: str, n: int, lines: int, workers: int, share: float) -> dict[str, 
         deadlines.check(conn, KEYS, qk)
         checks += 1
         if checks % 2 == 0:
-            t = time.perf_counter()
+            began = time.perf_counter()
             dashboard.jobs(conn, KEYS, Principal("root", admin=True))
             dashboard.jobs(conn, KEYS, Principal("t1"))
-            listings.append((time.perf_counter() - t) * 1000)
+            listings.append((time.perf_counter() - began) * 1000)
     elapsed = time.perf_counter() - start
     for proc in procs:
         proc.join()
@@ -234,8 +234,9 @@ def load(url: str, n: int, lines: int, workers: int, share: float) -> dict[str, 
     words = slowest["command"].split()
     named = scripts.get(words[1].decode(), "") if len(words) > 1 else ""
     dispatch_us = slowlog_us(conn, DISPATCH.script.sha)
-    dispatched = sum(taken)
-    shares = [round(x / max(dispatched, 1), 4) for x in taken]
+    counts = list(taken[:])
+    dispatched = sum(counts)
+    shares = [round(x / max(dispatched, 1), 4) for x in counts]
     fair = [w / sum(WEIGHTS) for w in WEIGHTS]
     return {
         "jobs": n, "workers": workers, "dispatched": dispatched, "seconds": round(elapsed, 2),

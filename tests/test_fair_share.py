@@ -135,7 +135,7 @@ def test_usage_per_job_and_per_tenant_adds_up_to_the_workers_own_counters(fleet,
         "batchgen_tenant_output_tokens_total": first.completion_tokens,
         "batchgen_tenant_engine_seconds_total": first.engine_us / 1e6,
     }  # fmt: skip
-    shown = {t["tenant"]: t["usage"] for t in tenants(fleet.conn, KEYS, OPEN.sees)}
+    shown = {t["tenant"]: t["usage"] for t in tenants(fleet.conn, KEYS, OPEN)}
     assert shown["t1"] == {"requests": 12, "input_tokens": first.prompt_tokens,
                            "cached_input_tokens": first.cached_tokens,
                            "output_tokens": first.completion_tokens,

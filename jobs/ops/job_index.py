@@ -47,7 +47,7 @@ def _index(keys: Keys, api_tenant: str | None) -> str:
 
 def count(conn: redis.Redis, keys: Keys, api_tenant: str | None = None) -> int:
     """How many jobs there are (None: all), or of a serve tenant."""
-    return int(conn.zcard(_index(keys, api_tenant)))  # type: ignore[arg-type]
+    return int(conn.zcard(_index(keys, api_tenant)))
 
 
 def page(
@@ -64,7 +64,7 @@ def page(
     start = offset
     while limit is None or len(found) < limit:
         want = CHUNK if limit is None else limit - len(found)
-        ids = [text(j) for j in conn.zrevrange(index, start, start + want - 1)]  # type: ignore[union-attr]
+        ids = [text(j) for j in conn.zrevrange(index, start, start + want - 1)]
         if not ids:
             break
         tags: Any = conn.hmget(keys.jobs, ids)

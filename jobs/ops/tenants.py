@@ -125,7 +125,7 @@ RESERVE = LuaScript.define(
         ("settings", "the tenant's settings"),
         ("jobs", "its unfinished jobs' shares"),
         ("held", "their sum"),
-    ],  # fmt: skip
+    ],
     args=[("job_id", ""), ("tokens", "the job's estimated input tokens"), ("now", "unix s")],
     body="""
 if redis.call('HEXISTS', jobs, job_id) == 1 then return {1, '', 0} end  -- a resumed submit
@@ -202,8 +202,9 @@ def prune(conn: redis.Redis, keys: Keys, tenant: str, now: float | None = None) 
     share is looked at within (shares / PRUNE_BATCH) submits (refused ones too)."""
     now = time.time() if now is None else now
     tk = keys.tenant(tenant)
-    cursor = int(conn.hget(tk.held, "cursor") or 0)  # type: ignore[arg-type]
-    cursor, raw = conn.hscan(tk.jobs, cursor, count=PRUNE_BATCH)  # type: ignore[misc]
+    start: Any = conn.hget(tk.held, "cursor")
+    scanned: Any = conn.hscan(tk.jobs, int(start or 0), count=PRUNE_BATCH)
+    cursor, raw = scanned
     conn.hset(tk.held, "cursor", cursor)
     shares = {text(k): text(v) for k, v in raw.items()}
     if not shares:
@@ -234,5 +235,5 @@ def prune(conn: redis.Redis, keys: Keys, tenant: str, now: float | None = None) 
 
 def holding(conn: redis.Redis, keys: Keys, tenant: str) -> dict[str, Any]:
     """What the tenant's unfinished jobs hold of its quotas: {jobs, enqueued_tokens}."""
-    jobs, tokens = conn.hmget(keys.tenant(tenant).held, ["jobs", "tokens"])  # type: ignore[misc]
+    jobs, tokens = conn.hmget(keys.tenant(tenant).held, ["jobs", "tokens"])
     return {"jobs": int(jobs or 0), "enqueued_tokens": int(tokens or 0)}
