@@ -198,8 +198,9 @@ def release(conn: redis.Redis, keys: Keys, tenant: str, *job_ids: str) -> None:
 def prune(conn: redis.Redis, keys: Keys, tenant: str, now: float | None = None) -> list[str]:
     """Drop shares of jobs that finished, or that were never created; their ids. Each
     call looks at the next ``PRUNE_BATCH`` shares or so (HSCAN, its cursor kept in
-    ``held``), so a submit costs the same with 10 or 10,000 unfinished jobs; every
-    share is looked at within (shares / PRUNE_BATCH) submits (refused ones too)."""
+    ``held``; all of them while they fit Redis's small-hash encoding, 128 by default),
+    so a submit costs the same with 200 or 10,000 unfinished jobs; every share is
+    looked at within (shares / PRUNE_BATCH) submits (refused ones too)."""
     now = time.time() if now is None else now
     tk = keys.tenant(tenant)
     start: Any = conn.hget(tk.held, "cursor")
