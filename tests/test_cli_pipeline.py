@@ -38,10 +38,10 @@ def test_submit_prints_the_job_id_and_json(redis_url, tmp_path):
     result = cli(
         "submit", src, "--model", "m", "--output", out, "--job-id", "j1", "--redis", redis_url
     )
-    assert (result.exit_code, result.output) == (0, "j1\n")
+    assert (result.exit_code, result.stdout) == (0, "j1\n")  # stderr: no worker serves m
     result = cli("submit", src, "--model", "m", "--output", out, "--job-id", "j1", "--json",
                  "--redis", redis_url)  # fmt: skip
-    assert json.loads(result.output) == {
+    assert json.loads(result.stdout) == {
         "job_id": "j1", "total": 2, "skipped": 0, "enqueued": 0, "resumed": True, "output": out,
     }  # fmt: skip
 

@@ -222,6 +222,8 @@ def test_ids_given_twice_get_a_warning_and_keep_their_rows(shared):
     assert out.stderr == (
         "batchgen: warning: 2 line(s) repeat the id of an earlier line (line 3 has the id of "
         "line 1); each still has its own row, told apart by index\n"
+        f"batchgen: note: no worker serves {shared.cwd / 'tiny'} yet, so the job waits; start "
+        f"one with `batchgen worker --model {shared.cwd / 'tiny'}`\n"
     )
     assert shared.status("dup")["total"] == 6
 
@@ -259,21 +261,29 @@ def test_repeated_ids_are_found_the_same_in_buckets_as_in_memory(tmp_path):
 
 
 def test_a_submit_no_worker_serves_says_how_to_start_one(shared):
-    """At a terminal, a job no worker serves gets a note naming the command that starts
-    one; with a live worker for the model, only the job id. A local model folder is
-    named by its absolute path however it was typed: in the note, the job, the worker."""
+    """A job no worker serves gets a note on stderr naming the command that starts one,
+    at a terminal and in a script that captures both streams (stdout: the job id alone,
+    or the JSON); with a live worker for the model, only the job id. A local model folder
+    is named by its absolute path however it was typed: in the note, the job, the worker."""
     tiny = str(shared.cwd / "tiny")
+    note = (f"batchgen: note: no worker serves {tiny} yet, so the job waits; start one with "
+            f"`batchgen worker --model {tiny}`\n")  # fmt: skip
     out = shared.at_terminal("submit", "p.jsonl", "--model", "./tiny", "--job-id", "alone",
                              "--output", str(shared.cwd / "alone"))  # fmt: skip
-    assert (out.returncode, out.stdout) == (0, "alone\n")
-    assert out.stderr == (
-        f"batchgen: note: no worker serves {tiny} yet, so the job waits; start one with "
-        f"`batchgen worker --model {tiny}`\n"
-    )
+    assert (out.returncode, out.stdout, out.stderr) == (0, "alone\n", note)
+    piped = shared.run("submit", "p.jsonl", "--model", "./tiny", "--job-id", "piped",
+                       "--output", str(shared.cwd / "piped"))  # fmt: skip
+    assert (piped.returncode, piped.stdout, piped.stderr) == (0, "piped\n", note)
+    as_json = shared.run("submit", "p.jsonl", "--model", "./tiny", "--job-id", "json",
+                         "--output", str(shared.cwd / "json"), "--json")  # fmt: skip
+    assert (json.loads(as_json.stdout)["job_id"], as_json.stderr) == ("json", note)
     assert shared.status("alone")["model"] == tiny
     assert shared.ok("jobs").endswith(f"  {tiny}\n")
     shared.start("worker", "--model", "tiny", "--device", "cpu")  # another spelling, same queue
-    wait_for(lambda: shared.status("alone")["state"] == "completed", "the worker to run it")
+    wait_for(
+        lambda: all(shared.status(j)["state"] == "completed" for j in ("alone", "piped", "json")),
+        "the worker to run them",
+    )
     conn = redis.Redis.from_url(shared.env["BATCHGEN_REDIS_URL"])
     assert [w["model"] for w in live_workers(conn, Keys())] == [tiny]
     out = shared.at_terminal("submit", "p.jsonl", "--model", "tiny", "--job-id", "served",

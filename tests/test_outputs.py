@@ -55,7 +55,7 @@ def test_a_second_job_is_refused_a_directory_that_holds_another(redis_url, tmp_p
     assert len(backlog.queued(conn, QK, "A")) == 3 and conn.hget(QK.job("B").job, "backlog") is None
     again = cli("submit", str(tmp_path / "a.jsonl"), "--model", "m", "--output", str(out),
                 "--job-id", "A", "--json", "--redis", redis_url)  # fmt: skip
-    assert json.loads(again.output)["resumed"] is True and len(backlog.queued(conn, QK, "A")) == 3
+    assert json.loads(again.stdout)["resumed"] is True and len(backlog.queued(conn, QK, "A")) == 3
     # the same job id from another Redis (here: another key prefix) is another job
     with pytest.raises(JobConflict, match="the same job id, submitted to another Redis"):
         submit(conn, Keys("elsewhere"), source_path=str(tmp_path / "a.jsonl"), model="m",

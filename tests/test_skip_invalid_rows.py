@@ -42,8 +42,14 @@ def test_every_line_keeps_its_index_and_skipped_ones_are_error_rows(shell):
     out = shell.run("submit", "p.jsonl", "--model", "tiny", "--skip-invalid", "--job-id", "s",
                     "--output", str(shell.cwd / "out-s"))  # fmt: skip
     assert (out.returncode, out.stdout) == (0, "s\n")
-    assert out.stderr == "skipped 5 invalid line(s), each an error row:\n" + "".join(
-        f"  {error}\n" for _, error in BAD.values()
+    tiny = shell.cwd / "tiny"
+    note = (f"batchgen: note: no worker serves {tiny} yet, so the job waits; start one with "
+            f"`batchgen worker --model {tiny}`\n")  # fmt: skip
+    assert (
+        out.stderr
+        == "skipped 5 invalid line(s), each an error row:\n"
+        + "".join(f"  {error}\n" for _, error in BAD.values())
+        + note
     )
     table = pa.table({
         "key": [f"k{i}" for i in range(10)], "q": [f"row {i}" for i in range(10)],
@@ -58,7 +64,7 @@ def test_every_line_keeps_its_index_and_skipped_ones_are_error_rows(shell):
     assert out.stderr == (
         "skipped 2 invalid row(s), each an error row:\n"
         "  row 3, column max_tokens: max_tokens must be an integer from 1 to 1048576, got 0\n"
-        "  row 7, column q: prompt must be a string\n"
+        "  row 7, column q: prompt must be a string\n" + note
     )
     worker = shell.start("worker", "--model", "tiny", "--device", "cpu", "--burst")
     assert worker.wait(timeout=300) == 0, (shell.cwd / "worker.log").read_text()[-3000:]

@@ -292,7 +292,7 @@ def test_cli_format_errors(redis_url, tmp_path):
     # any other name is JSONL lines, as submit always read it
     result = cli("submit", str(tmp_path / "p.txt"), "--model", "m", "--output",
                  str(tmp_path / "o"), "--redis", redis_url, "--job-id", "txt")  # fmt: skip
-    assert (result.exit_code, result.output) == (0, "txt\n")
+    assert (result.exit_code, result.stdout) == (0, "txt\n")
 
 
 def test_help_names_the_table_flags():
@@ -340,7 +340,7 @@ def test_columns_named_like_sampling_fields_are_data_unless_mapped(redis_url, tm
     result = cli("submit", str(tmp_path / "counts.parquet"), "--model", "m", "--output",
                  str(tmp_path / "o1"), "--redis", redis_url, "--prompt-column", "q",
                  "--keep-columns", "all", "--job-id", "data")  # fmt: skip
-    assert (result.exit_code, result.output) == (0, "data\n")
+    assert (result.exit_code, result.stdout) == (0, "data\n")
     assert [e["s"] for e in entries(conn, "data")] == [PROMPT, PROMPT]
     assert load_job(conn, KEYS, "data").kept_columns == ["q", "n", "seed", "budget"]
     result = cli("submit", str(tmp_path / "counts.parquet"), "--model", "m", "--output",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -165,7 +164,7 @@ def submit(
         }))  # fmt: skip
     else:
         click.echo(result.job_id)
-    if not warning and sys.stderr.isatty():  # a note for the person at the terminal
+    if not warning:  # on stderr, terminal or not: a script keeps stdout for the job id
         note = no_worker_note(conn, keys, model)
         if note:
             click.echo(f"batchgen: note: {note}", err=True)

@@ -213,7 +213,7 @@ def test_a_submit_in_flight_when_the_primary_dies_enqueues_every_line_once(
     args = ["submit", str(src), "--model", "m", "--job-id", "big", "--output",
             str(tmp_path / "out"), "--redis", sentinels.url]  # fmt: skip
     result = CliRunner().invoke(main, args, catch_exceptions=False)
-    assert (result.exit_code, result.output) == (0, "big\n")
+    assert (result.exit_code, result.stdout) == (0, "big\n")
     assert sentinels.master_port() == sentinels.replica.port
     chaos = SentinelChaos(sentinels.url, Path("m"), tmp_path)
     indices = [index for index, _, _ in backlog.queued(chaos.conn, chaos.qk, "big")]
