@@ -4,8 +4,10 @@
 "tag"}`` as JSON on stdin (the Redis URL may hold a password: never on the
 command line). The supervisor starts one whenever its model's finalize queue
 holds tasks, so a long finalize (a 10M-row job) never blocks it: children are
-restarted and SIGTERM handled meanwhile. A finalizer that is killed leaves its
-lease to expire; the sweep queues the job again.
+restarted and SIGTERM handled meanwhile. Tasks still queued once the newest
+finalizer has run ``PATIENCE_S`` get another (``Finalizers``): a job's finalize
+never waits for another job's, or for a finalizer that hangs as it ends. A
+finalizer that is killed leaves its lease to expire; the sweep queues the job again.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import json
 import logging
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from batchgen.parts import child_environ, module_command
 
@@ -27,8 +30,10 @@ class FinalizerProcess:
     prefix: str
     tag: str
     process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0  # time.monotonic() at start
 
     def start(self) -> None:
+        self.started = time.monotonic()
         self.process = subprocess.Popen(
             module_command("batchgen.worker.loop.finalizer"), env=child_environ(),
             stdin=subprocess.PIPE,
@@ -61,6 +66,45 @@ class FinalizerProcess:
             self.process.kill()
             self.process.wait()
         self.process = None
+
+
+PATIENCE_S = 10.0  # long enough for a new finalizer to start and take the queued tasks
+MAX_FINALIZERS = 4
+
+
+@dataclass(slots=True)
+class Finalizers:
+    """The supervisor's finalizer processes: one while the tasks queued get taken,
+    another when tasks still wait after the newest has run ``PATIENCE_S`` (it is busy
+    with a long finalize, or stuck), up to ``MAX_FINALIZERS``. Two finalizers never
+    finalize one job: each holds the job's lease (jobs/ops/finalization.py)."""
+
+    redis_url: str
+    prefix: str
+    tag: str
+    processes: list[FinalizerProcess] = field(default_factory=list)
+
+    def running(self) -> bool:
+        """Whether any runs (finished ones are reaped)."""
+        self.processes = [p for p in self.processes if p.running()]
+        return bool(self.processes)
+
+    def serve(self, queued: bool) -> None:
+        """Start one if ``queued`` tasks wait and none runs, or every one that runs has
+        had its ``PATIENCE_S``."""
+        if not queued or (self.running() and (
+            len(self.processes) >= MAX_FINALIZERS
+            or time.monotonic() - self.processes[-1].started < PATIENCE_S
+        )):  # fmt: skip
+            return
+        process = FinalizerProcess(self.redis_url, self.prefix, self.tag)
+        process.start()
+        self.processes.append(process)
+
+    def stop(self, timeout: float) -> None:
+        for process in self.processes:
+            process.stop(timeout)
+        self.processes = []
 
 
 def main() -> int:

@@ -41,7 +41,7 @@ from batchgen.jobs.schema.errors import UsageError
 from batchgen.openmp_waits import SPIN_ENV, WAIT_VARIABLES
 from batchgen.parts import child_environ, module_command
 from batchgen.worker.cpu_threads import usable_cpus
-from batchgen.worker.loop.finalizer import FinalizerProcess
+from batchgen.worker.loop.finalizer import Finalizers
 from batchgen.worker.loop.loop_config import (
     ENGINE_FAILED_EXIT,
     MODEL_REFUSED_EXIT,
@@ -142,7 +142,7 @@ class Supervisor:
         self.metrics_host = metrics_host
         self.tenant_metrics = tenant_metrics  # names every tenant: only where asked
         self.qk = self.keys.queue_for_model(base.model)
-        self.finalizer = FinalizerProcess(base.redis_url or "", base.prefix, self.qk.tag)
+        self.finalizers = Finalizers(base.redis_url or "", base.prefix, self.qk.tag)
         self.stopping = False
 
     def _stop(self, *_: object) -> None:
@@ -186,11 +186,11 @@ class Supervisor:
                 if drained or time.monotonic() >= next_finalize:
                     queued = self._finalize()
                     next_finalize = time.monotonic() + 2.0
-                    if drained and not queued and not self.finalizer.running():
+                    if drained and not queued and not self.finalizers.running():
                         break
                 time.sleep(0.2)
         finally:
-            self.finalizer.stop(timeout=5.0)
+            self.finalizers.stop(timeout=5.0)
             self._terminate()
             with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
                 heartbeat.withdraw(self.conn, self.keys, self.id)
@@ -259,14 +259,13 @@ class Supervisor:
             heartbeat.retire(self.conn, self.keys, child.names[-1])
 
     def _finalize(self) -> bool:
-        """Start a finalizer if finalize tasks wait and none runs; whether tasks wait."""
+        """Start a finalizer if finalize tasks wait for one (Finalizers); whether tasks wait."""
         try:
             queued = finalize_queue(self.conn, self.keys, self.qk.tag).count > 0
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("finalize queue unreadable: Redis unavailable (%s)", exc)
             return False
-        if queued and not self.finalizer.running():
-            self.finalizer.start()
+        self.finalizers.serve(queued)
         return queued
 
     def _terminate(self) -> None:
