@@ -64,11 +64,51 @@ def test_a_generic_parser_takes_its_own_tags():
     assert tags.split("<think>hm</think>yes") == Split("<think>hm</think>yes", "", 20)
 
 
+# gpt-oss's harmony output as the release writes it (after the prompt's <|start|>assistant)
+HARMONY = ("<|channel|>analysis<|message|>User greets. Reply briefly.<|end|><|start|>assistant"
+           "<|channel|>final<|message|>Hello! How can I help?<|return|>")  # fmt: skip
+
+
+def test_gpt_oss_reads_the_analysis_and_final_channels():
+    gpt_oss = parser("gpt_oss")
+    assert gpt_oss.keeps_special and not parser("qwen3").keeps_special
+    end = HARMONY.index("<|end|>") + len("<|end|>")
+    assert gpt_oss.split(HARMONY) == Split("User greets. Reply briefly.", "Hello! How can I help?",
+                                           end)  # fmt: skip
+    # cut while it reasoned: everything is reasoning
+    cut = "<|channel|>analysis<|message|>User greets. Re"
+    assert gpt_oss.split(cut) == Split("User greets. Re", "", len(cut))
+    # a tool call instead of a final message: what follows the reasoning stays as written
+    call = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>"
+            "commentary to=functions.get_weather <|constrain|>json<|message|>"
+            '{"city":"Paris"}<|call|>')  # fmt: skip
+    split = gpt_oss.split(call)
+    assert split.reasoning == "Need weather." and split.text == call[call.index("<|start|>") :]
+    # no analysis channel, or a prompt that opened the final message: all answer
+    assert gpt_oss.split("<|channel|>final<|message|>Hi<|return|>") == Split(None, "Hi", 0)
+    assert gpt_oss.closed_by("<|start|>assistant<|channel|>final<|message|>")
+    assert gpt_oss.split("Hi<|return|>", closed=True) == Split(None, "Hi", 0)
+    assert detect("{{ '<|channel|>analysis<|message|>' }}") == "gpt_oss"
+
+
+def test_gpt_oss_reasoning_tokens_count_through_its_end_marker():
+    from batchgen.worker.loop.flight import reasoning_tokens
+
+    pieces = ["<|channel|>", "analysis", "<|message|>", "Hm", ".", "<|end|>", "<|start|>",
+              "assistant", "<|channel|>", "final", "<|message|>", "Hi", "<|return|>"]  # fmt: skip
+    ids = list(range(len(pieces)))
+    output = "".join(pieces)
+    split = parser("gpt_oss").split(output)
+    count = reasoning_tokens(ids, output, split, "<|end|>",
+                             lambda part: "".join(pieces[i] for i in part))  # fmt: skip
+    assert (split.reasoning, split.text, count) == ("Hm.", "Hi", 6)
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("qwen", "unknown reasoning parser 'qwen': one of qwen3, deepseek_r1, think or "
-                 "think:START,END"),
+        ("qwen", "unknown reasoning parser 'qwen': one of qwen3, deepseek_r1, think, gpt_oss "
+                 "or think:START,END"),
         ("think:<r>", "--reasoning-parser think:<r>: write think:START,END (two non-empty "
                       "tags, e.g. think:<reasoning>,</reasoning>)"),
         ("think:,</r>", "--reasoning-parser think:,</r>: write think:START,END (two non-empty "

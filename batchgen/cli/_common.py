@@ -111,7 +111,7 @@ def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
             "--reasoning-parser",
             metavar="NAME",
             default=None,
-            help="Split each output into reasoning and answer: qwen3, deepseek_r1, think, "
+            help="Split each output into reasoning and answer: qwen3, deepseek_r1, gpt_oss, think, "
             "think:START,END, or none. Default: the one the checkpoint's chat template makes "
             "unambiguous (none when it has no think tags).",
         ),

@@ -15,6 +15,12 @@ Names, as vLLM's ``--reasoning-parser`` spells them:
   inside the reasoning and holds only ``</think>`` (older releases repeat ``<think>``).
 - ``think``: the same rule with the default tags; ``think:START,END`` with your own
   (``think:<reasoning>,</reasoning>``).
+- ``gpt_oss``: gpt-oss writes OpenAI's harmony channels,
+  ``<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>
+  answer<|return|>``; the reasoning is the analysis message, the answer the final
+  one's (without a final message, all that follows the reasoning, such as a
+  ``commentary`` tool call). Its markers are special tokens, so it reads the output
+  decoded with special tokens kept (``keeps_special``).
 
 The rule all three follow: a leading start tag is dropped; the reasoning runs to the
 first end tag, the answer is everything after it; when the end tag never comes,
@@ -26,9 +32,10 @@ parse: all of the output is answer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 START, END = "<think>", "</think>"
-NAMES = ("qwen3", "deepseek_r1", "think")
+NAMES = ("qwen3", "deepseek_r1", "think", "gpt_oss")
 
 
 class ParserError(ValueError):
@@ -51,6 +58,7 @@ class ThinkTags:
     name: str  # as the job names it
     start: str = START
     end: str = END
+    keeps_special: ClassVar[bool] = False  # reads the output as the row's text holds it
 
     def closed_by(self, prompt_tail: str) -> bool:
         """Whether a rendered prompt ending in ``prompt_tail`` already closed the
@@ -69,8 +77,53 @@ class ThinkTags:
         return Split(output[skipped:end], output[stop:], stop)
 
 
-def parser(spec: str) -> ThinkTags:
+@dataclass(frozen=True, slots=True)
+class HarmonyChannels:
+    """gpt-oss's harmony channels: the analysis message is the reasoning."""
+
+    name: str = "gpt_oss"
+    end: str = "<|end|>"  # ends the analysis message
+    keeps_special: ClassVar[bool] = True
+    ANALYSIS: ClassVar[str] = "<|channel|>analysis<|message|>"
+    FINAL: ClassVar[str] = "<|channel|>final<|message|>"
+    STOPS: ClassVar[tuple[str, ...]] = ("<|return|>", "<|call|>", "<|end|>")  # end a message
+
+    def closed_by(self, prompt_tail: str) -> bool:
+        """Whether the prompt already opened the final message (no reasoning to come)."""
+        return prompt_tail.rstrip().endswith(self.FINAL)
+
+    def split(self, output: str, closed: bool = False) -> Split:
+        """``output`` (special tokens kept) as the analysis message and the answer."""
+        if closed:
+            return Split(None, self._message(output), 0)
+        if not output.startswith(self.ANALYSIS):  # no analysis channel: all answer
+            return Split(None, self._answer(output), 0)
+        end = output.find(self.end, len(self.ANALYSIS))
+        if end < 0:
+            return Split(output[len(self.ANALYSIS) :], "", len(output))
+        stop = end + len(self.end)
+        return Split(output[len(self.ANALYSIS) : end], self._answer(output[stop:]), stop)
+
+    def _answer(self, rest: str) -> str:
+        """The final message's text; without one, what follows the reasoning as written."""
+        at = rest.find(self.FINAL)
+        if at < 0:
+            return rest
+        return self._message(rest[at + len(self.FINAL) :])
+
+    def _message(self, text: str) -> str:
+        """A message's text, up to the token that ends it."""
+        ends = [i for i in (text.find(stop) for stop in self.STOPS) if i >= 0]
+        return text[: min(ends)] if ends else text
+
+
+ReasoningParser = ThinkTags | HarmonyChannels
+
+
+def parser(spec: str) -> ReasoningParser:
     """The parser a job's ``--reasoning-parser`` names; ParserError when none is."""
+    if spec == "gpt_oss":
+        return HarmonyChannels()
     if spec in NAMES:
         return ThinkTags(spec)
     name, colon, tags = spec.partition(":")
@@ -85,11 +138,14 @@ def parser(spec: str) -> ThinkTags:
 
 
 def detect(chat_template: str | None) -> str:
-    """The parser a chat template makes unambiguous: ``qwen3`` for a template that
+    """The parser a chat template makes unambiguous: ``gpt_oss`` for one that writes
+    harmony's analysis channel, ``qwen3`` for a template that
     writes ``<think>`` and ``</think>`` and takes ``enable_thinking`` (Qwen3's switch),
     ``deepseek_r1`` for one that opens ``<think>`` in its generation prompt without that
     switch, ``think`` for any other template that writes both tags; "" when it
     mentions no think tags (no parser: the output is all answer)."""
+    if chat_template and "<|channel|>" in chat_template and "analysis" in chat_template:
+        return "gpt_oss"
     if not chat_template or START not in chat_template or END not in chat_template:
         return ""
     if "enable_thinking" in chat_template:

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from batchgen.jobs.consumer.queue import Delivery
 from batchgen.jobs.schema import tools
 from batchgen.jobs.schema.constraints import kind_of
-from batchgen.jobs.schema.reasoning import Split, ThinkTags
+from batchgen.jobs.schema.reasoning import ReasoningParser, Split
 from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.jobs.schema.tool_parsers import Call, ToolParser
 from batchgen.worker.loop.engine_api import EngineOutput
@@ -23,7 +23,7 @@ _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 class Reasoning:
     """How a request's output splits into reasoning and answer."""
 
-    parser: ThinkTags
+    parser: ReasoningParser
     closed: bool  # its prompt already closed the reasoning: the output is all answer
 
 
@@ -80,8 +80,12 @@ def output_row(
     reasoning, reasoning_count = None, None
     if flight.reasoning is not None and reason:
         parser = flight.reasoning.parser
-        split = parser.split(text, flight.reasoning.closed)
-        reasoning_count = reasoning_tokens(token_ids, text, split, parser.end, decode)
+        keep = parser.keeps_special  # its markers are special tokens, which the text drops
+        source = decode(token_ids, True) if keep else text
+        split = parser.split(source, flight.reasoning.closed)
+        reasoning_count = reasoning_tokens(
+            token_ids, source, split, parser.end, lambda ids: decode(ids, keep)
+        )
         text, reasoning = split.text, split.reasoning
     calls: list[Call] = []
     if reason and d.request.tools is not None:

@@ -20,7 +20,7 @@ from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.modelinfo import fingerprint
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 from batchgen.jobs.schema import reasoning, tool_parsers
-from batchgen.jobs.schema.reasoning import ThinkTags
+from batchgen.jobs.schema.reasoning import ReasoningParser
 from batchgen.jobs.schema.rows import Row
 from batchgen.jobs.schema.tool_parsers import ToolParser
 from batchgen.worker.loop.flight import error_row
@@ -34,7 +34,7 @@ class JobInfo:
     output: str
     cache: str = ""  # the result cache's location when the job uses it
     refused: str = ""  # why this worker will not run the job's requests (other weights)
-    reasoning: ThinkTags | None = None  # splits each output into reasoning and answer
+    reasoning: ReasoningParser | None = None  # splits each output into reasoning and answer
     tool_parser: ToolParser | None = None  # finds the calls of tool_choice auto rows
 
 
