@@ -87,11 +87,31 @@ def test_mistral_reads_both_tool_call_formats():
     assert parser("mistral").keeps_special and not parser("hermes").keeps_special
 
 
+def test_openai_reads_gpt_oss_harmony_messages_to_functions():
+    one = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>"
+           "commentary to=functions.get_weather <|constrain|>json<|message|>"
+           '{"city": "Paris", "days": 3}<|call|>')  # fmt: skip
+    assert extract("openai", one) == Extracted("", [WEATHER])
+    # two calls, the second with its recipient before the channel
+    two = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": '
+           '"Paris", "days": 3}<|call|><|start|>assistant to=functions.get_time<|channel|>'
+           'commentary json<|message|>{"zone": "CET"}<|call|>')  # fmt: skip
+    assert extract("openai", two) == Extracted("", [WEATHER, TIME])
+    final = "<|channel|>final<|message|>It is sunny.<|return|>"
+    for text in (
+        final,
+        '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"zo',
+    ):
+        assert extract("openai", text) == Extracted(text)
+    assert parser("openai").keeps_special
+
+
 def test_a_wrong_parser_name_says_which_exist():
     with pytest.raises(ParserError) as caught:
         parser("qwen")
     assert (
-        str(caught.value) == "unknown tool-call parser 'qwen': one of hermes, llama3_json, mistral"
+        str(caught.value)
+        == "unknown tool-call parser 'qwen': one of hermes, llama3_json, mistral, openai"
     )
 
 
@@ -100,6 +120,7 @@ def test_detect_reads_the_chat_template():
     assert detect(QWEN_TEMPLATE) == "hermes"
     assert detect("{{ '[TOOL_CALLS]' }}") == "mistral"
     assert detect("{{ '<|python_tag|>' }}") == "llama3_json"
+    assert detect("{{ '<|channel|>commentary to=functions.' + name }}") == "openai"
     assert detect("<tool_call>[TOOL_CALLS]") == ""  # two formats: ambiguous
 
 

@@ -120,7 +120,7 @@ def sampling_options(func: Callable[..., Any]) -> Callable[..., Any]:
             metavar="NAME",
             default=None,
             help="Find the tool calls of tool_choice auto rows: hermes, llama3_json, mistral, "
-            "or none. Default: the one the checkpoint's chat template makes unambiguous.",
+            "openai (gpt-oss), or none. Default: the one the checkpoint's chat template makes unambiguous.",
         ),
     ]
 

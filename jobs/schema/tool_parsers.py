@@ -19,6 +19,10 @@ Names, as vLLM's ``--tool-call-parser`` spells them:
   its own ``[TOOL_CALLS]`` (v11+; ``name[CALL_ID]id[ARGS]{...}`` too). Its markers are
   special tokens, so this parser reads the output decoded with special tokens kept
   (``keeps_special``).
+- ``openai``: gpt-oss writes each call as a harmony message to a function,
+  ``<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
+  {...}<|call|>`` (the recipient may also stand before the channel); the text is the
+  final channel's message. Its markers are special tokens too.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-NAMES = ("hermes", "llama3_json", "mistral")
+NAMES = ("hermes", "llama3_json", "mistral", "openai")
 
 
 class ParserError(ValueError):
@@ -172,6 +176,33 @@ def _mistral_piece(piece: str) -> list[Call]:
     return [call] if call is not None else []
 
 
+HARMONY_START, HARMONY_MESSAGE, RECIPIENT = "<|start|>", "<|message|>", "to=functions."
+HARMONY_ENDS = ("<|call|>", "<|end|>", "<|return|>")
+
+
+def openai(text: str) -> Extracted:
+    """gpt-oss's harmony messages addressed to functions; the final message is the text."""
+    if RECIPIENT not in text:
+        return Extracted(text)
+    calls, final = [], ""
+    for message in text.split(HARMONY_START):
+        header, found, body = message.partition(HARMONY_MESSAGE)
+        if not found:
+            continue
+        ends = [i for i in (body.find(end) for end in HARMONY_ENDS) if i >= 0]
+        body = body[: min(ends)] if ends else body
+        if RECIPIENT not in header:
+            if "<|channel|>final" in header:
+                final = body
+            continue
+        name = re.split(r"[\s<]", header.split(RECIPIENT, 1)[1], maxsplit=1)[0]
+        call = _call({"name": name, "arguments": _loads(body.strip())}, ("arguments",))
+        if call is None:
+            return Extracted(text)
+        calls.append(call)
+    return Extracted(final, calls) if calls else Extracted(text)
+
+
 @dataclass(frozen=True, slots=True)
 class ToolParser:
     """A named parser; ``keeps_special``: it reads the output with special tokens kept."""
@@ -185,6 +216,7 @@ PARSERS = {
     "hermes": ToolParser("hermes", hermes),
     "llama3_json": ToolParser("llama3_json", llama3_json),
     "mistral": ToolParser("mistral", mistral, keeps_special=True),
+    "openai": ToolParser("openai", openai, keeps_special=True),
 }
 
 
@@ -199,9 +231,11 @@ def parser(name: str) -> ToolParser:
 def detect(chat_template: str | None) -> str:
     """The parser a chat template makes unambiguous: ``hermes`` for one that writes
     ``<tool_call>``, ``mistral`` for ``[TOOL_CALLS]``, ``llama3_json`` for Llama 3's
-    ``<|python_tag|>``; "" for any other (no parser: auto rows stay text)."""
+    ``<|python_tag|>``, ``openai`` for gpt-oss's ``to=functions.``; "" for any other (no
+    parser: auto rows stay text)."""
     if not chat_template:
         return ""
-    found = [name for name, mark in (("hermes", HERMES_START), ("mistral", MISTRAL_CALLS),
-                                     ("llama3_json", PYTHON_TAG)) if mark in chat_template]  # fmt: skip
+    marks = (("hermes", HERMES_START), ("mistral", MISTRAL_CALLS), ("llama3_json", PYTHON_TAG),
+             ("openai", RECIPIENT))  # fmt: skip
+    found = [name for name, mark in marks if mark in chat_template]
     return found[0] if len(found) == 1 else ""
