@@ -107,6 +107,8 @@ def dequantized(src: Path, out: Path) -> Path:
 CT_SCHEMES: dict[str, dict[str, Any]] = {
     "w4a16": dict(weights=dict(num_bits=4, type="int", symmetric=True, strategy="group",
                                group_size=32), format="pack-quantized"),
+    "w4a16-g128": dict(weights=dict(num_bits=4, type="int", symmetric=True, strategy="group",
+                                    group_size=128), format="pack-quantized"),
     "w4a16-asym": dict(weights=dict(num_bits=4, type="int", symmetric=False, strategy="group",
                                     group_size=16), format="pack-quantized"),
     "w8a8-int8": dict(weights=dict(num_bits=8, type="int", symmetric=True, strategy="channel"),

@@ -310,6 +310,7 @@ FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size
             "(gptq): checkpoint_format='marlin' is not supported",
         ),
         ({"quant_method": "gptq", "bits": 4, "lm_head": True}, "(gptq): lm_head=True"),
+        ({"quant_method": "gptq", "bits": 4, "is_marlin_format": True}, "is_marlin_format=True"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "(awq): version='gemv'"),
         ({"quant_method": "awq", "bits": 4, "zero_point": False}, "(awq): zero_point=False"),
         (_ct(format="nvfp4-pack-quantized"), "format 'nvfp4-pack-quantized' is not supported"),

@@ -113,6 +113,7 @@ def read_gptq(raw: dict[str, Any]) -> GptqScheme:
     if fmt not in ("gptq", "gptq_v2"):
         raise o.refuse("checkpoint_format", "batchgen runs 'gptq', 'gptq_v2'")
     o.get("pack_dtype", "int32", allowed=["int32"])
+    o.get("is_marlin_format", False, allowed=[False])  # AutoGPTQ's marlin repacking
     o.get("lm_head", False, allowed=[False])
     o.get("modules_in_block_to_quantize", None, allowed=[None])
     for key in _CALIBRATION:
