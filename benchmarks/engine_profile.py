@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (batchgen toy-model)")
     p.add_argument("--workload", default="mixed")
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--dtype", default=None, help="the engine's dtype (default: float32 on CPU)")
+    p.add_argument("--vocab", type=int, default=None, help="ids drawn below (engine_bench's)")
     args = p.parse_args()
 
     import importlib
@@ -66,8 +68,9 @@ def main() -> None:
     from batchgen.worker.engine.model_runner import ModelRunner
     from benchmarks.workloads import WORKLOADS
 
-    engine = Engine.from_pretrained(args.model)
-    vocab = engine.runner.model.config.vocab_size  # the same ids as engine_bench.py
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype)
+    # the same ids as engine_bench.py, which draws them below the tokenizer's vocabulary
+    vocab = args.vocab or engine.runner.model.config.vocab_size
     torch.manual_seed(0)
     wl = WORKLOADS[args.workload](args.num_requests, vocab)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in wl.max_tokens]
@@ -97,6 +100,7 @@ def main() -> None:
         "model": args.model,
         "workload": args.workload,
         "requests": args.num_requests,
+        "dtype": args.dtype or "float32",
         "output_tokens": sum(len(o.token_ids) for o in outputs),
         "wall_s_profiled": round(wall, 2),
         "parts_s": {k: round(totals.get(k, 0.0), 3) for k in PARTS},
