@@ -54,12 +54,13 @@ def matmul_floor_s(model: Any, shapes: Counter[tuple[int, int]], repeats: int = 
     hidden = weights.embed.shape[1]
     q_size = weights.layers[0].attention.o.weight.shape[0]
     inter = weights.layers[0].mlp.down.weight.shape[0]
+    dtype = weights.embed.dtype  # the activations' dtype: fp32, or bf16 in a bf16 engine
     total = 0.0
     for (tokens, rows), count in sorted(shapes.items()):
         x, attn, act = (
-            torch.randn(tokens, hidden),
-            torch.randn(tokens, q_size),
-            torch.randn(tokens, inter),
+            torch.randn(tokens, hidden, dtype=dtype),
+            torch.randn(tokens, q_size, dtype=dtype),
+            torch.randn(tokens, inter, dtype=dtype),
         )
         sampled = x[:rows]
         _step_matmuls(weights, x, attn, act, sampled)  # warm-up
