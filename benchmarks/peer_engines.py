@@ -226,7 +226,10 @@ def main() -> None:
         peer=args.peer, dtype=args.dtype, threads=THREADS, prompt_tokens=wl.prompt_tokens,
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )  # fmt: skip
-    print("RESULT " + json.dumps(result))
+    print("RESULT " + json.dumps(result), flush=True)
+    # vLLM's shutdown waited forever here once its engine process was gone (seen under
+    # load): the result is out, nothing else is kept
+    os._exit(0)
 
 
 if __name__ == "__main__":
