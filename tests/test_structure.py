@@ -54,6 +54,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "worker.engine_config",
         "worker.cpu_threads",
         "jobs.schema",
+        "parts",  # a tensor-parallel engine starts its other ranks as batchgen processes
     },
     "worker.loop": {
         "worker.engine_config",

@@ -45,7 +45,11 @@ class EngineConfig:
     set to use (``OMP_NUM_THREADS``) and no more than the CPUs the process
     may really use, its affinity mask and cgroup quota (``cpu_threads.py``).
     Set on CPU, and on CUDA only when given. On CPU the engine runs on one
-    thread while other processes compete for the CPUs (``ContentionWatch``)."""
+    thread while other processes compete for the CPUs (``ContentionWatch``).
+    ``tensor_parallel_size``: ranks that split the model (``worker/models/
+    tensor_parallel.py``): this process is rank 0 and starts the others, on
+    the next GPUs from ``device``'s (CUDA) or on the CPU; a collective that
+    waits longer than ``tensor_parallel_timeout_s`` takes the group down."""
 
     device: str | None = None
     dtype: str | None = None
@@ -62,6 +66,8 @@ class EngineConfig:
     seed: int | None = None
     model_impl: str = "auto"
     threads: int | None = None
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 300.0
 
     def __new__(cls, *args: Any, **kwargs: Any) -> EngineConfig:
         # before the generated __init__, whose TypeError names no alternative
@@ -76,7 +82,7 @@ class EngineConfig:
         return object.__new__(cls)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs"):
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
             _positive(name, getattr(self, name))
         for name in (
             "num_kv_blocks", "max_num_batched_tokens", "max_model_len", "kv_cache_bytes", "threads"
@@ -103,6 +109,11 @@ class EngineConfig:
         if not (_is_number(utilization) and 0 < utilization <= 1):
             raise InvalidEngineConfig(
                 f"gpu_memory_utilization must be a fraction in (0, 1], got {utilization!r}"
+            )
+        timeout = self.tensor_parallel_timeout_s
+        if not (_is_number(timeout) and timeout > 0):
+            raise InvalidEngineConfig(
+                f"tensor_parallel_timeout_s must be a number of seconds > 0, got {timeout!r}"
             )
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 1 << 63):
             raise InvalidEngineConfig(

@@ -10,6 +10,7 @@ from batchgen.worker.engine.request import (
     Sample,
 )
 from batchgen.worker.engine.sampling_params import SamplingParams
+from batchgen.worker.engine.tensor_group import GroupLost
 from batchgen.worker.engine_config import EngineConfig, InvalidEngineConfig
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "EngineConfig",
     "EngineFinishReason",
     "EngineStats",
+    "GroupLost",
     "InvalidEngineConfig",
     "RequestOutput",
     "RequestRejected",

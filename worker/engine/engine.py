@@ -113,6 +113,11 @@ class Engine:
             loaded.enable_prefix_caching,
         )  # fmt: skip
 
+    def close(self) -> None:
+        """Stops the other ranks of a tensor-parallel engine (nothing to do on one rank)."""
+        if self.runner.peers is not None:
+            self.runner.peers.close()
+
     # -- requests in ----------------------------------------------------------
     def encode(
         self, prompt: str | Sequence[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,

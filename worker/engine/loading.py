@@ -6,6 +6,7 @@ import functools
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,12 +23,18 @@ from batchgen.worker.engine.kv_cache import allocate_kv_cache, num_blocks_for_bu
 from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.pooling import load_pooling
 from batchgen.worker.engine.sampler import Sampler
+from batchgen.worker.engine.tensor_group import Collectives, TensorGroup, rank_device
 from batchgen.worker.engine.warmup import warm_up_prefill
 from batchgen.worker.engine_config import DTYPES, EngineConfig
-from batchgen.worker.models import CausalLM, UnsupportedModelError, build_model
+from batchgen.worker.models import CausalLM, ModelConfig, UnsupportedModelError, build_model
 from batchgen.worker.models.hf_backend import HfCausalLM
 from batchgen.worker.models.hf_config import HFConfig, read_hf_config
 from batchgen.worker.models.implementation import Implementation, choose_implementation
+from batchgen.worker.models.tensor_parallel import (
+    ShardedDecoder,
+    build_sharded_model,
+    check_shardable,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -127,6 +134,10 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     root, hf, impl = _read_config(path, config)
     max_model_len = _context(root, impl, config)
     dev = pick_device(config.device)
+    group, native = None, impl.native
+    if config.tensor_parallel_size > 1:
+        native = _tensor_parallel_native(impl, root, config)
+        group = TensorGroup.start(str(path), config, dev)  # the ranks load while this one does
     threads = set_threads(config.threads, dev)
     torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
     ops = select_ops(dev, config.use_triton)
@@ -136,32 +147,33 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
         heads = (a.num_heads, a.num_kv_heads, a.head_dim)
         _check_kernels(ops, impl.native.family, a.num_heads, a.num_kv_heads, a.head_dim)
     tokenizer = _load_tokenizer(path, root)
-    model = _load_model(root, hf, impl, ops, dev, torch_dtype, max_model_len)
+    if group is not None:
+        assert native is not None  # _tensor_parallel_native refused the transformers backend
+        model: CausalLM = build_sharded_model(root, native, dev, torch_dtype, ops, max_model_len,
+                                              group.shard)  # fmt: skip
+        heads = _local_heads(model)
+    else:
+        model = _load_model(root, hf, impl, ops, dev, torch_dtype, max_model_len)
     if isinstance(model, HfCausalLM):  # transformers' model: its attention shape, once loaded
         shape = model.config
         heads = (shape.num_heads, shape.num_kv_heads, shape.head_dim)
     max_num_batched_tokens = config.max_num_batched_tokens or (4096 if dev.type == "cuda" else 2048)
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
-    num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
-        model.config, block_size, torch_dtype, dev, config.kv_cache_bytes,
-        config.gpu_memory_utilization,
-    )  # fmt: skip
-    if num_kv_blocks < 1:
-        raise UnsupportedModelError("no memory left for the KV cache; lower the model size")
-    kv_caches = allocate_kv_cache(model.config, num_kv_blocks, block_size, torch_dtype, dev)
+    num_kv_blocks, kv_caches = _kv_pool(
+        model, config, torch_dtype, dev, None if group is None else group.collectives
+    )
     eos = eos_token_ids(root, hf.hf, tokenizer)
     if ops.name == "triton":  # compiled now, not in the first steps
-        num_heads, num_kv_heads, head_dim = heads
-        max_query_len = min(max_num_batched_tokens, max_model_len)
-        warm_up_prefill(model, kv_caches, block_size, max_query_len,
-                        num_heads // max(num_kv_heads, 1), head_dim)  # fmt: skip
+        _warm_up(model, kv_caches, block_size, min(max_num_batched_tokens, max_model_len), heads)
     graphs = None
-    # graphs capture batchgen's own forward; transformers' modules may sync or branch on values
+    # graphs capture batchgen's own forward; transformers' modules may sync or branch on
+    # values; a tensor-parallel rank's forward holds collectives the others must meet
     if (
         config.use_cuda_graphs
         and dev.type == "cuda"
         and ops.name == "triton"
         and impl.native is not None
+        and group is None
     ):
         graphs = CudaGraphDecoder(
             model, kv_caches, min(max_num_seqs, 256), max_model_len, block_size, dev
@@ -175,7 +187,7 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     )
     runner = ModelRunner(
         model, kv_caches, block_size, Sampler(eos, config.seed), dev, graphs, load_pooling(root),
-        contention,
+        contention, group,
     )  # fmt: skip
     limits = EngineLimits(
         max_model_len=max_model_len,
@@ -190,6 +202,77 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     return LoadedEngine(
         runner, tokenizer, limits, eos, config.enable_prefix_caching and not keeps_state
     )
+
+
+def build_rank_runner(
+    path: str, config: EngineConfig, rank: int, join: Callable[[torch.device], Collectives]
+) -> tuple[Collectives, ModelRunner]:
+    """A tensor-parallel rank other than 0 (``tensor_group.run_rank``): its shard of the
+    model and of the KV pool, loaded as rank 0 loads its own, and a runner that only
+    stages each step's arrays (it never samples)."""
+    root, hf, impl = _read_config(path, config)
+    max_model_len = _context(root, impl, config)
+    native = _tensor_parallel_native(impl, root, config)
+    dev = rank_device(pick_device(config.device), rank)
+    collectives = join(dev)
+    set_threads(config.threads, dev)
+    torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
+    ops = select_ops(dev, config.use_triton)
+    model = build_sharded_model(root, native, dev, torch_dtype, ops, max_model_len,
+                                collectives.shard)  # fmt: skip
+    _, kv_caches = _kv_pool(model, config, torch_dtype, dev, collectives)
+    if ops.name == "triton":  # the same forwards as rank 0's warm-up, collectives and all
+        max_num_batched_tokens = config.max_num_batched_tokens or 4096
+        _warm_up(model, kv_caches, config.block_size,
+                 min(max_num_batched_tokens, max_model_len), _local_heads(model))  # fmt: skip
+    runner = ModelRunner(model, kv_caches, config.block_size, Sampler((), None), dev)
+    return collectives, runner
+
+
+def _tensor_parallel_native(impl: Implementation, root: Path, config: EngineConfig) -> ModelConfig:
+    """The native family's config, which tensor parallelism splits; the transformers backend
+    it does not."""
+    if impl.native is None:
+        raise UnsupportedModelError(
+            f"tensor_parallel_size {config.tensor_parallel_size}: {root} runs on the transformers "
+            "backend, which tensor parallelism does not split; use tensor_parallel_size 1"
+        )
+    check_shardable(impl.native, config.tensor_parallel_size)
+    return impl.native
+
+
+def _local_heads(model: CausalLM) -> tuple[int, int, int]:
+    """(num_heads, num_kv_heads, head_dim) of a tensor-parallel rank's attention."""
+    assert isinstance(model, ShardedDecoder)
+    a = model.config.attention
+    return a.num_heads, a.num_kv_heads, a.head_dim
+
+
+def _kv_pool(
+    model: CausalLM, config: EngineConfig, dtype: torch.dtype, dev: torch.device,
+    collectives: Collectives | None,
+) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:  # fmt: skip
+    """The KV blocks and their pool; a tensor-parallel group's ranks hold as many blocks
+    as the one with the least room (the block tables are rank 0's, for every rank)."""
+    num_kv_blocks = config.num_kv_blocks or num_blocks_for_budget(
+        model.config, config.block_size, dtype, dev, config.kv_cache_bytes,
+        config.gpu_memory_utilization,
+    )  # fmt: skip
+    if collectives is not None:
+        num_kv_blocks = collectives.smallest(num_kv_blocks)
+    if num_kv_blocks < 1:
+        raise UnsupportedModelError("no memory left for the KV cache; lower the model size")
+    kv_caches = allocate_kv_cache(model.config, num_kv_blocks, config.block_size, dtype, dev)
+    return num_kv_blocks, kv_caches
+
+
+def _warm_up(
+    model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+    max_query_len: int, heads: tuple[int, int, int],
+) -> None:  # fmt: skip
+    num_heads, num_kv_heads, head_dim = heads
+    warm_up_prefill(model, kv_caches, block_size, max_query_len,
+                    num_heads // max(num_kv_heads, 1), head_dim)  # fmt: skip
 
 
 def _read_config(

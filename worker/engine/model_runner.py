@@ -25,6 +25,29 @@ from batchgen.worker.models import CausalLM
 
 
 @dataclass(slots=True)
+class HostStep:
+    """A step's arrays on the host: what a tensor-parallel rank 0 sends the other ranks,
+    from which each stages the same inputs (``ModelRunner.stage``)."""
+
+    longs: list[np.ndarray]  # slot mapping, input ids, positions, logits rows (int64)
+    ints: list[np.ndarray]  # decode tables, context lens; prefill tables, lens, starts (int32)
+    num_decode_tokens: int
+    decode_max_context_len: int
+    prefill_max_query_len: int
+    prefill_max_context_len: int
+
+
+class StepPeers(Protocol):
+    """The other ranks of a tensor-parallel group (``tensor_group.TensorGroup``)."""
+
+    def send(self, host: HostStep) -> None: ...  # each step's arrays, before rank 0 runs it
+
+    def lost(self, exc: BaseException) -> Exception: ...  # what a failed step raises
+
+    def close(self) -> None: ...  # the other ranks exit
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # (num_tokens,) int64
     positions: torch.Tensor  # (num_tokens,) int64
@@ -32,6 +55,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # (num_sampling,) rows whose logits we need
     sampling: list[EngineRequest]  # the requests those rows belong to
     embeds: list[EmbedSpan]  # embedding requests' rows; empty in a generation-only step
+    host: HostStep
 
 
 class DecodeGraphs(Protocol):
@@ -66,8 +90,10 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         pooling: Pooling | None = None,
         contention: ContentionWatch | None = None,
+        peers: StepPeers | None = None,
     ) -> None:
         self.model = model
+        self.peers = peers  # tensor parallel: the ranks that run each step with this one
         self.contention = contention  # CPU: fewer threads while others want the CPUs
         self.pooling = pooling or Pooling()
         self.kv_caches = kv_caches
@@ -132,27 +158,16 @@ class ModelRunner:
         if plan.embeds:  # a generation-only step never comes here
             embeds, sampling, rows = self._split_embeds(plan, p_qsl, sampling, rows)
 
-        longs = [slots, np.asarray(d_ids + p_ids, dtype=np.int64), positions,
-                 np.asarray(rows, dtype=np.int64)]  # fmt: skip
-        ints = [d_tables, d_ctx, p_tables, p_ctx, p_qsl]
-        # on CUDA: one pinned buffer and one queued copy per dtype
-        slot_t, ids_t, pos_t, rows_t = stage(longs, torch.int64, self.device, self.packed)
-        d_tables_t, d_ctx_t, p_tables_t, p_ctx_t, p_qsl_t = stage(
-            ints, torch.int32, self.device, self.packed
-        )
-        batch = AttentionBatch(
-            slot_mapping=slot_t,
+        host = HostStep(
+            longs=[slots, np.asarray(d_ids + p_ids, dtype=np.int64), positions,
+                   np.asarray(rows, dtype=np.int64)],
+            ints=[d_tables, d_ctx, p_tables, p_ctx, p_qsl],
             num_decode_tokens=nd,
-            decode_block_tables=d_tables_t,
-            decode_context_lens=d_ctx_t,
             decode_max_context_len=d_max_ctx,
-            prefill_block_tables=p_tables_t,
-            prefill_context_lens=p_ctx_t,
-            prefill_query_start_loc=p_qsl_t,
             prefill_max_query_len=max(lens, default=0),
             prefill_max_context_len=p_max_ctx,
-            host=HostBatch(positions, d_tables, p_tables, p_qsl),
-        )
+        )  # fmt: skip
+        ids_t, pos_t, batch, rows_t = self.stage(host)
         return StepInputs(
             input_ids=ids_t,
             positions=pos_t,
@@ -160,7 +175,35 @@ class ModelRunner:
             logits_indices=rows_t,
             sampling=sampling,
             embeds=embeds,
+            host=host,
         )
+
+    def stage(
+        self, host: HostStep
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
+        """The step's arrays on the device: input ids, positions, the attention batch and
+        the rows whose logits are needed."""
+        positions = host.longs[2]
+        d_tables, _, p_tables, _, p_qsl = host.ints
+        # on CUDA: one pinned buffer and one queued copy per dtype
+        slot_t, ids_t, pos_t, rows_t = stage(host.longs, torch.int64, self.device, self.packed)
+        d_tables_t, d_ctx_t, p_tables_t, p_ctx_t, p_qsl_t = stage(
+            host.ints, torch.int32, self.device, self.packed
+        )
+        batch = AttentionBatch(
+            slot_mapping=slot_t,
+            num_decode_tokens=host.num_decode_tokens,
+            decode_block_tables=d_tables_t,
+            decode_context_lens=d_ctx_t,
+            decode_max_context_len=host.decode_max_context_len,
+            prefill_block_tables=p_tables_t,
+            prefill_context_lens=p_ctx_t,
+            prefill_query_start_loc=p_qsl_t,
+            prefill_max_query_len=host.prefill_max_query_len,
+            prefill_max_context_len=host.prefill_max_context_len,
+            host=HostBatch(positions, d_tables, p_tables, p_qsl),
+        )
+        return ids_t, pos_t, batch, rows_t
 
     @staticmethod
     def _split_embeds(
@@ -185,7 +228,17 @@ class ModelRunner:
         Embedding requests get none: their rows are pooled (``pool_step``)."""
         if self.contention is not None:
             self.contention.check()
+        if self.peers is None:
+            return self._run(plan)
+        try:  # a step that failed on any rank leaves the group out of step: it is lost
+            return self._run(plan)
+        except Exception as exc:
+            raise self.peers.lost(exc) from exc
+
+    def _run(self, plan: SchedulerPlan) -> tuple[list[EngineRequest], SampleResult]:
         inputs = self.prepare(plan)
+        if self.peers is not None:
+            self.peers.send(inputs.host)
         pending = self.masks.start(inputs.sampling)  # filled while the model runs
         if self.graphs is not None and not plan.prefills and self.graphs.can_run(len(plan.decodes)):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.batch)

@@ -123,6 +123,9 @@ class EngineAPI(Generic[Params]):
         ..., Params
     ]  # SamplingParams(**request.sampling); ValueError when bad
     rejected: tuple[type[BaseException], ...]  # add_request's "can never run" errors
+    # step's errors after which the engine cannot step again (a tensor-parallel rank lost):
+    # no bisection, its requests go back charged as for a crash
+    lost: tuple[type[BaseException], ...] = ()
 
 
 def load_engine(model: str, config: EngineConfig) -> EngineAPI[Any]:
@@ -131,4 +134,7 @@ def load_engine(model: str, config: EngineConfig) -> EngineAPI[Any]:
     else:
         engine_package = importlib.import_module("batchgen.worker.engine")
     engine = engine_package.Engine.from_config(model, config)
-    return EngineAPI(engine, engine_package.SamplingParams, (engine_package.RequestRejected,))
+    return EngineAPI(
+        engine, engine_package.SamplingParams, (engine_package.RequestRejected,),
+        (engine_package.GroupLost,),
+    )  # fmt: skip

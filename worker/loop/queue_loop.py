@@ -165,7 +165,8 @@ class QueueLoop:
                 outputs = self.engine.step()
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
-                if not self.stopping and requests.bisect(error):
+                lost = isinstance(exc, self.api.lost)  # no step can run again: no bisection
+                if not self.stopping and not lost and requests.bisect(error):
                     return read
                 log.exception("engine step failed; handing the in-flight requests back, exiting")
                 self.engine_failed = self.stopping = True

@@ -86,7 +86,7 @@ class Decoder:
     ) -> torch.Tensor:
         """input_ids, positions (num_tokens,) -> final hidden states (num_tokens, hidden)."""
         cfg, ops, w = self.config, self.ops, self.weights
-        residual = F.embedding(input_ids, w.embed)  # (T, hidden)
+        residual = self.embed_tokens(input_ids)  # (T, hidden)
         if cfg.embedding_scale is not None:
             # in the activations' dtype, as transformers scales it
             residual = residual * torch.tensor(cfg.embedding_scale, dtype=residual.dtype)
@@ -111,6 +111,15 @@ class Decoder:
         out, _ = add_then_norm(w.final_norm, delta, residual, ops)
         return out
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(num_tokens,) -> (num_tokens, hidden); a tensor-parallel rank's rows are its
+        share of the vocabulary (``tensor_parallel.ShardedDecoder``)."""
+        return F.embedding(input_ids, self.weights.embed)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(num_rows, hidden) -> (num_rows, vocab), before the head's scale and soft-cap."""
+        return self.weights.lm_head(hidden)
+
     def _block_output(self, out: torch.Tensor, post_norm: Norm | None) -> torch.Tensor:
         if post_norm is not None:
             out = post_norm(out, self.ops)
@@ -122,7 +131,7 @@ class Decoder:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(num_rows, hidden) -> (num_rows, vocab) fp32."""
         head = self.config.head
-        logits = self.weights.lm_head(hidden)
+        logits = self.head_logits(hidden)
         if head.scale != 1.0:
             logits = logits * head.scale
         if head.softcap is not None:

@@ -1,0 +1,200 @@
+"""A tensor-parallel group: the engine process is rank 0, the other ranks are processes it starts.
+
+Rank 0 owns everything an engine owns (the scheduler, the block tables, the
+prefix cache, sampling, structured output); the other ranks hold their shard
+of the model and of the KV cache (``worker/models/tensor_parallel.py``) and
+nothing else. Each step rank 0 sends them the step's host arrays
+(``model_runner.HostStep``: token ids, positions, slot mapping, block
+tables) and all of them run the forward together, meeting in its
+collectives; only rank 0 samples.
+
+Communication is ``torch.distributed``'s process groups, made for this group
+alone on a ``TCPStore`` that rank 0 serves on a free port of 127.0.0.1 (so
+one process may hold several groups): gloo for the step's arrays, and for the
+model's collectives on the CPU; NCCL for those on CUDA. A rank starts as
+``python -m batchgen.worker.engine.tensor_rank`` with its settings on stdin
+and dies with rank 0 (``PR_SET_PDEATHSIG``). A rank that dies, or a
+collective that waits longer than ``tensor_parallel_timeout_s``, makes rank
+0's step raise ``GroupLost``: the group cannot go on (its ranks may be in
+different collectives), so the engine process exits and its supervisor
+starts a fresh group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import pickle
+import subprocess
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from batchgen.parts import child_environ, module_command
+from batchgen.worker.engine.model_runner import HostStep
+from batchgen.worker.engine_config import EngineConfig
+from batchgen.worker.models.tensor_parallel import Shard
+
+log = logging.getLogger(__name__)
+HOST = "127.0.0.1"
+# ranks meet, load their shards and size their KV pools within this (a large checkpoint's
+# shard read from a slow disk); each step's collectives then within tensor_parallel_timeout_s
+START_TIMEOUT = timedelta(minutes=30)
+
+
+class GroupLost(RuntimeError):
+    """A rank of the engine's tensor-parallel group died or a collective timed out: the
+    engine cannot run another step (the queue loop hands its requests back and exits)."""
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """CUDA: rank r runs on the r-th GPU after rank 0's; the CPU: the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+@dataclass(frozen=True, slots=True)
+class RankOrder:
+    """What rank 0 tells a rank it starts (on stdin: the path may name a private place)."""
+
+    path: str
+    config: dict[str, Any]
+    rank: int
+    port: int
+
+
+@dataclass(slots=True)
+class Collectives:
+    """One side of a group: its store, the gloo group the steps travel on, and the shard
+    (its rank and the group the model's collectives run on)."""
+
+    store: Any
+    control: Any  # ProcessGroupGloo
+    shard: Shard
+    timeout: timedelta  # a step's collectives; loading (and meeting) may take START_TIMEOUT
+
+    @classmethod
+    def join(cls, store: Any, rank: int, world: int, device: torch.device,
+             timeout: timedelta) -> Collectives:  # fmt: skip
+        control = dist.ProcessGroupGloo(
+            dist.PrefixStore("control", store), rank, world, START_TIMEOUT
+        )
+        model_group: Any
+        if device.type == "cuda":  # NCCL's own watchdog bounds its collectives
+            torch.cuda.set_device(device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            model_group = dist.ProcessGroupNCCL(
+                dist.PrefixStore("model", store), rank, world, options
+            )
+        else:
+            model_group = dist.ProcessGroupGloo(
+                dist.PrefixStore("model", store), rank, world, START_TIMEOUT
+            )
+        return cls(store, control, Shard(rank, world, model_group, timeout), timeout)
+
+    def smallest(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (the KV blocks all of them can hold)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # stubs: RedOpType
+        self.control.allreduce([t], options).wait()
+        return int(t.item())
+
+    def broadcast(self, message: Any, timeout: timedelta) -> Any:
+        """Rank 0's ``message`` on every rank (its pickle's size, then its bytes)."""
+        if self.shard.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self.control.broadcast(size, 0, timeout).wait()
+        if self.shard.rank != 0:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.control.broadcast(data, 0, timeout).wait()
+        return message if self.shard.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+
+class TensorGroup:
+    """Rank 0's side: the ranks it started, and what it sends them each step."""
+
+    def __init__(self, collectives: Collectives, ranks: list[subprocess.Popen[bytes]]) -> None:
+        self.collectives = collectives
+        self.ranks = ranks  # rank r is ranks[r - 1]
+        self.closed = False
+
+    @property
+    def shard(self) -> Shard:
+        return self.collectives.shard
+
+    @classmethod
+    def start(cls, path: str, config: EngineConfig, device: torch.device) -> TensorGroup:
+        """Starts ranks 1..N-1 (each loads its shard while this process loads its own) and
+        joins them."""
+        world = config.tensor_parallel_size
+        timeout = timedelta(seconds=config.tensor_parallel_timeout_s)
+        store = dist.TCPStore(
+            HOST, 0, world, is_master=True, timeout=START_TIMEOUT, wait_for_workers=False
+        )
+        ranks = []
+        for rank in range(1, world):
+            order = RankOrder(str(path), asdict(config), rank, store.port)
+            proc = subprocess.Popen(
+                module_command("batchgen.worker.engine.tensor_rank"), env=child_environ(),
+                stdin=subprocess.PIPE,
+            )  # fmt: skip
+            assert proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError), proc.stdin as pipe:
+                pipe.write(json.dumps(asdict(order)).encode())
+            ranks.append(proc)
+        try:
+            collectives = Collectives.join(store, 0, world, device, timeout)
+        except Exception:
+            for proc in ranks:
+                proc.kill()
+            raise
+        return cls(collectives, ranks)
+
+    def send(self, host: HostStep) -> None:
+        """The step's arrays to every rank, which then run the forward with this one."""
+        self._check_alive()
+        self.collectives.broadcast(host, self.collectives.timeout)
+
+    def lost(self, exc: BaseException) -> Exception:
+        if isinstance(exc, GroupLost):
+            return exc
+        for proc in self.ranks:  # a killed rank's peers may hear of it before its parent
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0 / len(self.ranks))
+        dead = self._dead()
+        why = f"rank {dead[0][0]} exited with {dead[0][1]}" if dead else "a collective failed"
+        return GroupLost(f"tensor-parallel group lost: {why} ({type(exc).__name__}: {exc})")
+
+    def _dead(self) -> list[tuple[int, int]]:
+        return [(r, p.returncode) for r, p in enumerate(self.ranks, 1) if p.poll() is not None]
+
+    def _check_alive(self) -> None:
+        dead = self._dead()
+        if dead:
+            rank, code = dead[0]
+            raise GroupLost(f"tensor-parallel group lost: rank {rank} exited with {code}")
+
+    def close(self) -> None:
+        """Tells the ranks to exit and waits for them (killed if they do not)."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self._dead():
+            with contextlib.suppress(Exception):
+                self.collectives.broadcast(None, timedelta(seconds=10))
+        for proc in self.ranks:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

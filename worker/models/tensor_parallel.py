@@ -1,0 +1,415 @@
+"""Tensor parallelism: one rank's shard of a native decoder, cut from the weights the readers made.
+
+The split is Megatron's. Per layer, attention is column-parallel on its
+heads (the fused q/k/v projection keeps this rank's query heads and the KV
+heads they read, a per-head q/k norm and gpt-oss's sinks their rows, MLA its
+queries' heads and the latent's up-projections) and row-parallel on ``o``;
+the MLP is column-parallel on gate/up and row-parallel on ``down``. Each
+block's partial output is summed over the ranks by one all-reduce
+(``ReducedAttention``, ``ReducedMlp``); a bias of a row-parallel projection stays on rank 0 only,
+so it is added once. The embedding and the LM head are split by vocabulary:
+each rank looks up the tokens its rows hold (an all-reduce puts the rows
+together) and computes the logits of its columns (an all-gather puts them
+side by side). Norms, rotary tables, routers and MLA's down-projections are
+replicated.
+
+The KV cache follows the heads: each rank caches its KV heads only; when the
+ranks outnumber the KV heads (and MLA's one latent), each KV head is cached
+by the ranks whose query heads read it.
+
+MoE experts are split tensor-parallel inside each expert (every rank holds a
+slice of every expert's intermediate width), not expert-parallel: the router
+is replicated, so every rank runs the same tokens through the same experts
+with the same kernel, its work does not depend on how skewed the routing is,
+and the block needs the same one all-reduce as a dense MLP (expert
+parallelism needs an all-to-all to send tokens to their experts' ranks and
+leaves a rank idle while a popular expert's rank works).
+
+Sharding happens after the family's reader produced the whole model's
+modules, so the readers (and what they learn about checkpoints) are the
+same for one rank and many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed does not export it
+
+from batchgen.kernels.batch import StepAttention
+from batchgen.kernels.experts import ExpertWeights
+from batchgen.kernels.ops import KernelOps
+from batchgen.worker.models.decoder import Decoder, DecoderLayer, DecoderWeights
+from batchgen.worker.models.latent_attention import LatentAttention
+from batchgen.worker.models.loader import read_checkpoint
+from batchgen.worker.models.mlp import DenseMlp, MlpBlock
+from batchgen.worker.models.model_config import ModelConfig, QKNormScope, UnsupportedModelError
+from batchgen.worker.models.norms import Norm
+from batchgen.worker.models.rope import RopeTable
+from batchgen.worker.models.self_attention import AttentionBlock, SelfAttention
+from batchgen.worker.models.sparse_moe import SparseMoe
+from batchgen.worker.models.weights import Linear
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """This rank's place in its group, and the group its collectives run on."""
+
+    rank: int
+    world: int
+    group: Any = None  # a torch.distributed backend (ProcessGroupGloo or ProcessGroupNCCL)
+    timeout: timedelta = timedelta(minutes=5)  # one collective's longest wait
+
+    def _options(self, kind: Any) -> Any:
+        options = kind()
+        options.timeout = self.timeout
+        return options
+
+    def span(self, n: int) -> tuple[int, int]:
+        """This rank's [start, end) of n things split as evenly as they go."""
+        return n * self.rank // self.world, n * (self.rank + 1) // self.world
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.group.allreduce([x], self._options(dist.AllreduceOptions)).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        self.group.allgather([parts], [x], self._options(AllgatherOptions)).wait()
+        return parts
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """Which query heads and KV heads a rank computes."""
+
+    q: tuple[int, int]
+    kv: tuple[int, int]
+
+    @property
+    def num_heads(self) -> int:
+        return self.q[1] - self.q[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv[1] - self.kv[0]
+
+
+def split_heads(num_heads: int, num_kv_heads: int, shard: Shard, name: str) -> HeadSplit:
+    """Query heads split evenly; KV heads too, or, when the ranks outnumber them, the one
+    KV head this rank's query heads read (replicated on the ranks that share it)."""
+    world, rank = shard.world, shard.rank
+    if num_heads % world:
+        raise UnsupportedModelError(
+            f"tensor_parallel_size {world} must divide {name}'s {num_heads} attention heads"
+        )
+    per_rank = num_heads // world
+    q = (rank * per_rank, (rank + 1) * per_rank)
+    if num_kv_heads >= world:
+        if num_kv_heads % world:
+            raise UnsupportedModelError(
+                f"tensor_parallel_size {world} must divide {name}'s {num_kv_heads} KV heads "
+                "(or be a multiple of them)"
+            )
+        kv_per_rank = num_kv_heads // world
+        return HeadSplit(q, (rank * kv_per_rank, (rank + 1) * kv_per_rank))
+    if world % num_kv_heads:
+        raise UnsupportedModelError(
+            f"tensor_parallel_size {world} must be a multiple of {name}'s {num_kv_heads} KV "
+            "heads (or divide them)"
+        )
+    head = rank * num_kv_heads // world
+    return HeadSplit(q, (head, head + 1))
+
+
+def _cols(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return t.index_select(-1, index.to(t.device)).contiguous()
+
+
+def _rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return t[start:end].contiguous()
+
+
+def _column_linear(layer: Linear, index: torch.Tensor) -> Linear:
+    """Column-parallel: this rank's output columns (and their bias)."""
+    assert layer.packed is None, "shard before the first call packs the weight"
+    bias = None if layer.bias is None else _cols(layer.bias, index)
+    return Linear(_cols(layer.weight, index), bias)
+
+
+def _row_linear(layer: Linear, start: int, end: int, shard: Shard) -> Linear:
+    """Row-parallel: this rank's input rows; the bias is added once, on rank 0."""
+    assert layer.packed is None, "shard before the first call packs the weight"
+    bias = layer.bias if shard.rank == 0 else None
+    return Linear(_rows(layer.weight, start, end), bias)
+
+
+def _head_columns(heads: tuple[int, int], width: int, offset: int = 0) -> torch.Tensor:
+    return offset + torch.arange(heads[0] * width, heads[1] * width)
+
+
+def _gated_columns(inter: int, span: tuple[int, int]) -> torch.Tensor:
+    """The columns of a fused (gate | up) projection that hold intermediate [start, end)."""
+    part = torch.arange(*span)
+    return torch.cat((part, inter + part))
+
+
+@dataclass(slots=True)
+class ReducedAttention:
+    """Attention whose output, partial on each rank (its heads' share of ``o``), is summed
+    over the ranks."""
+
+    block: AttentionBlock
+    shard: Shard
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RopeTable | None,
+        attend: StepAttention,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ops: KernelOps,
+    ) -> torch.Tensor:
+        out = self.block(x, positions, rope, attend, k_cache, v_cache, ops)
+        return self.shard.all_reduce(out)
+
+
+@dataclass(slots=True)
+class ReducedMlp:
+    """An MLP (dense or MoE) whose output, partial on each rank, is summed over the ranks."""
+
+    block: MlpBlock
+    shard: Shard
+
+    def __call__(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        return self.shard.all_reduce(self.block(x, ops))
+
+
+class ShardedDecoder(Decoder):
+    """The decoder of one rank: vocabulary-parallel embedding and LM head around
+    layers whose blocks end in an all-reduce."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: DecoderWeights,
+        ops: KernelOps,
+        max_positions: int,
+        device: torch.device,
+        shard: Shard,
+        vocab: tuple[int, int],
+        vocab_per_rank: int,
+    ) -> None:
+        super().__init__(config, weights, ops, max_positions, device)
+        self.shard = shard
+        self.vocab = vocab  # this rank's rows of the embedding, columns of the LM head
+        self.vocab_per_rank = vocab_per_rank  # the widest rank's; narrower ones pad to it
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        start, end = self.vocab
+        mine = (input_ids >= start) & (input_ids < end)
+        rows = F.embedding((input_ids - start) * mine, self.weights.embed)
+        return self.shard.all_reduce(rows * mine.unsqueeze(-1).to(rows.dtype))
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = self.weights.lm_head(hidden)
+        if local.shape[-1] < self.vocab_per_rank:
+            local = F.pad(local, (0, self.vocab_per_rank - local.shape[-1]))
+        parts = self.shard.all_gather(local.contiguous())
+        return torch.cat(parts, dim=-1)[:, : self.config.vocab_size]
+
+
+def build_sharded_model(
+    path: str | Path,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    ops: KernelOps,
+    max_positions: int,
+    shard: Shard,
+) -> ShardedDecoder:
+    """``registry.build_model`` for one rank: the whole checkpoint read on the CPU, this
+    rank's shard cut from it, and only the shard moved to ``device``."""
+    from batchgen.worker.models.registry import BY_NAME
+
+    family = BY_NAME[config.family]
+    check_shardable(config, shard.world)
+    store = read_checkpoint(Path(path), torch.device("cpu"), dtype)
+    weights = family.read_weights(store, config)
+    store.check_all_taken(family.name)
+    local_config, local, vocab, vocab_per_rank = shard_decoder(config, weights, shard)
+    local = _to_device(local, device)
+    return ShardedDecoder(local_config, local, ops, max_positions, device, shard, vocab,
+                          vocab_per_rank)  # fmt: skip
+
+
+def check_shardable(config: ModelConfig, world: int) -> None:
+    """Refuse, by name, what this split cannot run on ``world`` ranks (before any weight loads)."""
+    a = config.attention
+    if a.qk_norm is not None and a.qk_norm.scope is QKNormScope.ALL and world > 1:
+        raise UnsupportedModelError(
+            f"{config.family}'s q/k norm spans every head's projection; tensor parallelism "
+            "does not split it yet (run it with tensor_parallel_size 1)"
+        )
+    split_heads(a.num_heads, a.num_kv_heads, Shard(0, world), config.family)
+
+
+def shard_decoder(
+    config: ModelConfig, weights: DecoderWeights, shard: Shard
+) -> tuple[ModelConfig, DecoderWeights, tuple[int, int], int]:
+    """This rank's config (its heads and KV heads), weights, vocabulary span and the
+    widest span's size."""
+    a = config.attention
+    heads = split_heads(a.num_heads, a.num_kv_heads, shard, config.family)
+    layers = [_shard_layer(layer, config, heads, shard) for layer in weights.layers]
+    per_rank = -(-config.vocab_size // shard.world)
+    vocab = (min(shard.rank * per_rank, config.vocab_size),
+             min((shard.rank + 1) * per_rank, config.vocab_size))  # fmt: skip
+    head = weights.lm_head
+    assert head.packed is None
+    head_index = torch.arange(*vocab)
+    lm_head = Linear(_cols(head.weight, head_index),
+                     None if head.bias is None else _cols(head.bias, head_index))  # fmt: skip
+    local = DecoderWeights(
+        embed=_rows(weights.embed, *vocab),
+        layers=layers,
+        final_norm=weights.final_norm,
+        lm_head=lm_head,
+        position_embed=weights.position_embed,
+    )
+    attention = replace(a, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)
+    return replace(config, attention=attention), local, vocab, per_rank
+
+
+def _shard_layer(
+    layer: DecoderLayer, config: ModelConfig, heads: HeadSplit, shard: Shard
+) -> DecoderLayer:
+    return replace(
+        layer,
+        attention=ReducedAttention(_shard_attention(layer.attention, config, heads, shard), shard),
+        mlp=ReducedMlp(_shard_mlp(layer.mlp, shard), shard),
+    )
+
+
+def _shard_attention(
+    block: AttentionBlock, config: ModelConfig, heads: HeadSplit, shard: Shard
+) -> AttentionBlock:
+    if isinstance(block, SelfAttention):
+        return _shard_self_attention(block, heads, shard)
+    if isinstance(block, LatentAttention):
+        return _shard_latent_attention(block, heads, shard)
+    raise UnsupportedModelError(
+        f"{config.family}: tensor parallelism cannot split its {type(block).__name__}"
+    )
+
+
+def _shard_self_attention(block: SelfAttention, heads: HeadSplit, shard: Shard) -> SelfAttention:
+    s, dim = block.spec, block.spec.head_dim
+    cols = torch.cat((
+        _head_columns(heads.q, dim),
+        _head_columns(heads.kv, dim, s.num_heads * dim),
+        _head_columns(heads.kv, dim, (s.num_heads + s.num_kv_heads) * dim),
+    ))  # fmt: skip
+    q_rows = (heads.q[0] * dim, heads.q[1] * dim)
+    return SelfAttention(
+        spec=replace(s, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads),
+        qkv=_column_linear(block.qkv, cols),
+        o=_row_linear(block.o, *q_rows, shard),
+        q_norm=_per_head_norm(block.q_norm, heads.q),
+        k_norm=_per_head_norm(block.k_norm, heads.kv),
+        sinks=None if block.sinks is None else _rows(block.sinks, *heads.q),
+    )
+
+
+def _per_head_norm(norm: Norm | None, heads: tuple[int, int]) -> Norm | None:
+    """A per-head norm: one (D,) weight shared by every head stays; (H, D) keeps its rows."""
+    if norm is None or norm.weight.dim() == 1:
+        return norm
+    bias = None if norm.bias is None else _rows(norm.bias, *heads)
+    return Norm(norm.spec, _rows(norm.weight, *heads), bias)
+
+
+def _shard_latent_attention(
+    block: LatentAttention, heads: HeadSplit, shard: Shard
+) -> LatentAttention:
+    s = block.spec
+    q_width = s.qk_nope_head_dim + s.qk_rope_head_dim
+    q_cols = _head_columns(heads.q, q_width)
+    return replace(
+        block,
+        num_heads=heads.num_heads,
+        q=None if block.q is None else _column_linear(block.q, q_cols),
+        q_b=None if block.q_b is None else _column_linear(block.q_b, q_cols),
+        w_uk=_rows(block.w_uk, *heads.q),
+        w_uv=_rows(block.w_uv, *heads.q),
+        o=_row_linear(block.o, heads.q[0] * s.v_head_dim, heads.q[1] * s.v_head_dim, shard),
+    )
+
+
+def _shard_mlp(block: MlpBlock, shard: Shard) -> MlpBlock:
+    if isinstance(block, DenseMlp):
+        return _shard_dense_mlp(block, shard)
+    if isinstance(block, SparseMoe):
+        shared = None
+        if block.shared is not None:
+            assert isinstance(block.shared, DenseMlp), "a shared expert is a dense MLP"
+            shared = _shard_dense_mlp(block.shared, shard)
+        return replace(block, experts=_shard_experts(block.experts, shard), shared=shared)
+    raise UnsupportedModelError(f"tensor parallelism cannot split a {type(block).__name__}")
+
+
+def _shard_dense_mlp(block: DenseMlp, shard: Shard) -> DenseMlp:
+    inter = block.spec.intermediate_size
+    span = shard.span(inter)
+    cols = _gated_columns(inter, span) if block.spec.gated else torch.arange(*span)
+    spec = replace(block.spec, intermediate_size=span[1] - span[0])
+    return DenseMlp(spec, _column_linear(block.up, cols), _row_linear(block.down, *span, shard))
+
+
+def _shard_experts(experts: ExpertWeights, shard: Shard) -> ExpertWeights:
+    inter = experts.w2.shape[1]
+    span = shard.span(inter)
+    cols = _gated_columns(inter, span)
+    return replace(
+        experts,
+        w13=_cols(experts.w13, cols),
+        w2=experts.w2[:, span[0] : span[1]].contiguous(),
+        b13=None if experts.b13 is None else _cols(experts.b13, cols),
+        b2=experts.b2 if shard.rank == 0 else None,
+    )
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """The shard's modules with every tensor they hold on ``device``."""
+    if device.type == "cpu":
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, functools.partial):  # a router rule holding DeepSeek's correction bias
+        return functools.partial(
+            _to_device(value.func, device),
+            *(_to_device(a, device) for a in value.args),
+            **{k: _to_device(v, device) for k, v in value.keywords.items()},
+        )
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if isinstance(value, Shard):
+            return value
+        changes = {
+            f.name: _to_device(getattr(value, f.name), device)
+            for f in dataclasses.fields(value)
+            if f.init
+        }
+        return replace(value, **changes)
+    return value
