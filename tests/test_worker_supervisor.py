@@ -29,6 +29,7 @@ from batchgen.worker.loop.supervisor import (
     RESTART_DELAY_S,
     Child,
     Supervisor,
+    gpu_groups,
     parse_gpus,
     plan_children,
     visible_device,
@@ -45,6 +46,26 @@ def test_gpu_specs():
         parse_gpus("x", 2)
     with pytest.raises(UsageError, match="no CUDA device is visible"):
         parse_gpus("0", 0)
+
+
+def test_tensor_parallel_groups_are_consecutive_gpus_one_engine_each():
+    """``--gpus 0-7 --tensor-parallel-size 4``: two engines, each seeing four GPUs."""
+    eight = [visible_device(g, None) for g in parse_gpus("0-7", 8)]
+    assert gpu_groups(eight, 4, "0-7") == ["0,1,2,3", "4,5,6,7"]
+    assert gpu_groups(eight, 8, "0-7") == ["0,1,2,3,4,5,6,7"]
+    assert gpu_groups(eight, 1, "0-7") == eight  # one engine per GPU, as without the flag
+    under_slurm = [visible_device(g, "4,5,6,7") for g in parse_gpus("all", 4)]
+    assert gpu_groups(under_slurm, 2, "all") == ["4,5", "6,7"]
+    with pytest.raises(UsageError) as raised:
+        gpu_groups(eight, 3, "0-7")
+    assert str(raised.value) == "--tensor-parallel-size 3 must divide the 8 GPU(s) of --gpus 0-7"
+
+
+def test_cpu_ranks_share_the_cpus_with_the_other_workers(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("batchgen.worker.loop.supervisor.usable_cpus", lambda: 8)
+    plan = plan_children(None, "cpu", 2, None, tensor_parallel_size=2)
+    assert [child["env"]["OMP_NUM_THREADS"] for child in plan] == ["2", "2"]  # 2 x 2 ranks
 
 
 def test_gpu_indices_count_within_the_parents_visible_devices():

@@ -43,6 +43,12 @@ from batchgen.cli._common import (
 @model_impl_option
 @threads_option
 @click.option(
+    "--tensor-parallel-size", type=int, default=1, show_default=True,
+    help="Ranks (GPUs with --gpus, processes on --device cpu) that split one engine's model; "
+    "with --gpus it must divide the GPU count: --gpus 0-7 --tensor-parallel-size 4 starts two "
+    "engines of four GPUs (docs/fleet.md).",
+)  # fmt: skip
+@click.option(
     "--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port."
 )
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
@@ -61,15 +67,15 @@ from batchgen.cli._common import (
 def worker(
     model: str, gpus: str | None, device: str | None, workers: int | None, burst: bool,
     max_num_seqs: int, num_kv_blocks: int | None, max_model_len: int | None, model_impl: str,
-    threads: int | None, metrics_port: int | None, metrics_host: str, metrics_tenants: bool,
-    claim_timeout: float, max_attempts: int, drain_timeout: float,
+    threads: int | None, tensor_parallel_size: int, metrics_port: int | None, metrics_host: str,
+    metrics_tenants: bool, claim_timeout: float, max_attempts: int, drain_timeout: float,
     redis_url: str | None,
 ) -> None:  # fmt: skip
     """Pull MODEL's requests from Redis, generate, and write Parquet rows.
 
     Starts one engine process per GPU (--gpus, each with its own
-    CUDA_VISIBLE_DEVICES) or --workers N processes on --device cpu; a crashed
-    process is restarted. Also runs the finalize tasks that write finished
+    CUDA_VISIBLE_DEVICES), or per group of --tensor-parallel-size GPUs, or
+    --workers N processes on --device cpu; a crashed process is restarted. Also runs the finalize tasks that write finished
     jobs' outputs. SIGTERM/SIGINT: in-flight requests are handed back to the
     queue with their tokens so far, then it exits. A MODEL that cannot be loaded
     (no such directory, no checkpoint in it, an architecture batchgen does not
@@ -88,8 +94,9 @@ def worker(
     engine = EngineConfig(
         device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len, model_impl=model_impl, threads=threads,
+        tensor_parallel_size=tensor_parallel_size,
     )  # fmt: skip
-    plan = plan_children(gpus, device, workers, threads)
+    plan = plan_children(gpus, device, workers, threads, tensor_parallel_size)
     check_checkpoint(model)  # a typo or a hub id: one line now, not five failed children
     engine = replace(engine, device=plan[0]["device"])
     conn, _, target = connect(redis_url)

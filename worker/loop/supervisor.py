@@ -1,10 +1,12 @@
-"""The worker supervisor: one engine process per GPU (or N on CPU), kept alive.
+"""The worker supervisor: one engine process per GPU or tensor-parallel group of GPUs
+(or N on CPU), kept alive.
 
 It imports no torch itself (except to count GPUs for ``--gpus``). Children run
 ``python -m batchgen.worker.loop``; a child that crashes is restarted: after
 ``RESTART_DELAY_S`` if it had started serving (its first heartbeat: it was
 killed, ran out of memory, or met a poison request, which ``max_attempts``
-dead-letters), with growing backoff if it died before that, and given up on
+dead-letters; a tensor-parallel engine whose other rank died exits so, its
+ranks with it), with growing backoff if it died before that, and given up on
 after repeated failures right at start (a broken config); one that could not
 load its model (``MODEL_REFUSED_EXIT``) makes it give up at once. One that
 exits 0 in burst mode is done. The supervisor also starts a finalizer process
@@ -285,13 +287,30 @@ class Supervisor:
                 self._retire(child)
 
 
+def gpu_groups(devices: list[str], tensor_parallel_size: int, spec: str) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` of each engine process: ``devices`` (each GPU's entry)
+    in consecutive groups of ``tensor_parallel_size``, one group per engine."""
+    if len(devices) % tensor_parallel_size:
+        raise UsageError(
+            f"--tensor-parallel-size {tensor_parallel_size} must divide the "
+            f"{len(devices)} GPU(s) of --gpus {spec}"
+        )
+    return [
+        ",".join(devices[start : start + tensor_parallel_size])
+        for start in range(0, len(devices), tensor_parallel_size)
+    ]
+
+
 def plan_children(
-    gpus: str | None, device: str | None, workers: int | None, threads: int | None = None
-) -> list[dict[str, Any]]:
+    gpus: str | None, device: str | None, workers: int | None, threads: int | None = None,
+    tensor_parallel_size: int = 1,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Per child: its env overrides and device. A CPU child's OpenMP gets its
-    thread count (``threads``, else the usable CPUs shared among the children,
-    unless OMP_NUM_THREADS is set) and a short spin before its threads sleep
-    (``SPIN_ENV``), both before its torch loads (``batchgen/openmp_waits.py``)."""
+    thread count (``threads``, else the usable CPUs shared among the children
+    and their tensor-parallel ranks, unless OMP_NUM_THREADS is set) and a short
+    spin before its threads sleep (``SPIN_ENV``), both before its torch loads
+    (``batchgen/openmp_waits.py``). With ``--gpus``, each child is one
+    tensor-parallel group and sees its ``tensor_parallel_size`` GPUs."""
     if gpus is not None:
         if workers is not None:
             raise UsageError("--workers is for CPU workers; --gpus starts one worker per GPU")
@@ -301,9 +320,10 @@ def plan_children(
 
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         parent_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = [visible_device(g, parent_visible) for g in parse_gpus(gpus, available)]
         return [
-            {"env": {"CUDA_VISIBLE_DEVICES": visible_device(g, parent_visible)}, "device": "cuda"}
-            for g in parse_gpus(gpus, available)
+            {"env": {"CUDA_VISIBLE_DEVICES": group}, "device": "cuda"}
+            for group in gpu_groups(devices, tensor_parallel_size, gpus)
         ]
     n = workers or 1
     if n < 1:
@@ -313,7 +333,7 @@ def plan_children(
         if threads is not None:
             env["OMP_NUM_THREADS"] = str(threads)
         elif "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // n))
+            env["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // (n * tensor_parallel_size)))
         if not any(name in os.environ for name in WAIT_VARIABLES):
             env.update(SPIN_ENV)
     return [{"env": dict(env), "device": device} for _ in range(n)]
