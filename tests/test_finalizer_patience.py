@@ -5,10 +5,15 @@ each run for 60 s at its end) gets a second finalizer beside it once it has had
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
 from tests.cli_session import Shell, wait_for, write_jsonl
+
+
+def reads(shell: Shell, job: str, field: str, value: object) -> bool:
+    return shell.status(job)[field] == value
 
 
 def test_a_stuck_finalizer_does_not_hold_the_next_jobs_finalize(
@@ -25,9 +30,9 @@ def test_a_stuck_finalizer_does_not_hold_the_next_jobs_finalize(
         for job in ("first", "next"):
             shell.ok("submit", "p.jsonl", "--model", "tiny", "--job-id", job,
                      "--output", str(tmp_path / job))  # fmt: skip
-            wait_for(lambda job=job: shell.status(job)["done"] == 3, f"{job}'s rows", timeout=300)
+            wait_for(functools.partial(reads, shell, job, "done", 3), f"{job}'s rows", timeout=300)
             done = time.monotonic()
-            wait_for(lambda job=job: shell.status(job)["state"] == "completed", f"{job}'s finalize",
+            wait_for(functools.partial(reads, shell, job, "state", "completed"), f"{job}'s finalize",
                      timeout=120)  # fmt: skip
             waited = time.monotonic() - done
             # the first job's finalizer froze after marking it completed, and stays frozen
