@@ -87,7 +87,7 @@ def dequantize_fp8_block(
     weight: torch.Tensor, weight_scale_inv: torch.Tensor, block_size: tuple[int, int]
 ) -> torch.Tensor:
     """(N, K) e4m3 with its (ceil(N/bn), ceil(K/bk)) scale grid -> fp32 (N, K)."""
-    scale = expand_groups(weight_scale_inv.float(), block_size, tuple(weight.shape))
+    scale = expand_groups(weight_scale_inv.float(), block_size, (weight.shape[0], weight.shape[1]))
     return weight.float() * scale
 
 
@@ -99,7 +99,7 @@ def w8a8_block_fp8_linear(
 ) -> torch.Tensor:
     """x (M, K) -> fp32 (M, N): x quantized per token-group of bk, both dequantized, one matmul."""
     x_q, x_s = per_token_group_quant_fp8(x, block_size[1])
-    x_dq = x_q.float() * expand_groups(x_s, (1, block_size[1]), tuple(x.shape))
+    x_dq = x_q.float() * expand_groups(x_s, (1, block_size[1]), (x.shape[0], x.shape[1]))
     return x_dq @ dequantize_fp8_block(weight, weight_scale_inv, block_size).T
 
 

@@ -16,6 +16,10 @@ compressed-tensors) at Llama-3-70B and gpt-oss shapes. That catches
 what the interpreter cannot: tl.dot shape limits, constexpr misuse, type errors
 in lowering, shared memory beyond the device's limit, loads that do not vectorise.
 Must run without TRITON_INTERPRET (the kernels must be JIT functions).
+
+The GPU machines have Triton 3.6; to compile under it here:
+``pip install --no-deps --target DIR triton==3.6.0`` and
+``PYTHONPATH=DIR python tests/kernel_aot.py``.
 """
 
 from __future__ import annotations
@@ -198,8 +202,8 @@ def hopper_calls() -> None:
         # fused MoE: Mixtral (hidden 4096, inter 14336), gpt-oss (2880, 2880, biases); 2 experts
         # of each (the count is a runtime int), 5 tokens (decode blocks) and 512 (prefill)
         for hidden, inter, act in ((4096, 14336, None), (2880, 2880, gpt_oss)):
-            biases = (empty(2, 2 * inter, dtype=dtype), empty(2, hidden, dtype=dtype)) if act else (None, None)  # fmt: skip
-            dense = ExpertWeights(empty(2, hidden, 2 * inter, dtype=dtype), empty(2, inter, hidden, dtype=dtype), *biases, activation=act)  # fmt: skip
+            b13, b2 = (empty(2, 2 * inter, dtype=dtype), empty(2, hidden, dtype=dtype)) if act else (None, None)  # fmt: skip
+            dense = ExpertWeights(empty(2, hidden, 2 * inter, dtype=dtype), empty(2, inter, hidden, dtype=dtype), b13, b2, activation=act)  # fmt: skip
             for tokens in (5, 512):
                 ids = torch.arange(2 * tokens).remainder(2).view(tokens, 2)
                 ops.fused_moe(empty(tokens, hidden, dtype=dtype), dense, empty(tokens, 2, dtype=dtype), ids)  # fmt: skip

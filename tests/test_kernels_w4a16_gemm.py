@@ -84,8 +84,11 @@ def test_gptq(m, k, n, group, act_order, dtype):
     assert qweight.shape == (k // 8, n) and qzeros.shape == (k // group, n // 8)
     assert torch.equal(qref.dequantize_gptq(qweight, qzeros, scales, g_idx), w)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
-    dev = [t.to(DEVICE) if t is not None else None for t in (x, qweight, qzeros, scales, g_idx)]
-    check(gptq_linear(*dev).cpu(), x, w)
+    out = gptq_linear(
+        x.to(DEVICE), qweight.to(DEVICE), qzeros.to(DEVICE), scales.to(DEVICE),
+        g_idx.to(DEVICE) if g_idx is not None else None,
+    )  # fmt: skip
+    check(out.cpu(), x, w)
 
 
 @pytest.mark.parametrize(

@@ -175,8 +175,7 @@ def fused_moe(
     ``Mxfp4ExpertWeights`` (gpt-oss's checkpoint tensors) are dequantized to
     x's dtype tile by tile inside the GEMMs, never whole.
     """
-    mxfp4 = isinstance(experts, Mxfp4ExpertWeights)
-    if mxfp4:
+    if isinstance(experts, Mxfp4ExpertWeights):
         _check_mxfp4(x, experts, topk_weights, topk_ids)
         gate_up = _Weight(
             experts.gate_up_blocks, experts.gate_up_scales, experts.gate_up_bias, True
@@ -311,12 +310,13 @@ def _check_mxfp4(
             raise ValueError(
                 f"{name} must be contiguous in its last dimensions (stride {t.stride()})"
             )
-    biases = {"gate_up_bias": experts.gate_up_bias, "down_bias": experts.down_bias}
-    biases = {name: b for name, b in biases.items() if b is not None}
-    if "gate_up_bias" in biases:
-        arg_checks.check_shape("gate_up_bias", biases["gate_up_bias"], (num_experts, inter2))
-    if "down_bias" in biases:
-        arg_checks.check_shape("down_bias", biases["down_bias"], (num_experts, hidden))
+    biases: dict[str, torch.Tensor] = {}
+    if experts.gate_up_bias is not None:
+        arg_checks.check_shape("gate_up_bias", experts.gate_up_bias, (num_experts, inter2))
+        biases["gate_up_bias"] = experts.gate_up_bias
+    if experts.down_bias is not None:
+        arg_checks.check_shape("down_bias", experts.down_bias, (num_experts, hidden))
+        biases["down_bias"] = experts.down_bias
     arg_checks.check_same_dtype(x=x, **biases)
     blocks = {name: t for name, (t, _) in shapes.items()}
     arg_checks.check_device(x=x, **blocks, **biases, topk_weights=topk_weights, topk_ids=topk_ids)
