@@ -12,7 +12,7 @@ import os
 import signal
 import time
 import warnings
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import torch
@@ -118,9 +118,10 @@ def test_head_split():
 
 def test_tensor_parallel_size_is_checked_like_every_setting():
     assert EngineConfig().tensor_parallel_size == 1
-    for bad in (0, -2, 1.5, True, "2"):
+    bad_sizes: list[Any] = [0, -2, 1.5, True, "2"]
+    for bad in bad_sizes:
         with pytest.raises(InvalidEngineConfig, match="tensor_parallel_size must be an integer"):
-            EngineConfig(**{"tensor_parallel_size": bad})
+            EngineConfig(tensor_parallel_size=bad)
     with pytest.raises(InvalidEngineConfig, match="tensor_parallel_timeout_s must be"):
         EngineConfig(tensor_parallel_timeout_s=0)
 
