@@ -261,6 +261,11 @@ def check_shardable(config: ModelConfig, world: int) -> None:
             f"{config.family}'s q/k norm spans every head's projection; tensor parallelism "
             "does not split it yet (run it with tensor_parallel_size 1)"
         )
+    if config.quantization is not None and world > 1:
+        raise UnsupportedModelError(
+            f"this {config.family} checkpoint is quantized; tensor parallelism does not split "
+            "quantized weights yet (run it with tensor_parallel_size 1)"
+        )
     split_heads(a.num_heads, a.num_kv_heads, Shard(0, world), config.family)
 
 
