@@ -15,7 +15,8 @@ import pytest
 import redis
 
 from batchgen.jobs.redis import embedded
-from batchgen.jobs.redis.connection import OutageParser, RedisRefused, connect, redact, resolve
+from batchgen.jobs.redis.connection import OutageParser, connect, redact, resolve
+from batchgen.jobs.redis.redis_errors import RedisRefused
 from batchgen.jobs.redis.redis_server import RedisServer, free_port
 from batchgen.jobs.schema.errors import RedisUnavailable, UnsafeRedis, UnsafeRedisURL
 from tests.test_embedded_redis import checkpoint

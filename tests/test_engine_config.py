@@ -9,8 +9,9 @@ import sys
 import pytest
 
 from batchgen.jobs.schema.errors import UsageError
-from batchgen.worker.engine_config import EngineConfig, InvalidEngineConfig
+from batchgen.worker.engine_config import EngineConfig
 from batchgen.worker.loop.loop_config import LoopConfig
+from batchgen.worker.worker_errors import InvalidEngineConfig
 
 
 def test_from_pretrained_takes_the_config_fields_by_name(toy_model):

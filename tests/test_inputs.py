@@ -8,7 +8,8 @@ import pytest
 
 from batchgen.jobs.intake.inputs import LineError, parse_line
 from batchgen.jobs.intake.strictjson import MAX_VALUES
-from batchgen.jobs.schema.sampling import DEFAULTS, ParamError, job_defaults
+from batchgen.jobs.schema.errors import ParamError
+from batchgen.jobs.schema.sampling import DEFAULTS, job_defaults
 
 DEEP = "[" * 10_000 + "]" * 10_000
 HOSTILE = [

@@ -19,8 +19,9 @@ import torch
 from batchgen import Engine, SamplingParams
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.intake.lines import LineError
+from batchgen.jobs.schema.errors import ParamError
 from batchgen.jobs.schema.rows import CHOICES, LOGPROBS
-from batchgen.jobs.schema.sampling import DEFAULTS, ParamError
+from batchgen.jobs.schema.sampling import DEFAULTS
 from tests.hf_reference import hf_logits
 from tests.test_pipeline_e2e import download, submit, write_jsonl
 from tests.test_pipeline_e2e import env as env  # fixtures

@@ -15,7 +15,8 @@ from batchgen.jobs.consumer.queue import Delivery, HandBack, dead_letter, hand_b
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.stream import ensure_group
-from batchgen.jobs.schema.entry import EntryError, QueuedRequest, QueueEntry
+from batchgen.jobs.schema.entry import QueuedRequest, QueueEntry
+from batchgen.jobs.schema.errors import EntryError
 from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.jobs.schema.sampling import DEFAULTS
 

@@ -13,7 +13,8 @@ import pytest
 
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.intake.lines import LineError
-from batchgen.jobs.schema.reasoning import ParserError, Split, ThinkTags, detect, parser
+from batchgen.jobs.schema.errors import ParserError
+from batchgen.jobs.schema.reasoning import Split, ThinkTags, detect, parser
 from batchgen.jobs.schema.sampling import DEFAULTS
 from tests.cli_session import Shell, rows, write_jsonl
 

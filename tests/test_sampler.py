@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from batchgen import SamplingParams
-from batchgen.jobs.schema.sampling import FIELDS, ParamError, check
+from batchgen.jobs.schema.errors import ParamError
+from batchgen.jobs.schema.sampling import FIELDS, check
 from batchgen.worker.engine.request import EngineRequest
 from batchgen.worker.engine.sampler import Sampler, seeded_uniform
 

@@ -44,8 +44,9 @@ MAY_IMPORT: dict[str, set[str]] = {
         "jobs.backoff",
     },
     "kernels": set(),
-    "worker.models": {"kernels", "jobs.schema"},
-    "worker.engine_config": {"jobs.schema"},
+    "worker.worker_errors": {"jobs.schema"},
+    "worker.models": {"kernels", "jobs.schema", "worker.worker_errors"},
+    "worker.engine_config": {"jobs.schema", "worker.worker_errors"},
     "worker.cpu_threads": set(),
     "worker.engine": {
         "openmp_waits",
@@ -53,11 +54,13 @@ MAY_IMPORT: dict[str, set[str]] = {
         "worker.models",
         "worker.engine_config",
         "worker.cpu_threads",
+        "worker.worker_errors",
         "jobs.schema",
         "parts",  # a tensor-parallel engine starts its other ranks as batchgen processes
     },
     "worker.loop": {
         "worker.engine_config",
+        "worker.worker_errors",
         "worker.cpu_threads",
         "worker.engine",
         "jobs.schema",
@@ -70,6 +73,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "openmp_waits",
     },
     "serve": {
+        "interface_errors",
         "jobs.schema",
         "jobs.redis",
         "jobs.storage",
@@ -79,6 +83,7 @@ MAY_IMPORT: dict[str, set[str]] = {
         "jobs.backoff",
         "jobs.environment",
     },
+    "interface_errors": set(),
     "toy": set(),
     "cli": {"*"},
     "parts": set(),
@@ -94,6 +99,7 @@ NEVER: dict[str, set[str]] = {
     "worker.engine": {"redis", "rq"},
     "worker.models": {"redis", "rq"},
     "worker.engine_config": {"redis", "rq", "torch"},
+    "worker.worker_errors": {"redis", "rq", "torch"},
     "worker.cpu_threads": {"redis", "rq", "torch"},
     "kernels": {"redis", "rq", "transformers"},
 }

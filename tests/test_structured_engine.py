@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from batchgen import Engine, SamplingParams, StructuredOutput
-from batchgen.jobs.schema.sampling import ParamError
+from batchgen.jobs.schema.errors import ParamError
 
 SCHEMAS: dict[str, dict] = {
     "nested objects": {

@@ -16,8 +16,9 @@ import pytest
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.intake.lines import LineError
 from batchgen.jobs.schema import tools
+from batchgen.jobs.schema.errors import ParserError
 from batchgen.jobs.schema.sampling import DEFAULTS
-from batchgen.jobs.schema.tool_parsers import Call, Extracted, ParserError, detect, parser
+from batchgen.jobs.schema.tool_parsers import Call, Extracted, detect, parser
 from tests.cli_session import Shell, rows, write_jsonl
 
 # -- parsers on the releases' output shapes ----------------------------------------------

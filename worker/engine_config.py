@@ -14,16 +14,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.jobs.schema.errors import UsageError
+from batchgen.worker.worker_errors import InvalidEngineConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 # auto: batchgen's own code when it has the architecture, else transformers' modules
 MODEL_IMPLS = ("auto", "native", "transformers")
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
-
-
-class InvalidEngineConfig(UsageError, ValueError):
-    """An engine setting that cannot work; the message names it and what it may be."""
 
 
 @dataclass(frozen=True, slots=True)

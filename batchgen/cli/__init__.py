@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from batchgen import __version__
+from batchgen.interface_errors import OneLineUsageError
 
 # command name -> "module:attribute"; each later feature adds its line here.
 COMMANDS: dict[str, str] = {
@@ -32,23 +33,6 @@ COMMANDS: dict[str, str] = {
     "redis": "batchgen.cli.redis_command:redis_group",
     "tenant": "batchgen.cli.tenant:tenant",
 }
-
-
-class OneLineUsageError(click.UsageError):
-    """click's usage error as every user mistake is shown: one line on stderr, exit 2
-    (click's own form is four lines of usage, a hint and the error)."""
-
-    def __init__(self, original: click.UsageError) -> None:
-        super().__init__(original.format_message(), original.ctx)
-
-    def show(self, file: Any = None) -> None:
-        names: list[str] = []
-        ctx = self.ctx
-        while ctx is not None:  # "batchgen cache", however it was started (python -m)
-            names.append((ctx.info_name or "") if ctx.parent else "batchgen")
-            ctx = ctx.parent
-        path = " ".join(reversed(names)) or "batchgen"
-        click.echo(f"batchgen: error: {self.message} (`{path} --help` says more)", err=True)
 
 
 class LazyGroup(click.Group):

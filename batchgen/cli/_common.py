@@ -195,7 +195,8 @@ def _keep_columns(value: str | None) -> tuple[str, ...]:
 
 
 def job_defaults(flags: dict[str, Any]) -> dict[str, Any]:
-    from batchgen.jobs.schema.sampling import ParamError, check_together, job_defaults
+    from batchgen.jobs.schema.errors import ParamError
+    from batchgen.jobs.schema.sampling import check_together, job_defaults
 
     try:
         defaults = job_defaults(flags)
@@ -245,7 +246,7 @@ def _structured_flag(flags: dict[str, Any]) -> dict[str, Any] | None:
 
 def _checked_spec(flag: str, spec: dict[str, Any]) -> dict[str, Any]:
     from batchgen.jobs.schema.constraints import check_spec
-    from batchgen.jobs.schema.sampling import ParamError
+    from batchgen.jobs.schema.errors import ParamError
 
     try:
         return check_spec(spec)

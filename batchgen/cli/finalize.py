@@ -25,8 +25,7 @@ def finalize(job_id: str, redis_url: str | None) -> None:
     from batchgen.jobs.ops.finalization import FinalizeSettings, record_failure
     from batchgen.jobs.ops.finalization import finalize as run_finalize
     from batchgen.jobs.ops.job_record import load_job
-    from batchgen.jobs.redis.lease import LeaseHeld
-    from batchgen.jobs.schema.errors import BatchgenError, JobConflict, JobNotReady
+    from batchgen.jobs.schema.errors import BatchgenError, JobConflict, JobNotReady, LeaseHeld
     from batchgen.jobs.storage.names import check_job_id
 
     conn, keys, _ = connect(redis_url)

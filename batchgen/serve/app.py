@@ -20,6 +20,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from batchgen.interface_errors import APIError
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.lease import Lease
 from batchgen.jobs.schema.errors import BatchgenError, JobNotFound
@@ -29,7 +30,6 @@ from batchgen.serve.batch_request import CreateBatch
 from batchgen.serve.batches import Batches
 from batchgen.serve.files import FileStore
 from batchgen.serve.guard import Guard
-from batchgen.serve.openai_errors import APIError
 from batchgen.serve.series import RateSampler
 from batchgen.serve.settings import ServeConfig
 from batchgen.serve.sweep import Sweep

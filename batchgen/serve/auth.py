@@ -18,9 +18,9 @@ from typing import Annotated
 import redis
 from fastapi import Depends, Request
 
+from batchgen.interface_errors import APIError
 from batchgen.jobs.redis.keys import Keys, text
 from batchgen.serve.api_keys import OPEN, Principal
-from batchgen.serve.openai_errors import APIError
 
 COOKIE = "batchgen_session"
 

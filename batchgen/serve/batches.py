@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from batchgen.interface_errors import APIError
 from batchgen.jobs.ops import tenants
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
 from batchgen.jobs.ops.job_record import JobRecord, load_job
@@ -29,7 +30,7 @@ from batchgen.serve.batch_lifecycle import BatchState
 from batchgen.serve.batch_record import BatchRecord, to_openai
 from batchgen.serve.batch_request import WINDOW_S, CreateBatch, priority_of
 from batchgen.serve.files import FileStore
-from batchgen.serve.openai_errors import APIError, not_found
+from batchgen.serve.openai_errors import not_found
 from batchgen.serve.settings import ServeConfig
 
 

@@ -30,13 +30,14 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import redis
 
+from batchgen.interface_errors import APIError
 from batchgen.jobs.redis import hash_codec
 from batchgen.jobs.redis.hash_codec import OMIT_EMPTY
 from batchgen.jobs.redis.keys import Keys, text
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.jobs.storage.output_store import TEMP_PREFIX, OutputDir
 from batchgen.serve.api_keys import Principal
-from batchgen.serve.openai_errors import APIError, not_found
+from batchgen.serve.openai_errors import not_found
 
 PURPOSES = ("batch", "batch_output")  # uploads are "batch"; result files "batch_output"
 TEMP_TAG = "serve_"  # .tmp-serve_INSTANCE_... : an upload of a live server, or a dead one's

@@ -19,21 +19,17 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
+from batchgen.interface_errors import APIError, UploadTooLarge
 from batchgen.serve import openai_errors
 from batchgen.serve.auth import Who
 from batchgen.serve.batch_request import EXPIRES_AFTER_S, ExpiresAfter
 from batchgen.serve.batches import Batches
 from batchgen.serve.files import FileStore, new_file_id
-from batchgen.serve.openai_errors import APIError
 from batchgen.serve.settings import ServeConfig
 from batchgen.serve.upload import MultipartUpload
 
 MULTIPART_SLACK = 1 << 20  # a request may exceed the file's size by its multipart framing
 DRAIN_FACTOR = 4  # a too-large body is read (and dropped) up to this many limits, for a clean 413
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def router(store: FileStore, batches: Batches, config: ServeConfig) -> APIRouter:
@@ -53,7 +49,7 @@ def router(store: FileStore, batches: Batches, config: ServeConfig) -> APIRouter
                     for data in upload.feed(chunk):
                         out.write(data)
                     if upload.file_bytes > limit:
-                        raise _TooLarge
+                        raise UploadTooLarge
                 upload.finish()
                 purpose = upload.fields.get("purpose")
                 if upload.filename is None:
@@ -62,7 +58,7 @@ def router(store: FileStore, batches: Batches, config: ServeConfig) -> APIRouter
                     raise APIError(400, "purpose must be 'batch' (the only one served here)",
                                    "invalid_request", "purpose")  # fmt: skip
                 expiry = _expiry(upload.fields, config.file_expiry_s)
-        except _TooLarge:
+        except UploadTooLarge:
             return await _too_large(request, limit)
         created = int(time.time())
         obj = await run_in_threadpool(

@@ -9,6 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from batchgen.interface_errors import APIError
+
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 409: "invalid_request_error",
          413: "invalid_request_error", 422: "invalid_request_error"}  # fmt: skip
@@ -16,13 +18,6 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
 
 PARAM_PART = 100  # chars of each part of a param's path shown (a metadata key may be longer)
 BODY_NOT_JSON = "the body must be a JSON object, sent as Content-Type: application/json"
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None,
-                 param: str | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
 
 
 def not_found(what: str, item_id: str) -> APIError:

@@ -25,19 +25,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis
 
+from batchgen.interface_errors import APIError
 from batchgen.jobs.backoff import backoff_delay
 from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.redis.keys import text
-from batchgen.jobs.redis.lease import Lease, LeaseHeld
-from batchgen.jobs.schema.errors import JobConflict, JobNotFound
+from batchgen.jobs.redis.lease import Lease
+from batchgen.jobs.schema.errors import JobConflict, JobNotFound, LeaseHeld
 from batchgen.serve.batch_lifecycle import BatchState
 from batchgen.serve.batch_record import BatchRecord
 from batchgen.serve.batch_removal import remove_batch
 from batchgen.serve.batches import Batches
-from batchgen.serve.openai_errors import APIError
 from batchgen.serve.results import write_outputs
 from batchgen.serve.validation import error
 

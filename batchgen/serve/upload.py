@@ -13,7 +13,7 @@ from typing import Any
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from batchgen.serve.openai_errors import APIError
+from batchgen.interface_errors import APIError
 
 MAX_FIELD_BYTES = 4096
 MAX_FIELDS = 16  # parts other than the file

@@ -21,18 +21,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from batchgen.interface_errors import APIError
 from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
 from batchgen.jobs.ops.schedule import Schedule
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.heartbeat import live_workers, starting_queues
 from batchgen.jobs.redis.keys import queue_name
-from batchgen.jobs.redis.lease import Lease, LeaseHeld
+from batchgen.jobs.redis.lease import Lease
 from batchgen.jobs.schema.errors import (
     BatchgenError,
     InvalidInput,
     JobConflict,
     JobNotFound,
+    LeaseHeld,
     QuotaExceeded,
 )
 from batchgen.jobs.schema.sampling import job_defaults
@@ -41,7 +43,6 @@ from batchgen.serve.batch_record import BatchRecord
 from batchgen.serve.batch_request import priority_of
 from batchgen.serve.batches import Batches, job_output
 from batchgen.serve.input_checks import check_batch_lines
-from batchgen.serve.openai_errors import APIError
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0  # how often a batch waiting for a starting worker looks again

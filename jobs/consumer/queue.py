@@ -29,7 +29,8 @@ from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys, text
 from batchgen.jobs.redis.lua import ACK_AND_DELETE, LuaScript
 from batchgen.jobs.redis.stream import ensure_group
-from batchgen.jobs.schema.entry import EntryError, QueueEntry, job_and_index
+from batchgen.jobs.schema.entry import QueueEntry, job_and_index
+from batchgen.jobs.schema.errors import EntryError
 from batchgen.jobs.schema.rows import Row
 
 log = logging.getLogger(__name__)

@@ -12,17 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen.jobs.schema.entry import QueuedRequest
+from batchgen.jobs.schema.errors import EmbeddingError
 from batchgen.jobs.schema.sampling import show
 
 MAX_DIMENSIONS = 1 << 16
 BODY_FIELDS = frozenset({"model", "input", "dimensions", "encoding_format", "user"})
-
-
-class EmbeddingError(Exception):
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-        self.message = message
 
 
 def embedding_input(value: Any, field: str = "input") -> str | list[int]:

@@ -27,23 +27,24 @@ from typing import Any
 
 from batchgen.jobs.intake import jsonpos, strictjson
 from batchgen.jobs.intake.embeddings import BODY_FIELDS as EMBEDDING_BODY_FIELDS
-from batchgen.jobs.intake.embeddings import EmbeddingError, embedding_input
 from batchgen.jobs.intake.embeddings import body_request as embedding_body
 from batchgen.jobs.intake.embeddings import dimensions as embedding_dimensions
+from batchgen.jobs.intake.embeddings import embedding_input
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES as MAX_LINE_BYTES  # submit's default limit
 from batchgen.jobs.intake.lines import LineError
 from batchgen.jobs.intake.openai_body import FIELDS as BODY_FIELDS
-from batchgen.jobs.intake.openai_body import PARAMS, BodyError, body_params
+from batchgen.jobs.intake.openai_body import PARAMS, body_params
 from batchgen.jobs.schema import chat_template, tools
 from batchgen.jobs.schema.constraints import check_spec, from_response_format
 from batchgen.jobs.schema.entry import QueuedRequest, compact_json
-from batchgen.jobs.schema.sampling import (
-    CHECKS,
+from batchgen.jobs.schema.errors import (
+    BodyError,
+    EmbeddingError,
+    FieldError,
+    JSONLineError,
     ParamError,
-    check_together,
-    default_max_tokens,
-    show,
 )
+from batchgen.jobs.schema.sampling import CHECKS, check_together, default_max_tokens, show
 
 MAX_ID_CHARS = 1024
 MAX_METADATA_BYTES = 64 << 10
@@ -63,17 +64,6 @@ OPENAI_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/embeddings": "input"}
 
 
-class FieldError(Exception):
-    """What is wrong with a request's field; ``path`` leads to it (keys and list
-    positions), which a line turns into a column and a table row into a column name."""
-
-    def __init__(self, path: tuple[str | int, ...], message: str, at_key: bool = False) -> None:
-        super().__init__(message)
-        self.path = path
-        self.message = message
-        self.at_key = at_key  # point at the key (unknown fields), not its value
-
-
 def parse_line(
     number: int, raw: bytes, defaults: dict[str, Any], vocab_size: int | None = None
 ) -> bytes | LineError:
@@ -87,7 +77,7 @@ def parse_line(
         return LineError(number, column, f"invalid UTF-8 (byte 0x{raw[exc.start]:02x})")
     try:
         value = strictjson.loads(text)
-    except strictjson.JSONLineError as exc:
+    except JSONLineError as exc:
         return LineError(number, exc.column, exc.message)
     try:
         if not isinstance(value, dict):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.jobs.schema.sampling import CHECKS, ParamError, show
+from batchgen.jobs.schema.errors import BodyError, ParamError
+from batchgen.jobs.schema.sampling import CHECKS, show
 
 # body field -> sampling parameter ("logprobs" means different things in chat and completions)
 PARAMS = {name: name for name in CHECKS if name != "logprobs"} | {
@@ -37,14 +38,6 @@ OWN = frozenset({"messages", "prompt", "metadata", "response_format", "chat_temp
 FIELDS = frozenset(
     {*PARAMS, *IGNORED, *FIXED, *UNSUPPORTED, *OWN, "logprobs", "top_logprobs", "best_of"}
 )
-
-
-class BodyError(Exception):
-    def __init__(self, field: str, message: str, at_key: bool = False) -> None:
-        super().__init__(message)
-        self.field = field  # the body field at fault
-        self.message = message
-        self.at_key = at_key  # point at the field's name (refused fields), not its value
 
 
 def body_params(body: dict[str, Any], chat: bool) -> dict[str, Any]:

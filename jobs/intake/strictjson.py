@@ -24,6 +24,7 @@ import re
 from typing import Any
 
 from batchgen.jobs.intake import jsonpos
+from batchgen.jobs.schema.errors import JSONLineError, JSONValueRejected
 
 MAX_DEPTH = 32  # objects/arrays nested inside each other
 MAX_INT_DIGITS = 20  # enough for any 64-bit value
@@ -33,47 +34,31 @@ MAX_INT_DIGITS = 20  # enough for any 64-bit value
 MAX_VALUES = 200_000
 
 
-class JSONLineError(ValueError):
-    def __init__(self, column: int, message: str) -> None:
-        super().__init__(message)
-        self.column = column
-        self.message = message
-
-
-class _Reject(Exception):
-    """Raised inside a json hook; ``_located`` finds its column afterwards."""
-
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(detail)
-        self.kind = kind
-        self.detail = detail
-
-
 def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise _Reject("duplicate", key)
+                raise JSONValueRejected("duplicate", key)
             seen.add(key)
     return out
 
 
 def _constant(name: str) -> Any:
-    raise _Reject("constant", name)
+    raise JSONValueRejected("constant", name)
 
 
 def _int(text: str) -> int:
     if len(text) - text.startswith("-") > MAX_INT_DIGITS:
-        raise _Reject("bigint", text)
+        raise JSONValueRejected("bigint", text)
     return int(text)
 
 
 def _float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise _Reject("bigfloat", text)
+        raise JSONValueRejected("bigfloat", text)
     return value
 
 
@@ -90,7 +75,7 @@ def loads(text: str) -> Any:
         _check_shape(text)
     try:
         return _paused(text) if opens > MAX_DEPTH and gc.isenabled() else _value(text)
-    except _Reject as reject:
+    except JSONValueRejected as reject:
         raise _located(text, reject) from None
     except json.JSONDecodeError as exc:
         raise JSONLineError(exc.colno, f"malformed JSON: {exc.msg}") from None
@@ -130,7 +115,7 @@ def clip(text: str, limit: int = 60) -> str:
     return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
 
 
-def _located(text: str, reject: _Reject) -> JSONLineError:
+def _located(text: str, reject: JSONValueRejected) -> JSONLineError:
     if reject.kind == "duplicate":
         pos = jsonpos.duplicate_key(text, reject.detail)
         return JSONLineError(pos + 1, f"duplicate key {clip(reject.detail)}")

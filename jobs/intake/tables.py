@@ -38,7 +38,7 @@ import pyarrow.dataset as ds
 
 from batchgen.jobs.intake import csv_limits, kept, template
 from batchgen.jobs.intake.duplicate_ids import IdLog, find_duplicates
-from batchgen.jobs.intake.inputs import FieldError, given_id, native_entry
+from batchgen.jobs.intake.inputs import given_id, native_entry
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES, RowError
 from batchgen.jobs.intake.sources import Input
 from batchgen.jobs.intake.table_spec import TableSpec
@@ -51,7 +51,7 @@ from batchgen.jobs.intake.validate import (
     run_ranges,
 )
 from batchgen.jobs.schema.entry import QueuedRequest
-from batchgen.jobs.schema.errors import UsageError
+from batchgen.jobs.schema.errors import FieldError, UsageError
 
 BATCH_ROWS = 16_384
 BATCH_READAHEAD = 2  # batches decoded ahead of the one being validated

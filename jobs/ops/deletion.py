@@ -35,9 +35,9 @@ from batchgen.jobs.ops.finalize_tasks import finalize_queue
 from batchgen.jobs.ops.job_record import JobRecord, queue_of_job
 from batchgen.jobs.ops.result import MANIFEST, RESULT
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys, text
-from batchgen.jobs.redis.lease import Lease, LeaseHeld
+from batchgen.jobs.redis.lease import Lease
 from batchgen.jobs.schema.entry import job_of
-from batchgen.jobs.schema.errors import JobConflict
+from batchgen.jobs.schema.errors import JobConflict, LeaseHeld
 from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.jobs.storage.ownership import MARKER
 

@@ -27,7 +27,7 @@ from rq.serializers import JSONSerializer
 
 from batchgen.jobs.ops.finalization import FinalizeSettings, finalize, record_failure
 from batchgen.jobs.redis.keys import Keys, QueueKeys
-from batchgen.jobs.redis.lease import LeaseHeld
+from batchgen.jobs.schema.errors import LeaseHeld
 
 log = logging.getLogger(__name__)
 

@@ -65,12 +65,19 @@ from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.ops.modelinfo import vocab_size
 from batchgen.jobs.ops.submission import validate_input
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
-from batchgen.jobs.redis.lease import Lease, LeaseHeld
+from batchgen.jobs.redis.lease import Lease
 from batchgen.jobs.redis.sentinel import replicated
 from batchgen.jobs.schema.entry import is_rejected
-from batchgen.jobs.schema.errors import JobConflict, JobNotFound, JobNotReady, UsageError
+from batchgen.jobs.schema.errors import (
+    JobConflict,
+    JobNotFound,
+    JobNotReady,
+    LeaseHeld,
+    ParamError,
+    UsageError,
+)
 from batchgen.jobs.schema.rows import FinishReason
-from batchgen.jobs.schema.sampling import ParamError, job_defaults
+from batchgen.jobs.schema.sampling import job_defaults
 from batchgen.jobs.storage.output_store import OutputDir
 
 ERRORS = frozenset({FinishReason.ERROR.value})

@@ -58,7 +58,13 @@ from batchgen.jobs.redis.keys import Keys, QueueKeys, model_name, queue_name, qu
 from batchgen.jobs.redis.sentinel import replicated
 from batchgen.jobs.redis.stream import ensure_group
 from batchgen.jobs.schema import reasoning, tool_parsers
-from batchgen.jobs.schema.errors import InvalidInput, JobConflict, RedisUnavailable, UsageError
+from batchgen.jobs.schema.errors import (
+    InvalidInput,
+    JobConflict,
+    ParserError,
+    RedisUnavailable,
+    UsageError,
+)
 from batchgen.jobs.schema.sampling import COMPLETION_MAX_TOKENS
 from batchgen.jobs.storage.names import check_job_id
 from batchgen.jobs.storage.output_store import OutputDir
@@ -202,7 +208,7 @@ def choose_reasoning_parser(name: str | None, model: str) -> str:
         return reasoning.detect(chat_template(model))
     try:
         return reasoning.parser(name).name
-    except reasoning.ParserError as exc:
+    except ParserError as exc:
         raise UsageError(str(exc)) from None
 
 
@@ -216,7 +222,7 @@ def choose_tool_call_parser(name: str | None, model: str) -> str:
         return tool_parsers.detect(chat_template(model))
     try:
         return tool_parsers.parser(name).name
-    except tool_parsers.ParserError as exc:
+    except ParserError as exc:
         raise UsageError(str(exc)) from None
 
 

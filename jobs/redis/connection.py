@@ -52,6 +52,7 @@ from redis.retry import Retry
 from batchgen.jobs.backoff import backoff_delay
 from batchgen.jobs.environment import REDIS_CA, REDIS_CERT, REDIS_KEY, REDIS_URL
 from batchgen.jobs.redis import cmdline, embedded, sentinel
+from batchgen.jobs.redis.redis_errors import RedisRefused
 from batchgen.jobs.schema.errors import (
     QueueFull,
     RedisUnavailable,
@@ -72,14 +73,6 @@ _VERIFY_PARAMS = {"ssl_cert_reqs": "required", "ssl_check_hostname": "true"}
 # Replies by which a server says it cannot serve now; the command did not run.
 OUTAGE_REPLIES = ("BUSY", "OOM", "MISCONF", "READONLY", "LOADING")
 _SCRIPT_REFUSAL = re.compile(r"^Error running script .*?: -(" + "|".join(OUTAGE_REPLIES) + ") ")
-
-
-class RedisRefused(redis.ConnectionError):
-    """An error reply that means an outage (OUTAGE_REPLIES); ``code`` says which."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code} {message}")
-        self.code = code
 
 
 def refusal_code(exc: BaseException) -> str | None:

@@ -17,6 +17,7 @@ from types import TracebackType
 import redis
 
 from batchgen.jobs.redis.lua import LuaScript
+from batchgen.jobs.schema.errors import LeaseHeld
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +41,6 @@ if redis.call('GET', lease) ~= token then return 0 end
 return redis.call('DEL', lease)
 """,
 )
-
-
-class LeaseHeld(Exception):
-    """Someone else holds the lease (``holder`` says who)."""
-
-    def __init__(self, key: str, holder: str) -> None:
-        super().__init__(f"{key} is held by {holder}")
-        self.holder = holder
 
 
 class Lease:

@@ -23,9 +23,7 @@ from typing import ClassVar
 
 import redis
 
-
-class RedisServerError(RuntimeError):
-    """The private redis-server could not be found or started."""
+from batchgen.jobs.schema.errors import RedisServerError
 
 
 def find_redis_server() -> str:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.jobs.schema.sampling import ParamError, show
+from batchgen.jobs.schema.errors import ParamError
+from batchgen.jobs.schema.sampling import show
 
 NAME = "chat_template_kwargs"  # the field's name in lines, bodies and job defaults
 # apply_chat_template's own arguments: a template variable of the same name cannot pass

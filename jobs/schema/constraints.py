@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.jobs.schema.sampling import ParamError, show
+from batchgen.jobs.schema.errors import ParamError
+from batchgen.jobs.schema.sampling import show
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_CHOICES = 1000

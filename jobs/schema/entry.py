@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-defined]
 from typing import Any, TypeVar
 
+from batchgen.jobs.schema.errors import EntryError
 from batchgen.jobs.schema.rows import Row, from_dict
 
 FORMAT = 1  # the entry format this release reads and writes
@@ -92,10 +93,6 @@ def parse_backlog_item(item: bytes) -> tuple[int, int, bytes]:
     index, when, request = item.split(b" ", 2)
     queued_ms = int(json.loads(when)["q"]) if when.startswith(b"{") else int(when)
     return int(index), queued_ms, request
-
-
-class EntryError(ValueError):
-    """A stream entry this release cannot read."""
 
 
 @dataclass(slots=True)

@@ -34,12 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from batchgen.jobs.schema.errors import ParserError
+
 START, END = "<think>", "</think>"
 NAMES = ("qwen3", "deepseek_r1", "think", "gpt_oss")
-
-
-class ParserError(ValueError):
-    """A reasoning parser name that is not one (``str``: what is wrong, for the user)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batchgen.jobs.schema.errors import ParamError
+
 MAX_TOKENS_LIMIT = 1 << 20  # far above any context window; 10**9 is a typo
 COMPLETION_MAX_TOKENS = 16  # OpenAI's completions default: a prompt line's max_tokens
 MAX_STOPS = 16
@@ -24,10 +26,6 @@ MAX_SAMPLES = 16  # n
 MAX_LOGPROBS = 20  # top logprobs per token
 MAX_LOGIT_BIAS = 300  # entries
 MAX_BIAS = 100.0
-
-
-class ParamError(ValueError):
-    """``str(error)`` says what is wrong with the value; the caller adds where."""
 
 
 def _is_int(value: Any) -> bool:

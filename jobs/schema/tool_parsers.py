@@ -33,11 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.jobs.schema.errors import ParserError
+
 NAMES = ("hermes", "llama3_json", "mistral", "openai")
-
-
-class ParserError(ValueError):
-    """A tool-call parser name that is not one (``str``: what is wrong, for the user)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchgen.kernels.kernel_errors import BuildFailed
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
@@ -131,10 +133,6 @@ class Native:
     rotary_f32: Any
     silu_and_mul_f32: Any
     store_kv_f32: Any
-
-
-class BuildFailed(Exception):
-    """The compiler refused the sources with every set of flags."""
 
 
 @functools.cache

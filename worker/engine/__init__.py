@@ -3,15 +3,10 @@
 from batchgen.jobs.schema.constraints import StructuredOutput
 from batchgen.worker.engine.engine import Engine
 from batchgen.worker.engine.outputs import EngineStats
-from batchgen.worker.engine.request import (
-    EngineFinishReason,
-    RequestOutput,
-    RequestRejected,
-    Sample,
-)
+from batchgen.worker.engine.request import EngineFinishReason, RequestOutput, Sample
 from batchgen.worker.engine.sampling_params import SamplingParams
-from batchgen.worker.engine.tensor_group import GroupLost
-from batchgen.worker.engine_config import EngineConfig, InvalidEngineConfig
+from batchgen.worker.engine_config import EngineConfig
+from batchgen.worker.worker_errors import GroupLost, InvalidEngineConfig, RequestRejected
 
 __all__ = [
     "Engine",

@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchgen.worker.engine.request import RequestRejected
 from batchgen.worker.engine.sampling_params import SamplingParams
+from batchgen.worker.worker_errors import RequestRejected
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from batchgen.jobs.schema.constraints import StructuredOutput, grammar_text
+from batchgen.worker.worker_errors import GrammarError
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -29,10 +30,6 @@ if TYPE_CHECKING:
     from batchgen.worker.engine.request import EngineRequest
 
 MAX_COMPILED = 256  # distinct grammars kept compiled per engine
-
-
-class GrammarError(ValueError):
-    """A constraint that does not compile against this model's tokenizer."""
 
 
 class Grammars:

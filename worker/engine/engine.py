@@ -18,7 +18,7 @@ from typing import Any
 
 from batchgen.worker.engine.admission import Capacity, check_fits
 from batchgen.worker.engine.block_manager import BlockManager
-from batchgen.worker.engine.constrained import GrammarError, Grammars
+from batchgen.worker.engine.constrained import Grammars
 from batchgen.worker.engine.detokenizer import StopStringMatcher
 from batchgen.worker.engine.kv_window import SlidingRelease
 from batchgen.worker.engine.loading import EngineLimits, build_engine
@@ -30,13 +30,13 @@ from batchgen.worker.engine.request import (
     EngineFinishReason,
     EngineRequest,
     RequestOutput,
-    RequestRejected,
     RequestStatus,
 )
 from batchgen.worker.engine.sampling_params import SamplingParams
 from batchgen.worker.engine.scheduler import Scheduler
 from batchgen.worker.engine.stopping import stop_reason
 from batchgen.worker.engine_config import EngineConfig
+from batchgen.worker.worker_errors import GrammarError, RequestRejected
 
 _EMBED_PARAMS = SamplingParams(max_tokens=1)  # an embedding request's (never sampled)
 

@@ -22,15 +22,6 @@ class EngineFinishReason(str, enum.Enum):
     ABORT = "abort"  # taken out by abort()/drain(), tokens so far kept
 
 
-class RequestRejected(ValueError):
-    """A request that can never run here (too long, bad parameters); ``reason`` says why."""
-
-    def __init__(self, request_id: str, reason: str) -> None:
-        super().__init__(f"request {request_id!r} rejected: {reason}")
-        self.request_id = request_id
-        self.reason = reason
-
-
 @dataclass(slots=True, eq=False)
 class EmbedTask:
     """What makes a request an embedding: prefill only, it never decodes.

@@ -38,17 +38,13 @@ from batchgen.parts import child_environ, module_command
 from batchgen.worker.engine.model_runner import HostStep
 from batchgen.worker.engine_config import EngineConfig
 from batchgen.worker.models.tensor_parallel import Shard
+from batchgen.worker.worker_errors import GroupLost
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 # ranks meet, load their shards and size their KV pools within this (a large checkpoint's
 # shard read from a slow disk); each step's collectives then within tensor_parallel_timeout_s
 START_TIMEOUT = timedelta(minutes=30)
-
-
-class GroupLost(RuntimeError):
-    """A rank of the engine's tensor-parallel group died or a collective timed out: the
-    engine cannot run another step (the queue loop hands its requests back and exits)."""
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

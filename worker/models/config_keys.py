@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen.worker.models.hf_config import HFConfig
-from batchgen.worker.models.model_config import UnsupportedModelError
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 # Keys no forward pass depends on: identity and bookkeeping, token ids (the
 # engine reads EOS itself), training-only settings (init, dropout), task heads

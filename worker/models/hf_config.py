@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchgen.worker.models.model_config import UnsupportedModelError
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 
 @dataclass(frozen=True, slots=True)

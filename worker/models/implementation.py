@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from batchgen.worker.models.hf_backend import HfCausalLM
 from batchgen.worker.models.hf_config import HFConfig
-from batchgen.worker.models.model_config import ModelConfig, UnsupportedModelError
+from batchgen.worker.models.model_config import ModelConfig
 from batchgen.worker.models.registry import find_family, read_native_config
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 

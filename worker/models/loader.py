@@ -8,8 +8,8 @@ import torch
 
 from batchgen.jobs.schema.errors import ModelNotLoadable
 from batchgen.jobs.schema.model_files import weight_files
-from batchgen.worker.models.model_config import UnsupportedModelError
 from batchgen.worker.models.tensor_store import TensorStore
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 
 def checkpoint_files(path: Path) -> list[Path]:

@@ -12,13 +12,6 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.jobs.schema.errors import ModelNotLoadable
-
-
-class UnsupportedModelError(ModelNotLoadable, ValueError):
-    """The checkpoint is not one batchgen can run (architecture, file or feature); the CLI
-    reports it as one line, as every named error."""
-
 
 class NormKind(str, enum.Enum):
     RMS = "rms"  # x / rms(x) * w

@@ -32,8 +32,9 @@ from batchgen.worker.models.families.smollm3 import SMOLLM3
 from batchgen.worker.models.family import Family
 from batchgen.worker.models.hf_config import HFConfig, read_hf_config
 from batchgen.worker.models.loader import read_checkpoint
-from batchgen.worker.models.model_config import ModelConfig, UnsupportedModelError
+from batchgen.worker.models.model_config import ModelConfig
 from batchgen.worker.models.quant import read_quantization
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 # every family batchgen runs natively
 FAMILIES: tuple[Family, ...] = (

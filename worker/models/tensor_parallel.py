@@ -51,12 +51,13 @@ from batchgen.worker.models.decoder import Decoder, DecoderLayer, DecoderWeights
 from batchgen.worker.models.latent_attention import LatentAttention
 from batchgen.worker.models.loader import read_checkpoint
 from batchgen.worker.models.mlp import DenseMlp, MlpBlock
-from batchgen.worker.models.model_config import ModelConfig, QKNormScope, UnsupportedModelError
+from batchgen.worker.models.model_config import ModelConfig, QKNormScope
 from batchgen.worker.models.norms import Norm
 from batchgen.worker.models.rope import RopeTable
 from batchgen.worker.models.self_attention import AttentionBlock, SelfAttention
 from batchgen.worker.models.sparse_moe import SparseMoe
 from batchgen.worker.models.weights import Linear
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchgen.worker.models.model_config import UnsupportedModelError
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from batchgen.worker.models.quant import Scheme

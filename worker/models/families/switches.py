@@ -10,7 +10,8 @@ from typing import Any
 
 from batchgen.worker.models.config_keys import ConfigReader
 from batchgen.worker.models.mlp import ACTIVATIONS
-from batchgen.worker.models.model_config import RopeSpec, UnsupportedModelError
+from batchgen.worker.models.model_config import RopeSpec
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 # rope_type values whose tables ``rope.py`` computes as transformers does
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")

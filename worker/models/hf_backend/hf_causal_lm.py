@@ -40,7 +40,8 @@ from batchgen.worker.models.hf_backend.registered_attention import (
     register,
 )
 from batchgen.worker.models.loader import checkpoint_files
-from batchgen.worker.models.model_config import UnsupportedModelError, release_window
+from batchgen.worker.models.model_config import release_window
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import torch
 
 from batchgen.kernels.batch import AttentionKind
 from batchgen.worker.models.hf_backend.registered_attention import ACTIVE
-from batchgen.worker.models.model_config import UnsupportedModelError
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 # Arguments an attention function may receive that change nothing here: how
 # transformers threads its cache and positions through, and output switches.

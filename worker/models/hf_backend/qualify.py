@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.worker.models.model_config import UnsupportedModelError
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 # The oldest transformers release the backend runs on: its parity tests pass on 5.24
 # and later. It reads each layer's kind and window as transformers describes them from

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from batchgen.kernels.batch import AttentionBatch
-from batchgen.worker.models.model_config import UnsupportedModelError
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 # the transformers modules whose state this file keeps (their forward takes
 # hidden_states, cache, attention_mask, and reads and writes the cache's

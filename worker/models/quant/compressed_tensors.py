@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from batchgen.worker.models.model_config import UnsupportedModelError
 from batchgen.worker.models.quant.packing import unpack
 from batchgen.worker.models.quant.scheme import Options, QuantizedWeight, Scheme
 from batchgen.worker.models.tensor_store import TensorStore
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
 FP8_MAX = 448.0

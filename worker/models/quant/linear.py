@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from batchgen.worker.models.model_config import UnsupportedModelError
 from batchgen.worker.models.quant.scheme import QuantizedWeight
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear, linear
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from batchgen.worker.models.dense_weights import CheckpointLayout

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from batchgen.worker.models.model_config import UnsupportedModelError
 from batchgen.worker.models.quant.awq import read_awq
 from batchgen.worker.models.quant.compressed_tensors import read_compressed_tensors
 from batchgen.worker.models.quant.fp8 import read_fp8
 from batchgen.worker.models.quant.gptq import read_gptq
 from batchgen.worker.models.quant.scheme import Scheme
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 METHODS: dict[str, Callable[[dict[str, Any]], Scheme]] = {
     "fp8": read_fp8,

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from batchgen.worker.models.model_config import UnsupportedModelError
 from batchgen.worker.models.tensor_store import TensorStore
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 
 class QuantizedWeight(abc.ABC):
