@@ -16,22 +16,17 @@ finished by running it again (the index entry, which finds the job, goes last).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 from rq import Queue
-from rq.exceptions import NoSuchJobError
-from rq.job import Job
-from rq.results import Result
-from rq.serializers import JSONSerializer
 
 from batchgen.jobs.intake.kept import KEPT
 from batchgen.jobs.ops import fair_index, job_index, tenants
 from batchgen.jobs.ops.cancellation import cancel
-from batchgen.jobs.ops.finalize_tasks import finalize_queue
+from batchgen.jobs.ops.finalize_tasks import finalize_queue, forget_task
 from batchgen.jobs.ops.job_record import JobRecord, queue_of_job
 from batchgen.jobs.ops.result import MANIFEST, RESULT
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys, text
@@ -102,15 +97,13 @@ def _forget_task(conn: redis.Redis, queue: Queue, task: str) -> None:
     """The job's finalize task and every rq registry that names it: a task whose worker
     was killed is moved to the failed registry by rq's cleanup, and that entry outlives
     the task's own hash (its failure TTL), so deleting the task alone can leave it."""
-    with contextlib.suppress(NoSuchJobError):
-        Job.fetch(task, connection=conn, serializer=JSONSerializer).delete()
+    forget_task(conn, task)  # its hash and results stream (which outlives the hash)
     # (rq 3's started registry tracks executions and cannot remove by id; a running
     # finalize holds the job's lease, which delete takes first)
     for registry in (queue.failed_job_registry, queue.finished_job_registry,
                      queue.canceled_job_registry, queue.deferred_job_registry,
                      queue.scheduled_job_registry):  # fmt: skip
         registry.remove(task)
-    conn.delete(Result.get_key(task))  # its results stream, which outlives the hash too
 
 
 def delete_entries(conn: redis.Redis, qk: QueueKeys, job_id: str) -> int:

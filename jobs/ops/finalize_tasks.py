@@ -62,7 +62,7 @@ def enqueue_finalize(conn: redis.Redis, keys: Keys, qk: QueueKeys, job_id: str) 
         status = None
     if status in _WAITING:
         return False
-    _delete_task(conn, task_id)
+    forget_task(conn, task_id)
     finalize_queue(conn, keys, qk.tag).enqueue(
         FINALIZE_FUNC,
         job_id,
@@ -76,13 +76,19 @@ def enqueue_finalize(conn: redis.Redis, keys: Keys, qk: QueueKeys, job_id: str) 
     return True
 
 
-def _delete_task(conn: redis.Redis, task_id: str) -> None:
+def forget_task(conn: redis.Redis, task_id: str) -> None:
+    """Delete a finalize task with rq's ``Job.delete``: its hash, its place in its queue
+    and registries, its results stream (which outlives the hash)."""
     try:
         Job.fetch(task_id, connection=conn, serializer=JSONSerializer).delete()
-    except NoSuchJobError:
+        return
+    except Exception:  # NoSuchJobError, or unreadable (planted): deleted by id, below
         pass
-    except Exception:
-        conn.delete(f"rq:job:{task_id}")
+    task = Job(task_id, connection=conn, serializer=JSONSerializer)  # nothing read
+    task.set_status(
+        JobStatus.FAILED
+    )  # rq deletes a task by its status (a planted one may have none)
+    task.delete(remove_from_queue=False)
 
 
 def finalize_task(job_id: str, prefix: str) -> dict[str, Any]:
@@ -139,9 +145,8 @@ def _refusal(job: Job) -> str | None:
         return f"function {func_name!r} is not {FINALIZE_FUNC}"
     if kwargs or len(args) != 2 or not all(isinstance(a, str) for a in args):
         return "finalize_task takes two strings (job id, key prefix)"
-    callbacks = (job._success_callback_name, job._failure_callback_name,
-                 job._stopped_callback_name)  # fmt: skip
-    if any(callbacks):
+    stored = job.to_dict(include_meta=False, include_result=False)  # names, never imported
+    if any(stored[f"{kind}_callback_name"] for kind in ("success", "failure", "stopped")):
         return "tasks with callbacks are not run"
     return None
 
