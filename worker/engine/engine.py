@@ -24,13 +24,13 @@ from batchgen.worker.engine.kv_window import SlidingRelease
 from batchgen.worker.engine.loading import EngineLimits, build_engine
 from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.outputs import EngineStats, build_output
+from batchgen.worker.engine.parent_request import ParentRequest, ParentRequests, sample_id
 from batchgen.worker.engine.prompt_text import PromptText
 from batchgen.worker.engine.request import (
     EmbedTask,
     EngineFinishReason,
     EngineRequest,
     RequestOutput,
-    RequestStatus,
 )
 from batchgen.worker.engine.sampling_params import SamplingParams
 from batchgen.worker.engine.scheduler import Scheduler
@@ -82,8 +82,7 @@ class Engine:
             self.block_manager.num_blocks,
         )  # fmt: skip
         self.grammars = Grammars(tokenizer, runner.model.config.vocab_size, eos_token_ids)
-        self._requests: dict[str, list[EngineRequest]] = {}  # id -> its samples (n of them)
-        self._parked: list[EngineRequest] = []  # siblings waiting for the first sample's prompt
+        self._requests = ParentRequests()  # n > 1 fans out above the core, joined here
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._num_steps = 0
@@ -150,7 +149,7 @@ class Engine:
         samples = []
         for i in range(params.n):
             req = EngineRequest(
-                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                request_id=sample_id(request_id, i, params.n),
                 token_ids=prompt_ids + resumed,
                 num_prompt_tokens=len(prompt_ids),
                 params=params,
@@ -171,11 +170,7 @@ class Engine:
                 except GrammarError as exc:
                     raise RequestRejected(request_id, f"structured_output: {exc}") from None
             samples.append(req)
-        self._requests[request_id] = samples
-        self.scheduler.add(samples[0])
-        for sibling in samples[1:]:  # share the prompt's blocks via the prefix cache
-            sibling.wait_for = samples[0]
-            self._parked.append(sibling)
+        self._requests.add(ParentRequest(request_id, samples), self.scheduler.add)
 
     def add_embedding(
         self,
@@ -225,13 +220,12 @@ class Engine:
             priority=priority,
             embed=EmbedTask(dimensions),
         )
-        self._requests[request_id] = [req]
-        self.scheduler.add(req)
+        self._requests.add(ParentRequest(request_id, [req]), self.scheduler.add)
 
     # -- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns the requests that finished in it."""
-        self._unpark()
+        self._requests.release_parked(self.scheduler.add)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -263,52 +257,24 @@ class Engine:
                 req.finish_reason = EngineFinishReason.STOP
                 self.scheduler.finish(req)
                 finished.append(req)
-        return self._collect(finished)
-
-    def _unpark(self) -> None:
-        if not self._parked:
-            return
-        ready = [
-            r for r in self._parked
-            if r.wait_for is None or r.wait_for.is_finished
-            or r.wait_for.num_computed_tokens >= r.wait_for.num_prompt_tokens
-        ]  # fmt: skip
-        for req in ready:
-            self._parked.remove(req)
-            req.wait_for = None
-            self.scheduler.add(req)
-
-    # -- outputs --------------------------------------------------------------
-    def _collect(self, finished: list[EngineRequest]) -> list[RequestOutput]:
-        """Outputs of the top-level requests whose every sample has finished."""
-        outputs = []
-        for req in finished:
-            top_id = req.request_id if req.params.n == 1 else req.request_id.rsplit("#", 1)[0]
-            samples = self._requests.get(top_id)
-            if samples is None or not all(s.is_finished for s in samples):
-                continue
-            del self._requests[top_id]
-            outputs.append(build_output(top_id, samples, self.tokenizer))
-        return outputs
+        return [build_output(p.request_id, p.samples, self.tokenizer)
+                for p in self._requests.finished(finished)]  # fmt: skip
 
     # -- control --------------------------------------------------------------
     def abort(self, request_id: str) -> RequestOutput | None:
         """Takes a request out; its output holds the tokens generated so far."""
-        samples = self._requests.pop(request_id, None)
-        if samples is None:
+        parent = self._requests.pop(request_id)
+        if parent is None:
             return None
-        for s in samples:
-            if s in self._parked:
-                self._parked.remove(s)
-                s.status = RequestStatus.FINISHED
+        for s in parent.samples:
             if not s.is_finished:
                 s.finish_reason = EngineFinishReason.ABORT
                 self.scheduler.finish(s)
-        return build_output(request_id, samples, self.tokenizer)
+        return build_output(request_id, parent.samples, self.tokenizer)
 
     def drain(self) -> list[RequestOutput]:
         """Aborts everything unfinished (a worker handing its work back)."""
-        return [out for rid in list(self._requests) if (out := self.abort(rid)) is not None]
+        return [out for p in self._requests if (out := self.abort(p.request_id)) is not None]
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -316,8 +282,8 @@ class Engine:
     def output_token_counts(self) -> dict[str, int]:
         """Tokens generated so far by each unfinished request (all its samples; resumed
         tokens included): live progress, read every few seconds for the heartbeat."""
-        return {rid: sum(len(s.output_token_ids) for s in samples)
-                for rid, samples in self._requests.items()}  # fmt: skip
+        return {p.request_id: sum(len(s.output_token_ids) for s in p.samples)
+                for p in self._requests}  # fmt: skip
 
     def free_capacity(self) -> int:
         """How many more requests to add now to keep the in-flight set full: a
@@ -335,7 +301,7 @@ class Engine:
             prefix_cache_hit_rate=self._cached_tokens / max(self._prompt_tokens, 1),
             kv_usage=bm.num_used_blocks / bm.num_blocks,
             num_running=len(self.scheduler.running),
-            num_waiting=self.scheduler.num_waiting + len(self._parked),
+            num_waiting=self.scheduler.num_waiting + self._requests.num_parked,
             cuda_graph_replays=self.runner.num_graph_replays,
         )
 

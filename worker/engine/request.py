@@ -59,8 +59,6 @@ class EngineRequest:
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_resumed_tokens: int = 0  # generated elsewhere before, handed to us
     finish_reason: EngineFinishReason | None = None
-    # a sibling of an n > 1 request waits until this one's prompt is computed
-    wait_for: EngineRequest | None = None
     num_hashed_blocks: int = 0  # head of block_table already in the prefix cache
     # head of block_table handed back: slid out of every layer's window (kv_window.py)
     num_released_blocks: int = 0
