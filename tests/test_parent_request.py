@@ -26,7 +26,7 @@ def parent(request_id: str, n: int, prompt_len: int = 5) -> ParentRequest:
 
 
 def test_siblings_reach_the_core_once_the_first_prompt_is_computed_and_join_at_the_end():
-    requests, core = ParentRequests(), []
+    requests, core = ParentRequests(), list[EngineRequest]()
     a, b = parent("a", 3), parent("b", 1)
     requests.add(a, core.append)
     requests.add(b, core.append)
@@ -52,7 +52,7 @@ def test_siblings_reach_the_core_once_the_first_prompt_is_computed_and_join_at_t
 
 
 def test_an_aborted_request_finishes_its_parked_samples_without_the_core():
-    requests, core = ParentRequests(), []
+    requests, core = ParentRequests(), list[EngineRequest]()
     a = parent("a", 2)
     requests.add(a, core.append)
     popped = requests.pop("a")
@@ -60,3 +60,15 @@ def test_an_aborted_request_finishes_its_parked_samples_without_the_core():
     assert a.samples[0].status is RequestStatus.WAITING  # in the core: the engine aborts it
     requests.release_parked(core.append)
     assert [r.request_id for r in core] == ["a#0"] and requests.pop("a") is None
+
+
+def test_siblings_still_parked_when_the_first_finishes_in_its_prefill_step(toy_model):
+    """max_tokens=1: the first sample is done in the step that computes its prompt, so
+    the core has no work while its siblings wait; generate must release them, not stall."""
+    from batchgen import Engine
+
+    engine = Engine.from_pretrained(toy_model("qwen2"), num_kv_blocks=64)
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    out = engine.generate([list(range(3, 40))], params)[0]
+    assert [len(s.token_ids) for s in out.samples] == [1, 1, 1]
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == 64

@@ -351,7 +351,7 @@ class Engine:
         done: dict[str, RequestOutput] = {}
         pending = set(ids)
         while pending:
-            if not self.scheduler.has_work() and not self._parked:
+            if not self.scheduler.has_work() and not self._requests.num_parked:
                 raise RuntimeError(f"engine stalled with {len(pending)} requests unfinished")
             for out in self.step():
                 if out.request_id in pending:
