@@ -30,7 +30,7 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.consumer.dispatch import DISPATCH, dispatch
+from batchgen.worker.consumer.dispatch import DISPATCH, dispatch
 from batchgen.jobs.ops import backlog, deadlines, job_index
 from batchgen.jobs.ops.chunk_append import APPEND_CHUNK
 from batchgen.jobs.ops.job_record import JobRecord

@@ -16,9 +16,6 @@ import pytest
 import redis
 from rq import Queue
 
-from batchgen.jobs.consumer.commit import PartCommit, commit
-from batchgen.jobs.consumer.queue import read_new
-from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.ops import finalize_tasks as tasks
 from batchgen.jobs.ops.finalization import finalize
 from batchgen.jobs.ops.job_record import load_job
@@ -29,6 +26,9 @@ from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys
 from batchgen.jobs.schema.rows import FinishReason, Row, to_table
 from batchgen.jobs.schema.sampling import DEFAULTS
 from batchgen.jobs.storage.output_store import OutputDir
+from batchgen.worker.consumer.commit import PartCommit, commit
+from batchgen.worker.consumer.queue import read_new
+from batchgen.worker.consumer.sink import PartSink
 
 KEYS = Keys("bg")
 QK = KEYS.queue_for_model("m")

@@ -15,8 +15,6 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from batchgen.cli import main
-from batchgen.jobs.consumer.queue import dead_letter, read_new
-from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops import finalize_tasks as tasks
 from batchgen.jobs.ops.job_record import load_job
@@ -25,6 +23,8 @@ from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.worker.consumer.queue import dead_letter, read_new
+from batchgen.worker.consumer.sink import PartSink
 
 KEYS = Keys("bg")
 QK = KEYS.queue_for_model("m")

@@ -18,7 +18,6 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.consumer.queue import read_new
 from batchgen.jobs.ops import backlog, deadlines, tenants
 from batchgen.jobs.ops.backlog import prefix_group
 from batchgen.jobs.ops.job_record import load_job
@@ -27,6 +26,7 @@ from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import BACKLOG_GROUPS, GROUP, Keys
 from batchgen.jobs.schema.entry import QueuedRequest
 from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.worker.consumer.queue import read_new
 from batchgen.worker.loop.affinity import owned
 from batchgen.worker.loop.loop_config import LoopConfig
 from batchgen.worker.loop.supervisor import Supervisor

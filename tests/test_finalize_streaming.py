@@ -12,8 +12,6 @@ from typing import Any
 import pyarrow.parquet as pq
 import redis
 
-from batchgen.jobs.consumer.queue import read_new
-from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.ops.export import download
 from batchgen.jobs.ops.finalization import finalize
 from batchgen.jobs.ops.result import PartRecord, plan_windows
@@ -21,6 +19,8 @@ from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.worker.consumer.queue import read_new
+from batchgen.worker.consumer.sink import PartSink
 
 KEYS = Keys("bg")
 QK = KEYS.queue_for_model("m")

@@ -17,9 +17,6 @@ from rq import Callback, Queue
 from rq.serializers import JSONSerializer
 
 from batchgen.cli import main
-from batchgen.jobs.consumer.commit import PartCommit, commit
-from batchgen.jobs.consumer.queue import read_new
-from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.ops import finalize_tasks as tasks
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.lifecycle import JobState
@@ -29,6 +26,9 @@ from batchgen.jobs.redis.keys import Keys, QueueKeys
 from batchgen.jobs.redis.lease import Lease
 from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.worker.consumer.commit import PartCommit, commit
+from batchgen.worker.consumer.queue import read_new
+from batchgen.worker.consumer.sink import PartSink
 
 KEYS = Keys("bg")
 

@@ -9,8 +9,6 @@ from typing import Any
 import pytest
 import redis
 
-from batchgen.jobs.consumer.queue import read_new
-from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.ops.export import download
 from batchgen.jobs.ops.finalization import finalize
 from batchgen.jobs.ops.submission import submit
@@ -20,6 +18,8 @@ from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.jobs.schema.sampling import DEFAULTS
 from batchgen.jobs.storage.names import check_job_id, check_output, default_output
 from batchgen.jobs.storage.output_store import OutputDir
+from batchgen.worker.consumer.queue import read_new
+from batchgen.worker.consumer.sink import PartSink
 
 KEYS = Keys("bg")
 

@@ -263,8 +263,8 @@ def test_a_mixed_file_through_a_worker_gives_logprobs_and_choices(
 
 def test_n_samples_restart_rather_than_resume_from_one_token_list(engine):
     from batchgen import RequestRejected
-    from batchgen.jobs.consumer.queue import Delivery
     from batchgen.jobs.schema.entry import QueuedRequest
+    from batchgen.worker.consumer.queue import Delivery
     from batchgen.worker.loop.flight import resumable
 
     with pytest.raises(RequestRejected, match="only a request with n = 1 resumes from tokens"):

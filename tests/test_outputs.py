@@ -12,8 +12,6 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.consumer.queue import read_new
-from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.finalization import finalize
 from batchgen.jobs.ops.job_record import load_job
@@ -22,6 +20,8 @@ from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import JobConflict
 from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.worker.consumer.queue import read_new
+from batchgen.worker.consumer.sink import PartSink
 
 KEYS = Keys("bg")
 QK = KEYS.queue_for_model("m")

@@ -11,7 +11,6 @@ import pytest
 import redis
 from hypothesis import given, settings
 
-from batchgen.jobs.consumer.queue import Delivery, HandBack, dead_letter, hand_back, read_new
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.stream import ensure_group
@@ -19,6 +18,7 @@ from batchgen.jobs.schema.entry import QueuedRequest, QueueEntry
 from batchgen.jobs.schema.errors import EntryError
 from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.worker.consumer.queue import Delivery, HandBack, dead_letter, hand_back, read_new
 
 QK = Keys("bg").queue_for_model("m")
 S16 = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0}

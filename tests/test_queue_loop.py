@@ -19,8 +19,6 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from batchgen.jobs.consumer.queue import read_new, refresh
-from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops import finalize_tasks as tasks
 from batchgen.jobs.ops.cancellation import cancel
@@ -32,6 +30,8 @@ from batchgen.jobs.redis.keys import GROUP, Keys
 from batchgen.jobs.redis.stream import ensure_group
 from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.worker.consumer.queue import read_new, refresh
+from batchgen.worker.consumer.sink import PartSink
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop
 from batchgen.worker.loop.loop_config import ENGINE_FAILED_EXIT
 from tests.engine_double import FakeEngine, RequestRejected, SamplingParams, expected_tokens

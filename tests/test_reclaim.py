@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import redis
 
-from batchgen.jobs.consumer.queue import read_new, reclaim
 from batchgen.jobs.redis.keys import GROUP, Keys
 from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.jobs.redis.stream import ensure_group
+from batchgen.worker.consumer.queue import read_new, reclaim
 
 QK = Keys("bg").queue_for_model("m")
 

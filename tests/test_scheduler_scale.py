@@ -11,8 +11,8 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.consumer.queue import read_new
 from batchgen.jobs.ops import deadlines
+from batchgen.worker.consumer.queue import read_new
 from benchmarks.scheduler_scale import KEYS, MODEL, populate
 
 QK = KEYS.queue_for_model(MODEL)

@@ -16,8 +16,6 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.consumer.commit import PartCommit, commit
-from batchgen.jobs.consumer.queue import read_new
 from batchgen.jobs.ops import backlog, tenants
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.schedule import default_tenant, parse_deadline
@@ -26,6 +24,8 @@ from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.serve.batch_record import BatchRecord, to_openai
+from batchgen.worker.consumer.commit import PartCommit, commit
+from batchgen.worker.consumer.queue import read_new
 from tests.doc_blocks import doc_block, run_sh, shell_env
 
 KEYS = Keys("bg")

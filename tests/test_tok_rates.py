@@ -24,8 +24,8 @@ def put(conn: Any, record: JobRecord) -> None:
 
 def test_a_commit_dates_the_jobs_start_by_its_first_read(redis_url):
     """The rows of a commit were read before it: the job started then, not at the commit."""
-    from batchgen.jobs.consumer.commit import PartCommit, commit
     from batchgen.jobs.schema.rows import FinishReason, Row
+    from batchgen.worker.consumer.commit import PartCommit, commit
 
     conn: Any = redis.Redis.from_url(redis_url)
     qk = KEYS.queue_for_model("m")

@@ -2,7 +2,7 @@
 
 Submit and retry append a job's requests here (``BACKLOG_PUSH`` in their chunk
 scripts), not to the model's stream. When a worker has room, the dispatch script
-(jobs/consumer/dispatch.py) chooses a job by fair share and moves requests from its
+(worker/consumer/dispatch.py) chooses a job by fair share and moves requests from its
 backlog to the stream, where they are delivered to that worker in the same step:
 the stream holds only what workers hold (and what they handed back), so a job
 submitted behind a huge one is not behind it.

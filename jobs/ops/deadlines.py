@@ -6,7 +6,7 @@ model does the work); one script, on the model's keys, O(CHECK_BATCH x log jobs)
 however many jobs wait:
 
 1. the fleet's rate: the model's committed work (each committed row adds its job's
-   estimated cost in tokens, commit.py) per second, a moving average over ~30 s;
+   estimated cost in tokens, worker/consumer/commit.py) per second, a moving average over ~30 s;
 2. the next ``CHECK_BATCH`` unfinished jobs with a deadline (fair_index.py's
    ``deadlines``, in turns: each job is looked at every jobs / CHECK_BATCH runs):
    its fair share ``s`` (nothing while a higher priority class has work; else its
@@ -17,7 +17,7 @@ however many jobs wait:
    - it fits only at ``URGENT_SHARE`` of the model: ``urgent``, at risk; dispatch
      serves the class's at-risk jobs first, earliest deadline first, but with at most
      ``URGENT_SHARE`` of the tokens together, and never ahead of a higher class
-     (dispatch.py); ``eta`` at that share;
+     (worker/consumer/dispatch.py); ``eta`` at that share;
    - it does not fit even then (or its class has no share now): ``late``; it goes
      on at its fair share and takes nothing from the others (``eta`` at its share);
 3. jobs past their deadline that asked to ``expire`` are returned (``expiry``, by

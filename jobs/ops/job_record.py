@@ -66,7 +66,7 @@ class JobRecord:
     input_format: str = ""  # "jsonl", "parquet" or "csv" (sources.py); "" before tables
     table: str = ""  # a table input's flags, TableSpec.to_json (tables.py); "" for JSONL
     kept_columns: list[str] = field(default_factory=list)  # input columns in the result (kept.py)
-    # -- fair share (dispatch.py, tenants.py, deadlines.py) --
+    # -- fair share (worker/consumer/dispatch.py, tenants.py, deadlines.py) --
     tenant: str = ""  # who the job is for ("": no tenant); its weight and quotas: tenants.py
     priority: int = 0  # higher classes are dispatched first
     deadline: float = 0.0  # unix s by which it should be done; 0.0: none
@@ -79,7 +79,7 @@ class JobRecord:
     late: bool = False  # it cannot make its deadline at any share it may take: served fairly
     eta: float = 0.0  # unix s it should finish at the rate it is served; 0.0: unknown
     engine_us: int = 0  # engine time its committed rows took (usage)
-    failed_prompt_tokens: int = 0  # input tokens of its failed rows: not billed (commit.py)
+    failed_prompt_tokens: int = 0  # input tokens of its failed rows: not billed (worker/consumer/commit.py)
 
     @property
     def retry_incomplete(self) -> bool:

@@ -40,7 +40,7 @@ class JobState(str, enum.Enum):
     """Stored in Redis as its value."""
 
     QUEUED = "queued"  # created; requests waiting (submit may still be enqueuing)
-    RUNNING = "running"  # a worker took one of its requests (dispatch.py) or a row was committed
+    RUNNING = "running"  # a worker took one of its requests (worker/consumer/dispatch.py) or a row was committed
     FINALIZING = "finalizing"  # every input has a row; the finalize task writes the output
     COMPLETED = "completed"
     CANCELLING = "cancelling"  # workers drop its requests; finalize fills cancelled rows

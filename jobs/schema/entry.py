@@ -13,7 +13,7 @@ A stream entry is these fields, and this module is the only code that names them
 
 Submit does not write entries to the stream itself: it appends each request to its
 job's backlog (backlog.py) as one string, ``INDEX WHEN REQUEST`` (``backlog_item``), and
-the dispatch script (dispatch.py) makes the entry from it when a worker has room for it:
+the dispatch script (worker/consumer/dispatch.py) makes the entry from it when a worker has room for it:
 ``j i r q`` when WHEN is the queued ms, ``j i r x`` when it is the ``x`` of a request
 that ran before (``{"a":RUNS,"q":QUEUED_MS}``: a retry queues its rows so, and their
 rows count the earlier deliveries in ``attempts``).
@@ -57,7 +57,7 @@ FORMAT = 1  # the entry format this release reads and writes
 _JOB, _INDEX, _REQUEST, _QUEUED, _CARRIED = "j", "i", "r", "q", "x"
 # as XRANGE returns the names (decoding reads every entry a worker runs); "v": the format
 _JOB_B, _INDEX_B, _REQUEST_B, _QUEUED_B, _CARRIED_B, _FORMAT_B = b"j", b"i", b"r", b"q", b"x", b"v"
-# For the Lua script that makes entries itself (dispatch.py).
+# For the Lua script that makes entries itself (worker/consumer/dispatch.py).
 LUA_FIELDS = (
     f"local F = {{job = '{_JOB}', index = '{_INDEX}', request = '{_REQUEST}', "
     f"queued = '{_QUEUED}', carried = '{_CARRIED}'}}\n"
@@ -78,7 +78,7 @@ def compact_json(value: Any) -> str:
 
 
 def backlog_item(index: int, queued_ms: int, request: bytes, prior_runs: int = 0) -> bytes:
-    """A request as its job's backlog holds it: ``INDEX WHEN REQUEST`` (dispatch.py splits
+    """A request as its job's backlog holds it: ``INDEX WHEN REQUEST`` (worker/consumer/dispatch.py splits
     it at the first two spaces; the request is compact JSON). WHEN is ``QUEUED_MS``, or for
     a request that ``prior_runs`` deliveries ran before (a retried row's), the ``x`` its
     entry carries, which counts them: compact JSON of numbers, so it holds no space."""

@@ -15,12 +15,12 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.consumer.queue import HandBack, hand_back, read_new
 from batchgen.jobs.crashpoints import CRASH_EXIT_CODE
 from batchgen.jobs.ops import backlog, chunk_append
 from batchgen.jobs.ops.result import LOST
 from batchgen.jobs.redis.keys import GROUP
 from batchgen.jobs.redis.redis_server import RedisServer
+from batchgen.worker.consumer.queue import HandBack, hand_back, read_new
 from tests.chaos.harness import (
     Chaos,
     assert_exactly_once,

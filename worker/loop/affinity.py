@@ -6,7 +6,7 @@ to one live worker of the model by rendezvous hashing (the worker whose hash of
 whose prefix cache already holds it, and a worker joining or leaving moves only
 its own lists. The dispatch script takes a worker's own lists first and the
 fullest other one when they are empty, so affinity never leaves a worker idle
-while work waits, and never changes which job goes next (jobs/consumer/dispatch.py).
+while work waits, and never changes which job goes next (worker/consumer/dispatch.py).
 """
 
 from __future__ import annotations

@@ -15,12 +15,12 @@ from collections.abc import Callable
 
 import redis
 
-from batchgen.jobs.consumer.commit import PartCommit
-from batchgen.jobs.consumer.queue import Delivery
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import BatchgenError
 from batchgen.jobs.schema.rows import Row
 from batchgen.jobs.storage.result_cache import ResultCache, content_key
+from batchgen.worker.consumer.commit import PartCommit
+from batchgen.worker.consumer.queue import Delivery
 from batchgen.worker.loop.flight import cached_row
 from batchgen.worker.loop.loop_config import LoopConfig
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from batchgen.jobs.consumer.queue import Delivery
+from batchgen.worker.consumer.queue import Delivery
 from batchgen.jobs.schema import tools
 from batchgen.jobs.schema.constraints import kind_of
 from batchgen.jobs.schema.reasoning import ReasoningParser, Split

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from batchgen.jobs.consumer.queue import Delivery, HandBack
+from batchgen.worker.consumer.queue import Delivery, HandBack
 
 
 class Isolation:

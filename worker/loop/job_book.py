@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import redis
 
-from batchgen.jobs.consumer.queue import Delivery, dead_letter
+from batchgen.worker.consumer.queue import Delivery, dead_letter
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.modelinfo import fingerprint
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text

@@ -32,9 +32,9 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.consumer.queue import refresh
 from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
+from batchgen.worker.consumer.queue import refresh
 from batchgen.worker.loop.loop_config import LoopConfig
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Storage outages: a job whose parts cannot be written is said so loudly, never charged.
 
-The sink keeps such a job's rows and retries with backoff (jobs/consumer/sink.py). This
+The sink keeps such a job's rows and retries with backoff (worker/consumer/sink.py). This
 reports it: a log line, the ``storage_failures`` counter in the heartbeat (and
 so in Prometheus), and ``storage_error`` on the job record, which ``batchgen
 status`` shows; cleared when writes work again. After ``limit_s`` of one
@@ -19,8 +19,8 @@ from datetime import UTC, datetime
 
 import redis
 
-from batchgen.jobs.consumer.sink import PartSink, StorageFailure
 from batchgen.jobs.redis.keys import QueueKeys
+from batchgen.worker.consumer.sink import PartSink, StorageFailure
 
 log = logging.getLogger(__name__)
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)

@@ -3,7 +3,7 @@
 Each tick: take what the keeper thread heard (keeper.py: claims and heartbeat
 kept fresh, cancels, work announced), upkeep (reclaim, sweep, deadlines), read
 at most the engine's free capacity of new entries (the dispatch script chooses
-them by fair share, this worker's prefix groups first: jobs/consumer/dispatch.py,
+them by fair share, this worker's prefix groups first: worker/consumer/dispatch.py,
 affinity.py; when the engine is idle and nothing waits to be committed, an empty
 read waits for work to be announced), admit them (requests.py), run one engine
 step (its time shared by the requests in it, for usage), and flush the sink when
@@ -31,11 +31,11 @@ from typing import Any
 import redis
 
 from batchgen.jobs.backoff import backoff_delay
-from batchgen.jobs.consumer.queue import HandBack, hand_back, read_new
-from batchgen.jobs.consumer.sink import PartSink
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.redis.keys import Keys, queue_tag
 from batchgen.jobs.redis.stream import ensure_group
+from batchgen.worker.consumer.queue import HandBack, hand_back, read_new
+from batchgen.worker.consumer.sink import PartSink
 from batchgen.worker.loop.affinity import Affinity
 from batchgen.worker.loop.caching import LoopCache, numerics
 from batchgen.worker.loop.engine_api import EngineAPI

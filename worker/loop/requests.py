@@ -20,8 +20,8 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.consumer.queue import Delivery, HandBack
-from batchgen.jobs.consumer.sink import PartSink
+from batchgen.worker.consumer.queue import Delivery, HandBack
+from batchgen.worker.consumer.sink import PartSink
 from batchgen.jobs.schema import tools
 from batchgen.jobs.schema.rows import Row, cached_input_tokens
 from batchgen.worker.loop.caching import LoopCache

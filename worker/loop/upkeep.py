@@ -22,11 +22,11 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.consumer.queue import reclaim, recreate_group
 from batchgen.jobs.ops import deadlines
 from batchgen.jobs.ops.maintenance import sweep
 from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.keys import Keys, QueueKeys
+from batchgen.worker.consumer.queue import reclaim, recreate_group
 from batchgen.worker.loop.keeper import Keeper
 from batchgen.worker.loop.loop_config import LoopConfig
 from batchgen.worker.loop.requests import Requests

@@ -3,11 +3,11 @@
 A worker asks for as many requests as its engine can admit. The script first
 reads the stream (XREADGROUP ``>``): entries handed back with their tokens go
 first, since work already begun is never set aside. It fills the rest from the backlogs of the
-model's ready jobs (backlog.py), ``QUANTUM`` requests at a time from the job that
-comes first in this order, kept in sorted sets (fair_index.py):
+model's ready jobs (jobs/ops/backlog.py), ``QUANTUM`` requests at a time from the job that
+comes first in this order, kept in sorted sets (jobs/ops/fair_index.py):
 
 1. the highest priority class with ready jobs;
-2. within it, its at-risk jobs (deadlines.py: they would miss their deadline at their
+2. within it, its at-risk jobs (jobs/ops/deadlines.py: they would miss their deadline at their
    fair share), earliest deadline first, as long as urgent picks have taken at most
    ``urgent_share`` of the tokens (``urgent_debt`` in the fair hash: an urgent pick
    adds its tokens, a fair pick pays them back at share / (1 - share) a token);
@@ -27,7 +27,7 @@ the jobs' shares, and no worker waits while any backlog holds work. A lone worke
 owns every group, so it takes a job's requests in input order, as before backlogs.
 
 The moved requests are XADDed to the stream (``j i r q``, or ``j i r x`` for a
-retried request, whose backlog item carries its earlier deliveries: entry.py) and
+retried request, whose backlog item carries its earlier deliveries: jobs/schema/entry.py) and
 read by this worker in the same script, so from there on everything is as before:
 the entry is pending at the worker (refresh, reclaim, hand-back, dead-letter and
 commit unchanged). Redis per call: one XREADGROUP, per job taken from a few ZRANGEs
@@ -53,12 +53,12 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.consumer.fair_clock import REST_FAIR_CLOCKS
 from batchgen.jobs.ops.deadlines import URGENT_SHARE
 from batchgen.jobs.ops.fair_index import FAIR_INDEX
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.keys import BACKLOG_GROUPS, GROUP, QueueKeys
 from batchgen.jobs.schema.entry import LUA_FIELDS
+from batchgen.worker.consumer.fair_clock import REST_FAIR_CLOCKS
 
 QUANTUM = 16  # requests taken from the chosen job before the order is looked at again
 

@@ -1,7 +1,7 @@
 """The worker's sink: finished rows -> published Parquet parts -> one commit step.
 
 Rows are buffered per job. ``flush`` writes one part per job (atomically,
-output_store.py) under the job's own folder ``parts/JOB/``, then commits every
+jobs/storage/output_store.py) under the job's own folder ``parts/JOB/``, then commits every
 written part and the entries to drop in ONE Lua step (commit.py). If Redis is
 unreachable the written parts are kept and the same parts (same names) are
 committed on the next try, which the commit step recognises, so a retry never
@@ -28,13 +28,13 @@ import pyarrow.parquet as pq
 import redis
 
 from batchgen.jobs.backoff import backoff_delay
-from batchgen.jobs.consumer.commit import CommitResult, PartCommit, commit
-from batchgen.jobs.consumer.queue import Delivery
 from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.redis.keys import QueueKeys
 from batchgen.jobs.schema.errors import BatchgenError
 from batchgen.jobs.schema.rows import Row, to_table
 from batchgen.jobs.storage.output_store import OutputDir
+from batchgen.worker.consumer.commit import CommitResult, PartCommit, commit
+from batchgen.worker.consumer.queue import Delivery
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.consumer.dispatch import dispatch
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys, text
@@ -32,6 +31,7 @@ from batchgen.jobs.redis.stream import ensure_group
 from batchgen.jobs.schema.entry import QueueEntry, job_and_index
 from batchgen.jobs.schema.errors import EntryError
 from batchgen.jobs.schema.rows import Row
+from batchgen.worker.consumer.dispatch import dispatch
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ entries are XACKed and XDELed in the same step, so the stream never grows
 without bound and a crash leaves either everything or nothing done. A job that
 has every row moves to ``finalizing`` here, exactly once.
 
-All keys share the queue's hash tag (keys.py), so this runs on Redis Cluster.
-Through Sentinel a commit then waits for one replica (sentinel.py).
+All keys share the queue's hash tag (jobs/redis/keys.py), so this runs on Redis Cluster.
+Through Sentinel a commit then waits for one replica (jobs/redis/sentinel.py).
 
 The same step adds what the winning rows used to the job's and its tenant's usage
 (input, cached input and output tokens, engine time): usage is counted exactly
