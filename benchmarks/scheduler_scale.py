@@ -30,7 +30,6 @@ from typing import Any
 
 import redis
 
-from batchgen.worker.consumer.dispatch import DISPATCH, dispatch
 from batchgen.jobs.ops import backlog, deadlines, job_index
 from batchgen.jobs.ops.chunk_append import APPEND_CHUNK
 from batchgen.jobs.ops.job_record import JobRecord
@@ -40,6 +39,7 @@ from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.jobs.redis.stream import ensure_group
 from batchgen.jobs.schema.entry import QueuedRequest
 from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.worker.consumer.dispatch import DISPATCH, dispatch
 
 KEYS = Keys("scale")
 MODEL = "scale-model"

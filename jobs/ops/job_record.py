@@ -79,7 +79,8 @@ class JobRecord:
     late: bool = False  # it cannot make its deadline at any share it may take: served fairly
     eta: float = 0.0  # unix s it should finish at the rate it is served; 0.0: unknown
     engine_us: int = 0  # engine time its committed rows took (usage)
-    failed_prompt_tokens: int = 0  # input tokens of its failed rows: not billed (worker/consumer/commit.py)
+    # input tokens of its failed rows: not billed (worker/consumer/commit.py)
+    failed_prompt_tokens: int = 0
 
     @property
     def retry_incomplete(self) -> bool:

@@ -8,12 +8,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from batchgen.worker.consumer.queue import Delivery
 from batchgen.jobs.schema import tools
 from batchgen.jobs.schema.constraints import kind_of
 from batchgen.jobs.schema.reasoning import ReasoningParser, Split
 from batchgen.jobs.schema.rows import FinishReason, Row
 from batchgen.jobs.schema.tool_parsers import Call, ToolParser
+from batchgen.worker.consumer.queue import Delivery
 from batchgen.worker.loop.engine_api import EngineOutput
 
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import redis
 
-from batchgen.worker.consumer.queue import Delivery, dead_letter
 from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.modelinfo import fingerprint
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
@@ -23,6 +22,7 @@ from batchgen.jobs.schema import reasoning, tool_parsers
 from batchgen.jobs.schema.reasoning import ReasoningParser
 from batchgen.jobs.schema.rows import Row
 from batchgen.jobs.schema.tool_parsers import ToolParser
+from batchgen.worker.consumer.queue import Delivery, dead_letter
 from batchgen.worker.loop.flight import error_row
 from batchgen.worker.loop.loop_config import LoopConfig
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import redis
 
-from batchgen.worker.consumer.queue import Delivery, HandBack
-from batchgen.worker.consumer.sink import PartSink
 from batchgen.jobs.schema import tools
 from batchgen.jobs.schema.rows import Row, cached_input_tokens
+from batchgen.worker.consumer.queue import Delivery, HandBack
+from batchgen.worker.consumer.sink import PartSink
 from batchgen.worker.loop.caching import LoopCache
 from batchgen.worker.loop.engine_api import EngineAPI, EngineOutput
 from batchgen.worker.loop.flight import (
