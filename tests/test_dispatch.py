@@ -29,7 +29,7 @@ from batchgen.jobs.schema.sampling import DEFAULTS
 from batchgen.worker.consumer.queue import read_new
 from batchgen.worker.loop.affinity import owned
 from batchgen.worker.loop.loop_config import LoopConfig
-from batchgen.worker.loop.supervisor import Supervisor
+from batchgen.worker.supervisor.supervisor import Supervisor
 
 KEYS = Keys("bg")
 QK = KEYS.queue_for_model("m")

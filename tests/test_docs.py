@@ -261,7 +261,7 @@ def test_the_sizing_page_states_how_the_kv_cache_is_sized(toy_model):
 
 def test_the_sizing_page_states_how_threads_are_shared(monkeypatch):
     from batchgen.worker.cpu_threads import usable_cpus
-    from batchgen.worker.loop.supervisor import plan_children
+    from batchgen.worker.supervisor.supervisor import plan_children
 
     text = section("sizing.md", "Workers and threads on a CPU")
     assert "`--workers` engine processes (default 1)" in text

@@ -67,7 +67,7 @@ def test_the_loop_config_carries_the_engine_config_through_json():
 def test_the_engine_config_the_loop_and_the_worker_cli_import_without_torch():
     code = (
         "import sys\n"
-        "import batchgen.worker.engine_config, batchgen.worker.loop, batchgen.worker.loop.supervisor\n"
+        "import batchgen.worker.engine_config, batchgen.worker.loop, batchgen.worker.supervisor.supervisor\n"
         "import batchgen.cli.worker, batchgen.cli.run\n"
         "print('torch' in sys.modules)\n"
     )

@@ -21,7 +21,7 @@ from batchgen.jobs.schema.sampling import DEFAULTS
 from batchgen.serve.api_keys import OPEN
 from batchgen.serve.dashboard import tenants
 from batchgen.worker.loop.loop_config import LoopConfig
-from batchgen.worker.loop.supervisor import Supervisor
+from batchgen.worker.supervisor.supervisor import Supervisor
 from tests.chaos.harness import KEYS, Chaos, prompt_lines, wait_until, write_jsonl
 
 SETTINGS = {"max_num_seqs": 4, "block_ms": 100}

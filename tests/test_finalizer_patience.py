@@ -44,7 +44,7 @@ def test_a_stuck_finalizer_does_not_hold_the_next_jobs_finalize(
 
 
 def test_the_docs_state_the_patience_and_the_limit():
-    from batchgen.worker.loop.finalizer import MAX_FINALIZERS, PATIENCE_S
+    from batchgen.worker.supervisor.finalizer import MAX_FINALIZERS, PATIENCE_S
     from tests.doc_blocks import REPO
 
     said = " ".join((REPO / "docs" / "reliability.md").read_text().split())

@@ -38,7 +38,7 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
 
 def role(pid: int) -> str:
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    if b"batchgen.worker.loop.finalizer" in cmdline:
+    if b"batchgen.worker.supervisor.finalizer" in cmdline:
         return "finalizer"
     return "engine" if b"batchgen.worker.loop" in cmdline else "supervisor"
 

@@ -23,8 +23,8 @@ from batchgen.jobs.redis.stream import ensure_group
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.worker import cpu_threads
 from batchgen.worker.loop.loop_config import ENGINE_FAILED_EXIT, LoopConfig
-from batchgen.worker.loop.metrics import registry, serve
-from batchgen.worker.loop.supervisor import (
+from batchgen.worker.supervisor.metrics import registry, serve
+from batchgen.worker.supervisor.supervisor import (
     MAX_FAST_FAILURES,
     RESTART_DELAY_S,
     Child,
@@ -63,7 +63,7 @@ def test_tensor_parallel_groups_are_consecutive_gpus_one_engine_each():
 
 def test_cpu_ranks_share_the_cpus_with_the_other_workers(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("batchgen.worker.loop.supervisor.usable_cpus", lambda: 8)
+    monkeypatch.setattr("batchgen.worker.supervisor.supervisor.usable_cpus", lambda: 8)
     plan = plan_children(None, "cpu", 2, None, tensor_parallel_size=2)
     assert [child["env"]["OMP_NUM_THREADS"] for child in plan] == ["2", "2"]  # 2 x 2 ranks
 

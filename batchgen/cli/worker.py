@@ -86,7 +86,7 @@ def worker(
     from batchgen.jobs.schema.model_files import check_checkpoint
     from batchgen.worker.engine_config import EngineConfig
     from batchgen.worker.loop.loop_config import LoopConfig
-    from batchgen.worker.loop.supervisor import Supervisor, plan_children
+    from batchgen.worker.supervisor.supervisor import Supervisor, plan_children
 
     check_values()  # its finalizer and engine processes read them later, where no one sees
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s",

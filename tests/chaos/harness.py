@@ -221,7 +221,7 @@ class Chaos:
     def finalizer(self, name: str, env: dict[str, str] | None = None) -> Proc:
         """The finalizer process a supervisor starts when its model's finalize tasks wait."""
         config = {"redis_url": self.redis_url, "prefix": KEYS.prefix, "tag": self.qk.tag}
-        cmd = [sys.executable, "-m", "batchgen.worker.loop.finalizer"]
+        cmd = [sys.executable, "-m", "batchgen.worker.supervisor.finalizer"]
         return self._spawn(name, cmd, env or self.env(), stdin=json.dumps(config).encode())
 
     def cli_start(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:

@@ -53,7 +53,7 @@ def test_a_finalize_that_hangs_does_not_stop_the_supervisor(chaos):
 
     def finalizer_frozen() -> int | None:
         for pid, cmd in children(supervisor.pid).items():
-            if "worker.loop.finalizer" in cmd and process_state(pid) == "T":
+            if "worker.supervisor.finalizer" in cmd and process_state(pid) == "T":
                 return pid
         return None
 

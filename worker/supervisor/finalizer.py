@@ -1,6 +1,6 @@
 """The finalizer process: runs one model's queued finalize tasks, then exits.
 
-``python -m batchgen.worker.loop.finalizer`` reads ``{"redis_url", "prefix",
+``python -m batchgen.worker.supervisor.finalizer`` reads ``{"redis_url", "prefix",
 "tag"}`` as JSON on stdin (the Redis URL may hold a password: never on the
 command line). The supervisor starts one whenever its model's finalize queue
 holds tasks, so a long finalize (a 10M-row job) never blocks it: children are
@@ -35,7 +35,7 @@ class FinalizerProcess:
     def start(self) -> None:
         self.started = time.monotonic()
         self.process = subprocess.Popen(
-            module_command("batchgen.worker.loop.finalizer"), env=child_environ(),
+            module_command("batchgen.worker.supervisor.finalizer"), env=child_environ(),
             stdin=subprocess.PIPE,
         )  # fmt: skip
         config = {"redis_url": self.redis_url, "prefix": self.prefix, "tag": self.tag}
