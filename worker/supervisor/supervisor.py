@@ -43,13 +43,13 @@ from batchgen.jobs.schema.errors import UsageError
 from batchgen.openmp_waits import SPIN_ENV, WAIT_VARIABLES
 from batchgen.parts import child_environ, module_command
 from batchgen.worker.cpu_threads import usable_cpus
-from batchgen.worker.supervisor.finalizer import Finalizers
 from batchgen.worker.loop.loop_config import (
     ENGINE_FAILED_EXIT,
     MODEL_REFUSED_EXIT,
     LoopConfig,
     default_name,
 )
+from batchgen.worker.supervisor.finalizer import Finalizers
 from batchgen.worker.supervisor.metrics import families, registry, serve
 
 log = logging.getLogger(__name__)
