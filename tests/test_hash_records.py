@@ -14,8 +14,8 @@ from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.redis import hash_codec
 from batchgen.jobs.redis.keys import Keys
 from batchgen.serve.api_keys import OPEN
-from batchgen.serve.batch_lifecycle import MOVES, BatchState, move
-from batchgen.serve.batch_record import BatchRecord, status
+from batchgen.serve.batch.batch_lifecycle import MOVES, BatchState, move
+from batchgen.serve.batch.batch_record import BatchRecord, status
 from batchgen.serve.files import FileObject, FileStore
 
 JOB = JobRecord(
@@ -185,7 +185,7 @@ def test_a_file_record_round_trips(redis_url: str, tmp_path) -> None:
 def test_a_batch_stored_before_states_is_served_and_moves_on(redis_url: str, tmp_path) -> None:
     """An upgraded server reads it in its state and stores that state, so that its moves
     (cancelling it, here) start from there."""
-    from batchgen.serve.batches import Batches
+    from batchgen.serve.batch.batches import Batches
     from batchgen.serve.settings import ServeConfig
 
     conn = rconn(redis_url)

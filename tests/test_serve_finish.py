@@ -15,9 +15,9 @@ from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.lease import Lease
-from batchgen.serve.batch_lifecycle import BatchState
-from batchgen.serve.batch_record import BatchRecord
-from batchgen.serve.batches import Batches
+from batchgen.serve.batch.batch_lifecycle import BatchState
+from batchgen.serve.batch.batch_record import BatchRecord
+from batchgen.serve.batch.batches import Batches
 from batchgen.serve.files import FileStore
 from batchgen.serve.settings import ServeConfig, expiry
 from batchgen.serve.sweep import FINISH_ATTEMPTS, Sweep

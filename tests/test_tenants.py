@@ -23,7 +23,7 @@ from batchgen.jobs.redis import embedded
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.jobs.schema.rows import FinishReason, Row
-from batchgen.serve.batch_record import BatchRecord, to_openai
+from batchgen.serve.batch.batch_record import BatchRecord, to_openai
 from batchgen.worker.consumer.commit import PartCommit, commit
 from batchgen.worker.consumer.queue import read_new
 from tests.doc_blocks import doc_block, run_sh, shell_env

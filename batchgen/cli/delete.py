@@ -32,7 +32,7 @@ def delete(job_id: str, outputs: bool, force: bool, redis_url: str | None) -> No
     from batchgen.jobs.redis import embedded
     from batchgen.jobs.schema.errors import JobNotFound
     from batchgen.jobs.storage.names import check_job_id
-    from batchgen.serve.batch_removal import remove_batch
+    from batchgen.serve.batch.batch_removal import remove_batch
 
     conn, keys, _ = connect(redis_url)
     job_id = check_job_id(job_id)

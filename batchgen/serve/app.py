@@ -26,14 +26,14 @@ from batchgen.jobs.redis.lease import Lease
 from batchgen.jobs.schema.errors import BatchgenError, JobNotFound
 from batchgen.serve import dashboard_api, files_api, openai_errors
 from batchgen.serve.auth import COOKIE, Sessions, Who, principal_of
-from batchgen.serve.batch_request import CreateBatch
-from batchgen.serve.batches import Batches
+from batchgen.serve.batch.batch_request import CreateBatch
+from batchgen.serve.batch.batches import Batches
+from batchgen.serve.batch.validation import Validator
 from batchgen.serve.files import FileStore
 from batchgen.serve.guard import Guard
 from batchgen.serve.series import RateSampler
 from batchgen.serve.settings import ServeConfig
 from batchgen.serve.sweep import Sweep
-from batchgen.serve.validation import Validator
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"

@@ -22,8 +22,8 @@ from starlette.responses import StreamingResponse
 from batchgen.interface_errors import APIError, UploadTooLarge
 from batchgen.serve import openai_errors
 from batchgen.serve.auth import Who
-from batchgen.serve.batch_request import EXPIRES_AFTER_S, ExpiresAfter
-from batchgen.serve.batches import Batches
+from batchgen.serve.batch.batch_request import EXPIRES_AFTER_S, ExpiresAfter
+from batchgen.serve.batch.batches import Batches
 from batchgen.serve.files import FileStore, new_file_id
 from batchgen.serve.settings import ServeConfig
 from batchgen.serve.upload import MultipartUpload

@@ -34,12 +34,12 @@ from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.redis.keys import text
 from batchgen.jobs.redis.lease import Lease
 from batchgen.jobs.schema.errors import JobConflict, JobNotFound, LeaseHeld
-from batchgen.serve.batch_lifecycle import BatchState
-from batchgen.serve.batch_record import BatchRecord
-from batchgen.serve.batch_removal import remove_batch
-from batchgen.serve.batches import Batches
-from batchgen.serve.results import write_outputs
-from batchgen.serve.validation import error
+from batchgen.serve.batch.batch_lifecycle import BatchState
+from batchgen.serve.batch.batch_record import BatchRecord
+from batchgen.serve.batch.batch_removal import remove_batch
+from batchgen.serve.batch.batches import Batches
+from batchgen.serve.batch.results import write_outputs
+from batchgen.serve.batch.validation import error
 
 log = logging.getLogger(__name__)
 FINISH_ATTEMPTS = 8  # failed output writes before the batch fails

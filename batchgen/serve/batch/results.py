@@ -20,8 +20,8 @@ from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.result import RESULT
 from batchgen.jobs.schema.rows import SUCCEEDED, FinishReason
 from batchgen.jobs.storage.output_store import OutputDir
-from batchgen.serve.batch_lifecycle import BatchState
-from batchgen.serve.batch_record import BatchRecord
+from batchgen.serve.batch.batch_lifecycle import BatchState
+from batchgen.serve.batch.batch_record import BatchRecord
 from batchgen.serve.files import FileStore, new_file_id
 
 COLUMNS = ["index", "id", "text", "finish_reason", "error", "prompt_tokens",

@@ -24,11 +24,11 @@ from batchgen.jobs.ops.job_record import JobRecord, load_job
 from batchgen.jobs.redis.keys import Keys, text, text_hash
 from batchgen.jobs.schema.errors import JobConflict, JobNotFound, UsageError
 from batchgen.jobs.storage.names import check_output
-from batchgen.serve import batch_lifecycle
 from batchgen.serve.api_keys import Principal
-from batchgen.serve.batch_lifecycle import BatchState
-from batchgen.serve.batch_record import BatchRecord, to_openai
-from batchgen.serve.batch_request import WINDOW_S, CreateBatch, priority_of
+from batchgen.serve.batch import batch_lifecycle
+from batchgen.serve.batch.batch_lifecycle import BatchState
+from batchgen.serve.batch.batch_record import BatchRecord, to_openai
+from batchgen.serve.batch.batch_request import WINDOW_S, CreateBatch, priority_of
 from batchgen.serve.files import FileStore
 from batchgen.serve.openai_errors import not_found
 from batchgen.serve.settings import ServeConfig

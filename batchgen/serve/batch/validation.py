@@ -38,11 +38,11 @@ from batchgen.jobs.schema.errors import (
     QuotaExceeded,
 )
 from batchgen.jobs.schema.sampling import job_defaults
-from batchgen.serve.batch_lifecycle import BatchState
-from batchgen.serve.batch_record import BatchRecord
-from batchgen.serve.batch_request import priority_of
-from batchgen.serve.batches import Batches, job_output
-from batchgen.serve.input_checks import check_batch_lines
+from batchgen.serve.batch.batch_lifecycle import BatchState
+from batchgen.serve.batch.batch_record import BatchRecord
+from batchgen.serve.batch.batch_request import priority_of
+from batchgen.serve.batch.batches import Batches, job_output
+from batchgen.serve.batch.input_checks import check_batch_lines
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0  # how often a batch waiting for a starting worker looks again

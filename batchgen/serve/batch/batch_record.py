@@ -18,7 +18,7 @@ from batchgen.jobs.redis import hash_codec
 from batchgen.jobs.redis.hash_codec import OMIT_EMPTY
 from batchgen.jobs.redis.keys import text_hash
 from batchgen.jobs.storage.names import redact_uri
-from batchgen.serve.batch_lifecycle import BatchState
+from batchgen.serve.batch.batch_lifecycle import BatchState
 
 TIMES = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
          "cancelling_at", "cancelled_at")  # fmt: skip

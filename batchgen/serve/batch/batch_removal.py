@@ -12,7 +12,7 @@ import redis
 
 from batchgen.jobs.redis.keys import Keys, text_hash
 from batchgen.jobs.schema.errors import BatchgenError
-from batchgen.serve.batch_record import BatchRecord
+from batchgen.serve.batch.batch_record import BatchRecord
 from batchgen.serve.files import FileStore
 from batchgen.serve.series import forget_job
 
