@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 import pyarrow.parquet as pq  # noqa: E402
 import redis  # noqa: E402
 
-from batchgen.jobs.ops import finalize_tasks as tasks  # noqa: E402
+from batchgen.jobs.ops.finalize import finalize_tasks as tasks  # noqa: E402
 from batchgen.jobs.ops.job_record import load_job  # noqa: E402
 from batchgen.jobs.ops.lifecycle import JobState  # noqa: E402
 from batchgen.jobs.ops.submission import submit  # noqa: E402

@@ -32,9 +32,9 @@ import pyarrow.parquet as pq
 import redis
 
 from batchgen.jobs.intake.kept import KEPT, Snapshot, SnapshotWriter, publish
+from batchgen.jobs.ops.finalize.result import PartRecord, write_result
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import JobState
-from batchgen.jobs.ops.result import PartRecord, write_result
 from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.jobs.schema.rows import FinishReason, Row, to_table
 from batchgen.jobs.storage.output_store import OutputDir

@@ -27,7 +27,7 @@ from typing import Any
 import redis
 
 from batchgen.jobs.intake.validate import SpoolDir, validate_file
-from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.finalize import finalize_tasks as tasks
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.submission import submit

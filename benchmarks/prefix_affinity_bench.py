@@ -33,7 +33,7 @@ import psutil
 import pyarrow.parquet as pq
 import redis
 
-from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.finalize import finalize_tasks as tasks
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys

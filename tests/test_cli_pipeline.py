@@ -10,7 +10,7 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.finalize import finalize_tasks as tasks
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.redis_server import free_port
 from batchgen.worker.loop import EngineAPI, LoopConfig, QueueLoop

@@ -16,11 +16,11 @@ import pytest
 import redis
 from rq import Queue
 
-from batchgen.jobs.ops import finalize_tasks as tasks
-from batchgen.jobs.ops.finalization import finalize
+from batchgen.jobs.ops.finalize import finalize_tasks as tasks
+from batchgen.jobs.ops.finalize.finalization import finalize
+from batchgen.jobs.ops.finalize.result import LOST
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.lifecycle import JobState
-from batchgen.jobs.ops.result import LOST
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys
 from batchgen.jobs.schema.rows import FinishReason, Row, to_table

@@ -15,8 +15,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from batchgen.cli import main
-from batchgen.jobs.ops import backlog
-from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.fair_share import backlog
+from batchgen.jobs.ops.finalize import finalize_tasks as tasks
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.maintenance import forget_expired
 from batchgen.jobs.ops.submission import submit

@@ -18,10 +18,10 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.ops import backlog, deadlines, tenants
-from batchgen.jobs.ops.backlog import prefix_group
+from batchgen.jobs.ops.fair_share import backlog, deadlines, tenants
+from batchgen.jobs.ops.fair_share.backlog import prefix_group
+from batchgen.jobs.ops.fair_share.schedule import Schedule
 from batchgen.jobs.ops.job_record import load_job
-from batchgen.jobs.ops.schedule import Schedule
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import BACKLOG_GROUPS, GROUP, Keys
 from batchgen.jobs.schema.entry import QueuedRequest

@@ -16,7 +16,7 @@ import pytest
 from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.environment import CACHE_MAX_BYTES, VARIABLES
 from batchgen.jobs.intake.validate import PARALLEL_MIN_BYTES, procs_for
-from batchgen.jobs.ops.finalization import FinalizeSettings
+from batchgen.jobs.ops.finalize.finalization import FinalizeSettings
 from batchgen.jobs.ops.retention import default as default_retention
 from batchgen.jobs.redis.keys import prefix_from_env
 from batchgen.jobs.schema.errors import UsageError

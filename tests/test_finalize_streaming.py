@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import redis
 
 from batchgen.jobs.ops.export import download
-from batchgen.jobs.ops.finalization import finalize
-from batchgen.jobs.ops.result import PartRecord, plan_windows
+from batchgen.jobs.ops.finalize.finalization import finalize
+from batchgen.jobs.ops.finalize.result import PartRecord, plan_windows
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.rows import FinishReason, Row
@@ -71,7 +71,7 @@ def big_job(conn, tmp_path: Path, output: str, n_parts: int, rows: int, text_kb:
 PEAK = """
 import json, sys
 import pyarrow as pa, redis
-from batchgen.jobs.ops.finalization import FinalizeSettings, finalize
+from batchgen.jobs.ops.finalize.finalization import FinalizeSettings, finalize
 from batchgen.jobs.redis.keys import Keys
 settings = FinalizeSettings(window_bytes=int(sys.argv[2]))
 state = finalize(redis.Redis.from_url(sys.argv[1]), Keys("bg"), "big", settings)

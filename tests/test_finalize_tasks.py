@@ -17,7 +17,7 @@ from rq import Callback, Queue
 from rq.serializers import JSONSerializer
 
 from batchgen.cli import main
-from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.finalize import finalize_tasks as tasks
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.maintenance import sweep
@@ -75,7 +75,7 @@ def test_only_batchgen_finalize_runs_anything_else_is_refused_and_never_imported
     queue.enqueue(tasks.FINALIZE_FUNC, "j", "bg", "extra", job_id="extra")
     # finalize_task under another dotted name (it once had one): refused all the same
     queue.enqueue("batchgen.jobs.tasks.finalize_task", "j", "bg", job_id="renamed")
-    with caplog.at_level(logging.ERROR, logger="batchgen.jobs.ops.finalize_tasks"):
+    with caplog.at_level(logging.ERROR, logger="batchgen.jobs.ops.finalize.finalize_tasks"):
         tasks.run_pending(conn, KEYS, qk.tag)
     assert not ran.exists() and not (tmp_path / "imported").exists()
     assert "planted_mod" not in sys.modules

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from batchgen.jobs.ops.export import download
-from batchgen.jobs.ops.finalization import finalize
+from batchgen.jobs.ops.finalize.finalization import finalize
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import JobNotReady, UnsafeName

@@ -12,8 +12,8 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.ops import backlog
-from batchgen.jobs.ops.finalization import finalize
+from batchgen.jobs.ops.fair_share import backlog
+from batchgen.jobs.ops.finalize.finalization import finalize
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys

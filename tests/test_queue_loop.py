@@ -19,12 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from batchgen.jobs.ops import backlog
-from batchgen.jobs.ops import finalize_tasks as tasks
 from batchgen.jobs.ops.cancellation import cancel
+from batchgen.jobs.ops.fair_share import backlog
+from batchgen.jobs.ops.finalize import finalize_tasks as tasks
+from batchgen.jobs.ops.finalize.result import LOST
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.lifecycle import JobState
-from batchgen.jobs.ops.result import LOST
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import GROUP, Keys
 from batchgen.jobs.redis.stream import ensure_group

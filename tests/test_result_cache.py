@@ -21,11 +21,11 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.finalize import finalize_tasks as tasks
+from batchgen.jobs.ops.finalize.result import PartRecord, read_window
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.modelinfo import fingerprint
-from batchgen.jobs.ops.result import PartRecord, read_window
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import UsageError

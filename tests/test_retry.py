@@ -29,9 +29,9 @@ import pytest
 import redis
 
 from batchgen.jobs.crashpoints import CRASH_EXIT_CODE
-from batchgen.jobs.ops import backlog
 from batchgen.jobs.ops.carryover import carry_over, retried_mask
 from batchgen.jobs.ops.chunk_append import CHUNK_ENTRIES
+from batchgen.jobs.ops.fair_share import backlog
 from batchgen.jobs.ops.job_record import JobRecord, load_job, queue_of_job
 from batchgen.jobs.ops.lifecycle import REOPEN, JobState, script
 from batchgen.jobs.redis.keys import Keys, QueueKeys

@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.ops import deadlines
+from batchgen.jobs.ops.fair_share import deadlines
 from batchgen.worker.consumer.queue import read_new
 from benchmarks.scheduler_scale import KEYS, MODEL, populate
 

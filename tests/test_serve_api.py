@@ -20,7 +20,7 @@ import pytest
 import redis
 from openai import OpenAI
 
-from batchgen.jobs.ops import tenants
+from batchgen.jobs.ops.fair_share import tenants
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.redis_server import RedisServer

@@ -13,7 +13,7 @@ import redis
 
 from batchgen.jobs.intake.inputs import parse_line
 from batchgen.jobs.intake.lines import LineError
-from batchgen.jobs.ops import backlog
+from batchgen.jobs.ops.fair_share import backlog
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema import constraints

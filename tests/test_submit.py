@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import redis
 
-from batchgen.jobs.ops import backlog, chunk_append
+from batchgen.jobs.ops import chunk_append
+from batchgen.jobs.ops.fair_share import backlog
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.submission import submit

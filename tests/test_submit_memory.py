@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from batchgen.jobs.intake.inputs import MAX_LINE_BYTES
-from batchgen.jobs.ops import backlog
+from batchgen.jobs.ops.fair_share import backlog
 from batchgen.jobs.redis.keys import Keys, queue_tag
 
 MiB = 1 << 20

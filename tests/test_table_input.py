@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from batchgen.cli import main
 from batchgen.jobs.intake.table_spec import TableSpec, parse_sampling_columns
 from batchgen.jobs.intake.template import parse
-from batchgen.jobs.ops import backlog
+from batchgen.jobs.ops.fair_share import backlog
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys

@@ -16,9 +16,9 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.ops import backlog, tenants
+from batchgen.jobs.ops.fair_share import backlog, tenants
+from batchgen.jobs.ops.fair_share.schedule import default_tenant, parse_deadline
 from batchgen.jobs.ops.job_record import load_job
-from batchgen.jobs.ops.schedule import default_tenant, parse_deadline
 from batchgen.jobs.redis import embedded
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import UsageError

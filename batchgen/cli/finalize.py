@@ -22,8 +22,8 @@ def finalize(job_id: str, redis_url: str | None) -> None:
     """
     import socket
 
-    from batchgen.jobs.ops.finalization import FinalizeSettings, record_failure
-    from batchgen.jobs.ops.finalization import finalize as run_finalize
+    from batchgen.jobs.ops.finalize.finalization import FinalizeSettings, record_failure
+    from batchgen.jobs.ops.finalize.finalization import finalize as run_finalize
     from batchgen.jobs.ops.job_record import load_job
     from batchgen.jobs.schema.errors import BatchgenError, JobConflict, JobNotReady, LeaseHeld
     from batchgen.jobs.storage.names import check_job_id

@@ -67,7 +67,7 @@ def run(
     progress bar shows on stderr.
     """
     from batchgen.jobs.ops.export import destination, download
-    from batchgen.jobs.ops.finalize_tasks import run_pending
+    from batchgen.jobs.ops.finalize.finalize_tasks import run_pending
     from batchgen.jobs.ops.job_record import load_job
     from batchgen.jobs.ops.lifecycle import JobState
     from batchgen.jobs.ops.submission import new_job_id, submit

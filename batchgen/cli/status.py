@@ -76,7 +76,7 @@ def _eta(d: dict) -> str:
 
 def _fair_share_lines(d) -> list[str]:
     """The job's tenant and class, where it stands against its deadline, its usage."""
-    from batchgen.jobs.ops.deadlines import describe
+    from batchgen.jobs.ops.fair_share.deadlines import describe
 
     u = d["usage"]
     lines = [

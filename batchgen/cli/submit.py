@@ -120,14 +120,14 @@ def submit(
     """
     from batchgen.jobs.environment import REDIS_WAIT
     from batchgen.jobs.ops import retention as keep
-    from batchgen.jobs.ops.modelinfo import check_submittable
-    from batchgen.jobs.ops.schedule import (
+    from batchgen.jobs.ops.fair_share.schedule import (
         Schedule,
         check_priority,
         check_tenant,
         default_tenant,
         parse_deadline,
     )
+    from batchgen.jobs.ops.modelinfo import check_submittable
     from batchgen.jobs.ops.submission import new_job_id
     from batchgen.jobs.ops.submission import submit as run_submit
     from batchgen.jobs.storage import result_cache

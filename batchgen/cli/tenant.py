@@ -53,8 +53,8 @@ def set_tenant(
 ) -> None:  # fmt: skip
     """Set NAME's weight, quotas and highest priority class (the ones given; the others
     stay)."""
-    from batchgen.jobs.ops import tenants
-    from batchgen.jobs.ops.schedule import check_tenant
+    from batchgen.jobs.ops.fair_share import tenants
+    from batchgen.jobs.ops.fair_share.schedule import check_tenant
 
     conn, keys, _ = connect(redis_url)
     settings = tenants.load(conn, keys, check_tenant(name))

@@ -18,7 +18,7 @@ import time
 
 import redis
 
-from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
+from batchgen.jobs.ops.finalize.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.job_record import queue_of_job
 from batchgen.jobs.ops.lifecycle import CANCEL, JobState
 from batchgen.jobs.redis.keys import Keys, text

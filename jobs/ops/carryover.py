@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.jobs.ops.result import RESULT
+from batchgen.jobs.ops.finalize.result import RESULT
 from batchgen.jobs.schema.errors import OutputError
 from batchgen.jobs.schema.rows import ADDED_LATER, SCHEMA, SUCCEEDED, FinishReason, default_column
 from batchgen.jobs.storage.output_store import OutputDir

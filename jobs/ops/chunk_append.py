@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 import redis
 
 from batchgen.jobs.backoff import backoff_delay
-from batchgen.jobs.ops import backlog
-from batchgen.jobs.ops.backlog import BACKLOG_PUSH
+from batchgen.jobs.ops.fair_share import backlog
+from batchgen.jobs.ops.fair_share.backlog import BACKLOG_PUSH
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.connection import is_oom, queue_full
 from batchgen.jobs.redis.keys import QueueKeys, text

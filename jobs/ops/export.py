@@ -18,9 +18,7 @@ import pyarrow.parquet as pq
 import redis
 
 from batchgen.jobs.intake.kept import Snapshot
-from batchgen.jobs.ops.job_record import load_job, queue_of_job
-from batchgen.jobs.ops.lifecycle import JobState
-from batchgen.jobs.ops.result import (
+from batchgen.jobs.ops.finalize.result import (
     MANIFEST,
     RESULT,
     WINDOW_BYTES,
@@ -30,6 +28,8 @@ from batchgen.jobs.ops.result import (
     plan_windows,
     read_window,
 )
+from batchgen.jobs.ops.job_record import load_job, queue_of_job
+from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.schema.errors import JobNotReady, OutputError, UsageError
 from batchgen.jobs.schema.rows import SCHEMA

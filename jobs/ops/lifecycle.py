@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import enum
 
-from batchgen.jobs.ops.fair_index import FAIR_INDEX
+from batchgen.jobs.ops.fair_share.fair_index import FAIR_INDEX
 from batchgen.jobs.redis.lua import LuaScript, lua_moves
 
 

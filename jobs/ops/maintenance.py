@@ -24,7 +24,7 @@ from typing import Any
 import redis
 
 from batchgen.jobs.ops import job_index
-from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
+from batchgen.jobs.ops.finalize.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.lifecycle import MARK_LOST, JobState
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys, text
 

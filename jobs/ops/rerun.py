@@ -54,12 +54,12 @@ from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.intake.lines import MAX_LINE_BYTES
 from batchgen.jobs.intake.table_spec import TableSpec
 from batchgen.jobs.intake.validate import SpoolDir, Validation
-from batchgen.jobs.ops import backlog, tenants
-from batchgen.jobs.ops.backlog import BACKLOG_PUSH
 from batchgen.jobs.ops.carryover import PART_ROWS, attempts_before, carry_over, retried_mask
 from batchgen.jobs.ops.chunk_append import CHUNK_BYTES, CHUNK_ENTRIES
 from batchgen.jobs.ops.deletion import delete_entries
-from batchgen.jobs.ops.finalization import FinalizeSettings, finalize
+from batchgen.jobs.ops.fair_share import backlog, tenants
+from batchgen.jobs.ops.fair_share.backlog import BACKLOG_PUSH
+from batchgen.jobs.ops.finalize.finalization import FinalizeSettings, finalize
 from batchgen.jobs.ops.job_record import JobRecord, load_job, queue_of_job
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.ops.modelinfo import vocab_size

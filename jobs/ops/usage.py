@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.ops import tenants
+from batchgen.jobs.ops.fair_share import tenants
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 

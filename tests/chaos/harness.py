@@ -25,7 +25,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import redis
 
-from batchgen.jobs.ops import finalize_tasks as tasks
+from batchgen.jobs.ops.finalize import finalize_tasks as tasks
 from batchgen.jobs.ops.job_record import JobRecord, load_job
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys
 from batchgen.jobs.redis.redis_server import RedisServer

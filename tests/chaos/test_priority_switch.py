@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 from functools import partial
 
-from batchgen.jobs.ops.schedule import Schedule
+from batchgen.jobs.ops.fair_share.schedule import Schedule
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.schema.sampling import DEFAULTS
 from tests.chaos.harness import (

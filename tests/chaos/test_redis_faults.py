@@ -16,8 +16,9 @@ from click.testing import CliRunner
 
 from batchgen.cli import main
 from batchgen.jobs.crashpoints import CRASH_EXIT_CODE
-from batchgen.jobs.ops import backlog, chunk_append
-from batchgen.jobs.ops.result import LOST
+from batchgen.jobs.ops import chunk_append
+from batchgen.jobs.ops.fair_share import backlog
+from batchgen.jobs.ops.finalize.result import LOST
 from batchgen.jobs.redis.keys import GROUP
 from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.worker.consumer.queue import HandBack, hand_back, read_new

@@ -21,7 +21,8 @@ import redis
 from click.testing import CliRunner
 
 from batchgen.cli import main
-from batchgen.jobs.ops import backlog, chunk_append
+from batchgen.jobs.ops import chunk_append
+from batchgen.jobs.ops.fair_share import backlog
 from batchgen.jobs.redis import sentinel
 from batchgen.jobs.redis.connection import connect
 from batchgen.jobs.redis.redis_server import RedisServer, find_redis_server, free_port

@@ -3,11 +3,11 @@
 A worker asks for as many requests as its engine can admit. The script first
 reads the stream (XREADGROUP ``>``): entries handed back with their tokens go
 first, since work already begun is never set aside. It fills the rest from the backlogs of the
-model's ready jobs (jobs/ops/backlog.py), ``QUANTUM`` requests at a time from the job that
-comes first in this order, kept in sorted sets (jobs/ops/fair_index.py):
+model's ready jobs (jobs/ops/fair_share/backlog.py), ``QUANTUM`` requests at a time from the job that
+comes first in this order, kept in sorted sets (jobs/ops/fair_share/fair_index.py):
 
 1. the highest priority class with ready jobs;
-2. within it, its at-risk jobs (jobs/ops/deadlines.py: they would miss their deadline at their
+2. within it, its at-risk jobs (jobs/ops/fair_share/deadlines.py: they would miss their deadline at their
    fair share), earliest deadline first, as long as urgent picks have taken at most
    ``urgent_share`` of the tokens (``urgent_debt`` in the fair hash: an urgent pick
    adds its tokens, a fair pick pays them back at share / (1 - share) a token);
@@ -53,8 +53,8 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.ops.deadlines import URGENT_SHARE
-from batchgen.jobs.ops.fair_index import FAIR_INDEX
+from batchgen.jobs.ops.fair_share.deadlines import URGENT_SHARE
+from batchgen.jobs.ops.fair_share.fair_index import FAIR_INDEX
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.keys import BACKLOG_GROUPS, GROUP, QueueKeys
 from batchgen.jobs.schema.entry import LUA_FIELDS

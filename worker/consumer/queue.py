@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
+from batchgen.jobs.ops.finalize.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys, text
 from batchgen.jobs.redis.lua import ACK_AND_DELETE, LuaScript

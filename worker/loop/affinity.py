@@ -1,6 +1,6 @@
 """Prefix affinity: which of a job's backlog lists this worker takes from first.
 
-A job's backlog is split by prompt prefix (jobs/ops/backlog.py). Each list belongs
+A job's backlog is split by prompt prefix (jobs/ops/fair_share/backlog.py). Each list belongs
 to one live worker of the model by rendezvous hashing (the worker whose hash of
 ``name:group`` is highest), so requests that share a long prefix go to the worker
 whose prefix cache already holds it, and a worker joining or leaving moves only

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import redis
 
-from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
+from batchgen.jobs.ops.finalize.finalize_tasks import enqueue_finalize
 from batchgen.jobs.ops.modelinfo import fingerprint
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 from batchgen.jobs.schema import reasoning, tool_parsers

@@ -40,7 +40,9 @@ class LoopConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: time to commit and hand back before exiting
     storage_outage_s: float = 300.0  # a job's parts unwritable this long: hand its requests back
     sweep_interval_s: float = 10.0
-    deadline_check_s: float = 1.0  # how often deadlines are weighed (jobs/ops/deadlines.py)
+    deadline_check_s: float = (
+        1.0  # how often deadlines are weighed (jobs/ops/fair_share/deadlines.py)
+    )
     # take this worker's prefix groups first (affinity.py); False: every group in input
     # order, as a lone worker does (the baseline benchmarks/prefix_affinity_bench.py measures)
     prefix_affinity: bool = True

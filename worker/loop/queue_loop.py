@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 from batchgen.jobs.backoff import backoff_delay
-from batchgen.jobs.ops.finalize_tasks import enqueue_finalize
+from batchgen.jobs.ops.finalize.finalize_tasks import enqueue_finalize
 from batchgen.jobs.redis.keys import Keys, queue_tag
 from batchgen.jobs.redis.stream import ensure_group
 from batchgen.worker.consumer.queue import HandBack, hand_back, read_new

@@ -5,7 +5,7 @@
   turns them into rows)
 - sweep: lost requests and stuck finalizes (jobs/ops/maintenance.py)
 - deadlines: jobs that would miss theirs go first; expired ones are cancelled
-  (jobs/ops/deadlines.py)
+  (jobs/ops/fair_share/deadlines.py)
 - the heartbeat's payload, which the keeper thread sends (keeper.py also keeps
   the claims fresh and hears cancels, off the main thread)
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.ops import deadlines
+from batchgen.jobs.ops.fair_share import deadlines
 from batchgen.jobs.ops.maintenance import sweep
 from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.keys import Keys, QueueKeys

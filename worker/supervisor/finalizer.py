@@ -77,7 +77,7 @@ class Finalizers:
     """The supervisor's finalizer processes: one while the tasks queued get taken,
     another when tasks still wait after the newest has run ``PATIENCE_S`` (it is busy
     with a long finalize, or stuck), up to ``MAX_FINALIZERS``. Two finalizers never
-    finalize one job: each holds the job's lease (jobs/ops/finalization.py)."""
+    finalize one job: each holds the job's lease (jobs/ops/finalize/finalization.py)."""
 
     redis_url: str
     prefix: str
@@ -108,7 +108,7 @@ class Finalizers:
 
 
 def main() -> int:
-    from batchgen.jobs.ops.finalize_tasks import run_pending
+    from batchgen.jobs.ops.finalize.finalize_tasks import run_pending
     from batchgen.jobs.redis.connection import connect
     from batchgen.jobs.redis.keys import Keys
     from batchgen.jobs.schema.errors import BatchgenError

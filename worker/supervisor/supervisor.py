@@ -33,8 +33,8 @@ import redis
 from prometheus_client.metrics_core import Metric
 
 from batchgen.jobs.backoff import backoff_delay
-from batchgen.jobs.ops import backlog
-from batchgen.jobs.ops.finalize_tasks import finalize_queue
+from batchgen.jobs.ops.fair_share import backlog
+from batchgen.jobs.ops.finalize.finalize_tasks import finalize_queue
 from batchgen.jobs.ops.usage import model_usage
 from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.heartbeat import live_workers

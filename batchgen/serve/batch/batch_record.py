@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchgen.jobs.ops.finalize.result import RESULT
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import JobState
-from batchgen.jobs.ops.result import RESULT
 from batchgen.jobs.redis import hash_codec
 from batchgen.jobs.redis.hash_codec import OMIT_EMPTY
 from batchgen.jobs.redis.keys import text_hash

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, StrictInt, StringConstraints, field_validator
 from pydantic_core import PydanticCustomError
 
-from batchgen.jobs.ops.schedule import PRIORITY_LIMIT, check_priority
+from batchgen.jobs.ops.fair_share.schedule import PRIORITY_LIMIT, check_priority
 from batchgen.jobs.schema.errors import UsageError
 
 WINDOW_S = {"24h": 24 * 3600}  # each completion_window OpenAI offers, in seconds

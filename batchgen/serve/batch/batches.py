@@ -18,8 +18,8 @@ from typing import Any
 import redis
 
 from batchgen.interface_errors import APIError
-from batchgen.jobs.ops import tenants
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
+from batchgen.jobs.ops.fair_share import tenants
 from batchgen.jobs.ops.job_record import JobRecord, load_job
 from batchgen.jobs.redis.keys import Keys, text, text_hash
 from batchgen.jobs.schema.errors import JobConflict, JobNotFound, UsageError

@@ -24,7 +24,7 @@ from typing import Any
 from batchgen.interface_errors import APIError
 from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
-from batchgen.jobs.ops.schedule import Schedule
+from batchgen.jobs.ops.fair_share.schedule import Schedule
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.heartbeat import live_workers, starting_queues
 from batchgen.jobs.redis.keys import queue_name

@@ -76,7 +76,9 @@ class Tenant:
             if value is not None and value < 0:
                 raise UsageError(f"tenant {self.name!r}: {name} must be 0 or more")
         if self.max_priority is not None:
-            from batchgen.jobs.ops.schedule import check_priority as check_class  # imports us
+            from batchgen.jobs.ops.fair_share.schedule import (
+                check_priority as check_class,  # imports us
+            )
 
             check_class(self.max_priority)
         return self

@@ -22,7 +22,7 @@ from typing import Any
 
 from batchgen.jobs.environment import TENANT
 from batchgen.jobs.ops import retention
-from batchgen.jobs.ops.deadlines import deadline_view
+from batchgen.jobs.ops.fair_share.deadlines import deadline_view
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.usage import job_usage
 from batchgen.jobs.schema.errors import UsageError

@@ -25,13 +25,13 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from batchgen.jobs.ops.finalization import FinalizeSettings, finalize, record_failure
+from batchgen.jobs.ops.finalize.finalization import FinalizeSettings, finalize, record_failure
 from batchgen.jobs.redis.keys import Keys, QueueKeys
 from batchgen.jobs.schema.errors import LeaseHeld
 
 log = logging.getLogger(__name__)
 
-FINALIZE_FUNC = "batchgen.jobs.ops.finalize_tasks.finalize_task"
+FINALIZE_FUNC = "batchgen.jobs.ops.finalize.finalize_tasks.finalize_task"
 _WAITING = (JobStatus.QUEUED, JobStatus.DEFERRED, JobStatus.SCHEDULED)
 
 

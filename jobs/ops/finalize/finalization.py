@@ -35,10 +35,8 @@ from batchgen.jobs.environment import (
     FINALIZE_RETRY_S,
     FINALIZE_WINDOW_BYTES,
 )
-from batchgen.jobs.ops import tenants
-from batchgen.jobs.ops.job_record import load_job, queue_of_job
-from batchgen.jobs.ops.lifecycle import CLOSE, FINISH, RETIRE, JobState
-from batchgen.jobs.ops.result import (
+from batchgen.jobs.ops.fair_share import tenants
+from batchgen.jobs.ops.finalize.result import (
     MANIFEST,
     WINDOW_BYTES,
     committed_parts,
@@ -46,6 +44,8 @@ from batchgen.jobs.ops.result import (
     manifest,
     write_result,
 )
+from batchgen.jobs.ops.job_record import load_job, queue_of_job
+from batchgen.jobs.ops.lifecycle import CLOSE, FINISH, RETIRE, JobState
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
 from batchgen.jobs.redis.lease import Lease
 from batchgen.jobs.schema.errors import BatchgenError

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 
 import redis
 
-from batchgen.jobs.ops.fair_index import FAIR_INDEX
+from batchgen.jobs.ops.fair_share.fair_index import FAIR_INDEX
 from batchgen.jobs.redis.keys import BACKLOG_GROUPS, QueueKeys, text
 from batchgen.jobs.schema.entry import backlog_item, parse_backlog_item
 

@@ -37,7 +37,7 @@ from typing import Any
 import redis
 
 from batchgen.jobs.ops.cancellation import cancel
-from batchgen.jobs.ops.fair_index import FAIR_INDEX
+from batchgen.jobs.ops.fair_share.fair_index import FAIR_INDEX
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import script
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
