@@ -27,8 +27,8 @@ from batchgen.jobs.intake.kept import KEPT
 from batchgen.jobs.ops import fair_index, job_index, tenants
 from batchgen.jobs.ops.cancellation import cancel
 from batchgen.jobs.ops.finalize.finalize_tasks import finalize_queue, forget_task
-from batchgen.jobs.ops.job_record import JobRecord, queue_of_job
 from batchgen.jobs.ops.finalize.result import MANIFEST, RESULT
+from batchgen.jobs.ops.job_record import JobRecord, queue_of_job
 from batchgen.jobs.redis.keys import GROUP, Keys, QueueKeys, text
 from batchgen.jobs.redis.lease import Lease
 from batchgen.jobs.schema.entry import job_of

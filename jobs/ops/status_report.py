@@ -16,8 +16,8 @@ from typing import Any
 import redis
 
 from batchgen.jobs.ops import job_index
-from batchgen.jobs.ops.job_record import JobRecord, load_job
 from batchgen.jobs.ops.fair_share.schedule import status_fields
+from batchgen.jobs.ops.job_record import JobRecord, load_job
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.storage.names import redact_uri

@@ -49,10 +49,10 @@ from batchgen.jobs.ops.chunk_append import (
     enqueue_chunks,
     enqueued_after_outage,
 )
+from batchgen.jobs.ops.fair_share.schedule import Schedule
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import CREATE, JobState
 from batchgen.jobs.ops.modelinfo import chat_template, fingerprint, vocab_size
-from batchgen.jobs.ops.fair_share.schedule import Schedule
 from batchgen.jobs.redis.connection import describe_connection_error
 from batchgen.jobs.redis.keys import Keys, QueueKeys, model_name, queue_name, queue_tag, text
 from batchgen.jobs.redis.sentinel import replicated

@@ -16,8 +16,8 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from batchgen.jobs.intake.lines import read_lines
-from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.finalize.result import RESULT
+from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.schema.rows import SUCCEEDED, FinishReason
 from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.serve.batch.batch_lifecycle import BatchState
