@@ -23,11 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PARTS = {
-    "prepare": ("batchgen.worker.engine.model_runner", "ModelRunner", "prepare"),
+    "prepare": ("batchgen.worker.engine.runner.model_runner", "ModelRunner", "prepare"),
     "forward": ("batchgen.worker.models.decoder", "Decoder", "forward"),
     "attention": ("batchgen.kernels.cpu.attention", "CpuAttention", "__call__"),
     "logits": ("batchgen.worker.models.decoder", "Decoder", "compute_logits"),
-    "sampling": ("batchgen.worker.engine.sampler", "Sampler", "__call__"),
+    "sampling": ("batchgen.worker.engine.runner.sampler", "Sampler", "__call__"),
 }
 BATCH_BUCKETS = (("1-7", 1, 7), ("8-16", 8, 16), ("17-32", 17, 32), ("33-64", 33, 64),
                  ("65+", 65, 1 << 30))  # fmt: skip
@@ -65,7 +65,7 @@ def main() -> None:
     from torch.profiler import profile
 
     from batchgen import Engine, SamplingParams
-    from batchgen.worker.engine.model_runner import ModelRunner
+    from batchgen.worker.engine.runner.model_runner import ModelRunner
     from benchmarks.workloads import WORKLOADS
 
     engine = Engine.from_pretrained(args.model, dtype=args.dtype)

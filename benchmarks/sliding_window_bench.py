@@ -30,7 +30,7 @@ def run(model: Path, release: bool, num_seqs: int, prompt_len: int, new_tokens: 
     import torch
 
     from batchgen import Engine, SamplingParams
-    from batchgen.worker.engine.kv_cache import bytes_per_block
+    from batchgen.worker.engine.runner.kv_cache import bytes_per_block
 
     pool = num_seqs * -(-(prompt_len + new_tokens) // 16)  # enough to hold everything
     engine = Engine.from_pretrained(model, num_kv_blocks=pool, max_num_seqs=num_seqs)

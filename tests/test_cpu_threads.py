@@ -70,7 +70,7 @@ def test_the_engine_takes_its_thread_count_from_the_mask_and_quota_it_is_given(
     toy_model, tmp_path, monkeypatch
 ):
     from batchgen import Engine
-    from batchgen.worker.engine.loading import set_threads
+    from batchgen.worker.engine.runner.loading import set_threads
 
     root, self_cgroup = _cgroup(tmp_path, "0::/pod\n", {"pod/cpu.max": "300000 100000\n"})
     monkeypatch.setattr(cpu_threads, "CGROUP_ROOT", root)

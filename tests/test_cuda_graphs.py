@@ -9,8 +9,8 @@ import torch
 
 from batchgen import Engine, SamplingParams
 from batchgen.kernels.batch import AttentionBatch
-from batchgen.worker.engine.cuda_graphs import graph_batch_sizes
-from batchgen.worker.engine.model_runner import ModelRunner
+from batchgen.worker.engine.runner.cuda_graphs import graph_batch_sizes
+from batchgen.worker.engine.runner.model_runner import ModelRunner
 
 
 def test_graph_batch_sizes():

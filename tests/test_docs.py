@@ -237,8 +237,8 @@ def test_the_sizing_page_states_the_requests_a_worker_holds(toy_model):
 
 def test_the_sizing_page_states_how_the_kv_cache_is_sized(toy_model):
     from batchgen.cli import main
-    from batchgen.worker.engine import kv_cache
     from batchgen.worker.engine.engine import Engine
+    from batchgen.worker.engine.runner import kv_cache
     from batchgen.worker.engine_config import EngineConfig
 
     text = section("sizing.md", "The KV cache")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchgen.worker.engine.host_staging import stage, to_device
+from batchgen.worker.engine.runner.host_staging import stage, to_device
 
 CPU = torch.device("cpu")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchgen.worker.engine.kv_cache import (
+from batchgen.worker.engine.runner.kv_cache import (
     STEP_MARGIN_BYTES,
     cuda_kv_budget,
     kv_budget,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from batchgen.worker.engine.kv_cache import allocate_kv_cache, bytes_per_block
+from batchgen.worker.engine.runner.kv_cache import allocate_kv_cache, bytes_per_block
 from batchgen.worker.models.registry import load_model_config
 
 # DeepSeek-V3 (671B) as its config.json has it, minus quantization

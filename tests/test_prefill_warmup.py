@@ -9,7 +9,7 @@ import pytest
 
 from batchgen import Engine
 from batchgen.kernels.triton.prefill_attention import prefill_tiles
-from batchgen.worker.engine.warmup import prefill_warmup_lengths, warm_up_prefill
+from batchgen.worker.engine.runner.warmup import prefill_warmup_lengths, warm_up_prefill
 
 
 def _every_choice(max_query_len: int, group: int, head_dim: int) -> set[tuple[int, int]]:

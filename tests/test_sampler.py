@@ -14,7 +14,7 @@ from batchgen import SamplingParams
 from batchgen.jobs.schema.errors import ParamError
 from batchgen.jobs.schema.sampling import FIELDS, check
 from batchgen.worker.engine.request import EngineRequest
-from batchgen.worker.engine.sampler import Sampler, seeded_uniform
+from batchgen.worker.engine.runner.sampler import Sampler, seeded_uniform
 
 
 def _req(params: SamplingParams, prompt=(1, 2), output=()) -> EngineRequest:

@@ -2,7 +2,7 @@
 
 Torch-free, so ``submit`` asks before anything is queued and ``worker`` before it
 starts an engine process; the engine itself asks again when it loads
-(worker/engine/loading.py) and then reads the config with the model code, which
+(worker/engine/runner/loading.py) and then reads the config with the model code, which
 alone knows the architectures it runs. What this checks is what a directory as
 transformers' ``save_pretrained`` writes it holds: ``config.json`` (a JSON
 object), a tokenizer, and safetensors weights (one file, or shards and their

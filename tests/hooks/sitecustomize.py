@@ -37,7 +37,7 @@ _TARGET = "batchgen.worker.engine.engine"
 
 
 def _pace(step_s: float) -> None:
-    from batchgen.worker.engine.model_runner import ModelRunner
+    from batchgen.worker.engine.runner.model_runner import ModelRunner
 
     run = ModelRunner.run
 
@@ -51,7 +51,7 @@ def _pace(step_s: float) -> None:
 
 
 def _poison(engine_module: Any, poison: dict[str, str]) -> None:
-    from batchgen.worker.engine.model_runner import ModelRunner
+    from batchgen.worker.engine.runner.model_runner import ModelRunner
 
     marked: dict[str, str] = {}  # engine request id -> action
     add_request, run = engine_module.Engine.add_request, ModelRunner.run

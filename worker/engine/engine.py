@@ -21,8 +21,6 @@ from batchgen.worker.engine.block_manager import BlockManager
 from batchgen.worker.engine.constrained import Grammars
 from batchgen.worker.engine.detokenizer import StopStringMatcher
 from batchgen.worker.engine.kv_window import SlidingRelease
-from batchgen.worker.engine.loading import EngineLimits, build_engine
-from batchgen.worker.engine.model_runner import ModelRunner
 from batchgen.worker.engine.outputs import EngineStats, build_output
 from batchgen.worker.engine.parent_request import ParentRequest, ParentRequests, sample_id
 from batchgen.worker.engine.prompt_text import PromptText
@@ -32,6 +30,8 @@ from batchgen.worker.engine.request import (
     EngineRequest,
     RequestOutput,
 )
+from batchgen.worker.engine.runner.loading import EngineLimits, build_engine
+from batchgen.worker.engine.runner.model_runner import ModelRunner
 from batchgen.worker.engine.sampling_params import SamplingParams
 from batchgen.worker.engine.scheduler import Scheduler
 from batchgen.worker.engine.stopping import stop_reason

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from batchgen.parts import child_environ, module_command
-from batchgen.worker.engine.model_runner import HostStep
+from batchgen.worker.engine.runner.model_runner import HostStep
 from batchgen.worker.engine_config import EngineConfig
 from batchgen.worker.models.tensor_parallel import Shard
 from batchgen.worker.worker_errors import GroupLost

@@ -29,7 +29,7 @@ _PR_SET_PDEATHSIG = 1
 
 def run_rank(order: RankOrder) -> int:
     """A rank other than 0: load its shard, then run each step rank 0 sends until told to stop."""
-    from batchgen.worker.engine.loading import build_rank_runner
+    from batchgen.worker.engine.runner.loading import build_rank_runner
 
     config = EngineConfig(**order.config)
     timeout = timedelta(seconds=config.tensor_parallel_timeout_s)

@@ -16,10 +16,10 @@ import torch
 from batchgen.kernels.batch import AttentionBatch, HostBatch
 from batchgen.worker.cpu_threads import ContentionWatch
 from batchgen.worker.engine.constrained import TokenMasks
-from batchgen.worker.engine.host_staging import stage
-from batchgen.worker.engine.pooling import EmbedSpan, Pooling, pool_step
 from batchgen.worker.engine.request import EngineRequest
-from batchgen.worker.engine.sampler import Sampler, SampleResult
+from batchgen.worker.engine.runner.host_staging import stage
+from batchgen.worker.engine.runner.pooling import EmbedSpan, Pooling, pool_step
+from batchgen.worker.engine.runner.sampler import Sampler, SampleResult
 from batchgen.worker.engine.scheduler import SchedulerPlan
 from batchgen.worker.models import CausalLM
 

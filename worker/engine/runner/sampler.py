@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from batchgen.worker.engine.constrained import apply_masks
-from batchgen.worker.engine.host_staging import to_device
 from batchgen.worker.engine.request import EngineRequest
+from batchgen.worker.engine.runner.host_staging import to_device
 
 _MASK64 = (1 << 64) - 1
 

@@ -18,13 +18,13 @@ from batchgen.jobs.schema.model_files import check_config, check_files
 from batchgen.kernels.ops import KernelOps, select_ops
 from batchgen.openmp_waits import wait_policy_missed
 from batchgen.worker.cpu_threads import ContentionWatch, choose_threads, usable_cpus
-from batchgen.worker.engine.cuda_graphs import CudaGraphDecoder
-from batchgen.worker.engine.kv_cache import allocate_kv_cache, num_blocks_for_budget
-from batchgen.worker.engine.model_runner import ModelRunner
-from batchgen.worker.engine.pooling import load_pooling
-from batchgen.worker.engine.sampler import Sampler
+from batchgen.worker.engine.runner.cuda_graphs import CudaGraphDecoder
+from batchgen.worker.engine.runner.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from batchgen.worker.engine.runner.model_runner import ModelRunner
+from batchgen.worker.engine.runner.pooling import load_pooling
+from batchgen.worker.engine.runner.sampler import Sampler
 from batchgen.worker.engine.tensor_group import Collectives, TensorGroup, rank_device
-from batchgen.worker.engine.warmup import warm_up_prefill
+from batchgen.worker.engine.runner.warmup import warm_up_prefill
 from batchgen.worker.engine_config import DTYPES, EngineConfig
 from batchgen.worker.models import CausalLM, ModelConfig, UnsupportedModelError, build_model
 from batchgen.worker.models.hf_backend import HfCausalLM
