@@ -23,8 +23,8 @@ from batchgen.worker.engine.runner.kv_cache import allocate_kv_cache, num_blocks
 from batchgen.worker.engine.runner.model_runner import ModelRunner
 from batchgen.worker.engine.runner.pooling import load_pooling
 from batchgen.worker.engine.runner.sampler import Sampler
-from batchgen.worker.engine.tensor_group import Collectives, TensorGroup, rank_device
 from batchgen.worker.engine.runner.warmup import warm_up_prefill
+from batchgen.worker.engine.tensor_group import Collectives, TensorGroup, rank_device
 from batchgen.worker.engine_config import DTYPES, EngineConfig
 from batchgen.worker.models import CausalLM, ModelConfig, UnsupportedModelError, build_model
 from batchgen.worker.models.hf_backend import HfCausalLM
