@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from batchgen.worker.models.mlp import DenseMlp
+from batchgen.worker.models.layers.mlp import DenseMlp
 
 
 def record_step_shapes(engine: Any) -> Counter[tuple[int, int]]:

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 
 from batchgen.kernels.batch import AttentionBatch, AttentionKind
 from batchgen.kernels.ops import KernelOps
-from batchgen.worker.models.mlp import MlpBlock
+from batchgen.worker.models.layers.mlp import MlpBlock
+from batchgen.worker.models.layers.norms import Norm, add_then_norm
+from batchgen.worker.models.layers.rope import rope_tables
+from batchgen.worker.models.layers.self_attention import AttentionBlock
 from batchgen.worker.models.model_config import BlockKind, ModelConfig
-from batchgen.worker.models.norms import Norm, add_then_norm
-from batchgen.worker.models.rope import rope_tables
-from batchgen.worker.models.self_attention import AttentionBlock
 from batchgen.worker.models.weights import Linear
 
 

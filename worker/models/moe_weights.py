@@ -16,9 +16,9 @@ import torch
 
 from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights
 from batchgen.worker.models.dense_weights import BlockReader
-from batchgen.worker.models.mlp import DenseMlp
+from batchgen.worker.models.layers.mlp import DenseMlp
+from batchgen.worker.models.layers.sparse_moe import Router, SparseMoe, route_fn
 from batchgen.worker.models.model_config import MlpSpec, ModelConfig, RouterKind
-from batchgen.worker.models.sparse_moe import Router, SparseMoe, route_fn
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear, fuse
 

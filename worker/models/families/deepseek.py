@@ -20,7 +20,7 @@ from batchgen.worker.models.dense_weights import CheckpointLayout, read_dense
 from batchgen.worker.models.families import switches
 from batchgen.worker.models.families.llama_moe import num_experts, read_training_only
 from batchgen.worker.models.family import Family
-from batchgen.worker.models.latent_attention import LatentAttention, read_latent_attention
+from batchgen.worker.models.layers.latent_attention import LatentAttention, read_latent_attention
 from batchgen.worker.models.model_config import (
     AttentionSpec,
     BlockSpec,

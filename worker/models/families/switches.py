@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen.worker.models.config_keys import ConfigReader
-from batchgen.worker.models.mlp import ACTIVATIONS
+from batchgen.worker.models.layers.mlp import ACTIVATIONS
 from batchgen.worker.models.model_config import RopeSpec
 from batchgen.worker.worker_errors import UnsupportedModelError
 

@@ -20,7 +20,7 @@ import torch
 from batchgen.kernels.experts import ExpertWeights
 from batchgen.kernels.ops import KernelOps
 from batchgen.kernels.routing import GroupedTopK, softmax_topk, topk_softmax
-from batchgen.worker.models.mlp import MlpBlock
+from batchgen.worker.models.layers.mlp import MlpBlock
 from batchgen.worker.models.model_config import MoeSpec, RouterKind
 from batchgen.worker.models.weights import Linear
 

@@ -23,14 +23,14 @@ import torch
 
 from batchgen.kernels.batch import StepAttention
 from batchgen.kernels.ops import KernelOps
+from batchgen.worker.models.layers.norms import Norm
+from batchgen.worker.models.layers.rope import RopeTable
 from batchgen.worker.models.model_config import (
     LatentAttentionSpec,
     ModelConfig,
     NormKind,
     NormSpec,
 )
-from batchgen.worker.models.norms import Norm
-from batchgen.worker.models.rope import RopeTable
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear
 

@@ -13,9 +13,9 @@ import torch
 
 from batchgen.kernels.batch import StepAttention
 from batchgen.kernels.ops import KernelOps
+from batchgen.worker.models.layers.norms import Norm
+from batchgen.worker.models.layers.rope import RopeTable
 from batchgen.worker.models.model_config import AttentionSpec, QKNormScope
-from batchgen.worker.models.norms import Norm
-from batchgen.worker.models.rope import RopeTable
 from batchgen.worker.models.weights import Linear
 
 
