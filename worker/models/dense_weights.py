@@ -17,6 +17,8 @@ import torch
 
 from batchgen.worker.models.decoder import DecoderLayer, DecoderWeights
 from batchgen.worker.models.layers.mlp import DenseMlp
+from batchgen.worker.models.layers.norms import Norm
+from batchgen.worker.models.layers.self_attention import SelfAttention
 from batchgen.worker.models.model_config import (
     BlockKind,
     MlpKind,
@@ -24,9 +26,7 @@ from batchgen.worker.models.model_config import (
     NormSpec,
     QKNormScope,
 )
-from batchgen.worker.models.layers.norms import Norm
 from batchgen.worker.models.quant import read_quantized
-from batchgen.worker.models.layers.self_attention import SelfAttention
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear, fuse
 

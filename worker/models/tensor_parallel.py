@@ -49,13 +49,13 @@ from batchgen.kernels.experts import ExpertWeights
 from batchgen.kernels.ops import KernelOps
 from batchgen.worker.models.decoder import Decoder, DecoderLayer, DecoderWeights
 from batchgen.worker.models.layers.latent_attention import LatentAttention
-from batchgen.worker.models.loader import read_checkpoint
 from batchgen.worker.models.layers.mlp import DenseMlp, MlpBlock
-from batchgen.worker.models.model_config import ModelConfig, QKNormScope
 from batchgen.worker.models.layers.norms import Norm
 from batchgen.worker.models.layers.rope import RopeTable
 from batchgen.worker.models.layers.self_attention import AttentionBlock, SelfAttention
 from batchgen.worker.models.layers.sparse_moe import SparseMoe
+from batchgen.worker.models.loader import read_checkpoint
+from batchgen.worker.models.model_config import ModelConfig, QKNormScope
 from batchgen.worker.models.weights import Linear
 from batchgen.worker.worker_errors import UnsupportedModelError
 
