@@ -17,7 +17,7 @@ from batchgen.interface_errors import OneLineUsageError
 
 # command name -> "module:attribute"; each later feature adds its line here.
 COMMANDS: dict[str, str] = {
-    "toy-model": "batchgen.cli.toy_model:toy_model",
+    "toy-model": "batchgen.cli.admin.toy_model:toy_model",
     "submit": "batchgen.cli.submit:submit",
     "status": "batchgen.cli.status:status",
     "jobs": "batchgen.cli.jobs:jobs",
@@ -29,9 +29,9 @@ COMMANDS: dict[str, str] = {
     "worker": "batchgen.cli.worker:worker",
     "run": "batchgen.cli.run:run",
     "serve": "batchgen.cli.serve:serve",
-    "cache": "batchgen.cli.cache:cache",
-    "redis": "batchgen.cli.redis_command:redis_group",
-    "tenant": "batchgen.cli.tenant:tenant",
+    "cache": "batchgen.cli.admin.cache:cache",
+    "redis": "batchgen.cli.admin.redis_command:redis_group",
+    "tenant": "batchgen.cli.admin.tenant:tenant",
 }
 
 
