@@ -203,3 +203,16 @@ def test_no_file_name_is_used_twice():
         p.name for p in modules().values() if p.name not in ("__init__.py", "__main__.py")
     )
     assert [name for name, n in names.items() if n > 1] == []
+
+
+MAX_MODULES_PER_FOLDER = 15  # a folder is read in one screen; split it by concept past that
+
+
+def test_no_folder_holds_more_than_fifteen_modules():
+    """Counted as the tidy-ups count: a folder's *.py files but its ``__init__.py``."""
+    folders = Counter(
+        path.parent.relative_to(REPO).as_posix()
+        for path in modules().values()
+        if path.name != "__init__.py"
+    )
+    assert {f: n for f, n in folders.items() if n > MAX_MODULES_PER_FOLDER} == {}
