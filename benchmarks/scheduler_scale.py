@@ -30,8 +30,9 @@ from typing import Any
 
 import redis
 
-from batchgen.jobs.ops import backlog, deadlines, job_index
+from batchgen.jobs.ops import job_index
 from batchgen.jobs.ops.chunk_append import APPEND_CHUNK
+from batchgen.jobs.ops.fair_share import backlog, deadlines
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import CREATE
 from batchgen.jobs.redis.keys import Keys, QueueKeys

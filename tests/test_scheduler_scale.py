@@ -85,7 +85,7 @@ def test_a_submit_costs_the_same_with_10_or_1000_unfinished_jobs(redis_url, tmp_
     from click.testing import CliRunner
 
     from batchgen.cli import main
-    from batchgen.jobs.ops import tenants
+    from batchgen.jobs.ops.fair_share import tenants
 
     conn = redis.Redis.from_url(redis_url)
     populate(conn, QK, 1000, lines=1, now=time.time())

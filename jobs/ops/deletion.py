@@ -24,8 +24,9 @@ import redis
 from rq import Queue
 
 from batchgen.jobs.intake.kept import KEPT
-from batchgen.jobs.ops import fair_index, job_index, tenants
+from batchgen.jobs.ops import job_index
 from batchgen.jobs.ops.cancellation import cancel
+from batchgen.jobs.ops.fair_share import fair_index, tenants
 from batchgen.jobs.ops.finalize.finalize_tasks import finalize_queue, forget_task
 from batchgen.jobs.ops.finalize.result import MANIFEST, RESULT
 from batchgen.jobs.ops.job_record import JobRecord, queue_of_job

@@ -44,11 +44,12 @@ from batchgen.jobs.intake.sources import local_copy, locate
 from batchgen.jobs.intake.table_spec import TableSpec
 from batchgen.jobs.intake.tables import validate_table
 from batchgen.jobs.intake.validate import SpoolDir, Validation, validate_file
-from batchgen.jobs.ops import backlog, job_index, retention, tenants
+from batchgen.jobs.ops import job_index, retention
 from batchgen.jobs.ops.chunk_append import (
     enqueue_chunks,
     enqueued_after_outage,
 )
+from batchgen.jobs.ops.fair_share import backlog, tenants
 from batchgen.jobs.ops.fair_share.schedule import Schedule
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.ops.lifecycle import CREATE, JobState

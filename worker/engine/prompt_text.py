@@ -23,7 +23,7 @@ class PromptText:
     ) -> list[int]:
         """A string -> token ids; chat messages -> chat template with the generation prompt,
         ``template_kwargs`` its variables (``enable_thinking``, ...), ``tools`` the
-        functions it renders (tools.py). ValueError for variables or tools given to a
+        functions it renders (jobs/schema/tools.py). ValueError for variables or tools given to a
         checkpoint without a chat template."""
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
