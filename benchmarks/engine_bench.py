@@ -54,6 +54,7 @@ import importlib
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -166,7 +167,16 @@ def run_child(
     else:
         cmd = [sys.executable, __file__, "--child", "--peer", name, *common,
                "--engine-kwargs", json.dumps(engine)]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    # output to files, not pipes: a peer's engine processes (vLLM's) may outlive it holding
+    # them; its session's leftovers are ended once it has exited
+    with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
+        proc = subprocess.Popen(cmd, stdout=so, stderr=se, text=True, env=env, cwd=REPO,
+                                start_new_session=True)  # fmt: skip
+        proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        so.seek(0), se.seek(0)
+        out = subprocess.CompletedProcess(cmd, proc.returncode, so.read(), se.read())
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT ") :])

@@ -228,7 +228,8 @@ def main() -> None:
     )  # fmt: skip
     print("RESULT " + json.dumps(result), flush=True)
     # vLLM's shutdown waited forever here once its engine process was gone (seen under
-    # load): the result is out, nothing else is kept
+    # load): the result is out, nothing else is kept; engine_bench ends what is left of
+    # this process's session (vLLM's engine and worker processes)
     os._exit(0)
 
 
