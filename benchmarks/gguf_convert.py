@@ -27,7 +27,7 @@ def main() -> None:
     import convert_hf_to_gguf
     from conversion.base import TextModel
 
-    TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"  # type: ignore[method-assign]
+    TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
     sys.argv = [str(CONVERTER / "convert_hf_to_gguf.py"), *sys.argv[1:]]
     convert_hf_to_gguf.main()
 

@@ -131,7 +131,7 @@ def test_paged_decode_attention_takes_the_kernel_for_fp32_and_bf16():
 
 # The bf16 kernel sums in fp32 over bf16 K/V widened exactly: against the same sums in
 # torch's fp32 (over the widened cache) only the order of the additions differs
-BF16_KERNEL_TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+BF16_KERNEL_ATOL = BF16_KERNEL_RTOL = 1e-5
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (14, 2), (8, 1)])
@@ -155,7 +155,9 @@ def test_the_kernel_on_a_bf16_cache_is_fp32_attention_over_the_widened_cache(
     widened = _dense_of(k_cache.float(), v_cache.float(), tables, contexts)
     for i, (k, v) in enumerate(widened):
         expected = attention_by_loops(q[i : i + 1], k, v, scale, window, softcap)
-        torch.testing.assert_close(out[i : i + 1], expected, **BF16_KERNEL_TOLERANCE)
+        torch.testing.assert_close(
+            out[i : i + 1], expected, atol=BF16_KERNEL_ATOL, rtol=BF16_KERNEL_RTOL
+        )
     # a bf16 query is widened exactly and the fp32 output rounded once, to bf16
     half = plan(q.bfloat16(), k_cache, v_cache, scale)
     assert torch.equal(half, plan(q.bfloat16().float(), k_cache, v_cache, scale).bfloat16())
