@@ -1,4 +1,4 @@
-"""llama.cpp's own ``convert_hf_to_gguf.py`` on a batchgen toy checkpoint.
+"""llama.cpp's own HF-to-GGUF converter script on a batchgen toy checkpoint.
 
     python benchmarks/gguf_convert.py DIR --outtype f32 --outfile OUT.gguf
 

@@ -16,7 +16,7 @@ time, the useful output tokens and the generated ids.
   tcmalloc preloaded as its CPU docs ask (``VLLM_PRELOAD``, set by engine_bench).
 - ``llama.cpp``: llama-cpp-python's low-level API on a GGUF conversion of the
   same checkpoint (``--dtype`` f32, bf16 or q8_0; converted once, beside it, by
-  llama.cpp's own ``convert_hf_to_gguf.py``), continuous batching as its server
+  llama.cpp's own HF-to-GGUF converter), continuous batching as its server
   does: one ``llama_decode`` a step over every running sequence's next token
   and the prompts of new ones, up to 64 sequences at a time.
 - ``ct2``: CTranslate2 on its conversion of the checkpoint (``--dtype`` float32,
