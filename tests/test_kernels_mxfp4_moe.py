@@ -18,6 +18,7 @@ from batchgen.kernels.experts import Mxfp4ExpertWeights
 
 pytest.importorskip("triton")
 
+from batchgen.kernels.ops import CPU_OPS
 from batchgen.kernels.triton.op_set import TRITON_OPS
 from tests.test_moe_kernels import GPT_OSS, make_routing
 
@@ -99,6 +100,18 @@ def test_mxfp4_fused_moe_matches_dequantize_then_the_oracle(
     atol, rtol = TOL[dtype]
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("biases", [False, True])
+def test_the_cpu_ops_run_mxfp4_experts_as_their_dequantized_weights(biases):
+    # the CPU op takes what the Triton op takes (same signature): it dequantizes first
+    experts = mxfp4_experts(4, 64, 32, biases=biases, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 64, generator=gen).to(DEVICE)
+    weights, ids = (t.to(DEVICE) for t in make_routing(6, 4, 2))
+    out = CPU_OPS.fused_moe(x, experts, weights, ids)
+    expected = moe_reference.fused_moe(x, qref.dequantize_mxfp4_experts(experts), weights, ids)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_mxfp4_experts_of_the_wrong_shape_are_a_clear_error():

@@ -10,17 +10,20 @@ import pytest
 import redis
 
 import batchgen.jobs
+import batchgen.worker.consumer
 from batchgen.jobs.ops.lifecycle import MOVES, JobState, script
 from batchgen.jobs.redis.lua import LuaScript
 
 
 def all_scripts() -> list[LuaScript]:
+    """Every script of the jobs part and of the worker's side of the queue."""
     found: dict[str, LuaScript] = {}
-    for info in pkgutil.walk_packages(batchgen.jobs.__path__, "batchgen.jobs."):
-        module = importlib.import_module(info.name)
-        for value in vars(module).values():
-            if isinstance(value, LuaScript):
-                found[value.name] = value
+    for package in (batchgen.jobs, batchgen.worker.consumer):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            module = importlib.import_module(info.name)
+            for value in vars(module).values():
+                if isinstance(value, LuaScript):
+                    found[value.name] = value
     return list(found.values())
 
 

@@ -17,7 +17,7 @@ from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys, queue_name
 from batchgen.jobs.redis.redis_server import RedisServer
 from batchgen.jobs.schema.errors import InvalidInput, JobConflict, QueueFull
-from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.jobs.schema.sampling import COMPLETION_MAX_TOKENS, DEFAULTS
 
 KEYS = Keys("bg")
 
@@ -78,7 +78,8 @@ def test_submit_creates_the_job_and_one_entry_per_line(redis_url, tmp_path):
     qk = KEYS.queue_for_model("m")
     entries = backlog.queued(conn, qk, "job1")
     assert [index for index, _, _ in entries] == [0, 1, 2, 3, 4]
-    assert json.loads(entries[3][2]) == {"id": "r3", "p": "prompt 3 ", "s": DEFAULTS}
+    sampling = {"max_tokens": COMPLETION_MAX_TOKENS, **DEFAULTS}  # a prompt line's default
+    assert json.loads(entries[3][2]) == {"id": "r3", "p": "prompt 3 ", "s": sampling}
     assert (record.backlog, conn.smembers(qk.ready)) == (5, {b"job1"})
     assert conn.smembers(qk.active) == {b"job1"}
     assert conn.hget(KEYS.jobs, "job1") == qk.tag.encode()

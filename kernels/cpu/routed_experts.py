@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.experts import ExpertWeights, activate
+from batchgen.kernels.experts import ExpertWeights, Mxfp4ExpertWeights, activate
+from batchgen.kernels.quant_reference import dequantize_mxfp4_experts
 
 
 def fused_moe(
     x: torch.Tensor,
-    experts: ExpertWeights,
+    experts: ExpertWeights | Mxfp4ExpertWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """x (num_tokens, hidden) -> (num_tokens, hidden) in x's dtype."""
+    """x (num_tokens, hidden) -> (num_tokens, hidden) in x's dtype. MXFP4 experts (gpt-oss's
+    stored layout) are dequantized to x's dtype for the call: exact, as every e2m1 value
+    times a power of two is (the Triton kernel dequantizes inside its loop instead)."""
+    if isinstance(experts, Mxfp4ExpertWeights):
+        experts = _in_dtype(dequantize_mxfp4_experts(experts), x.dtype)
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = flat.argsort(stable=True)  # pairs grouped by expert, tokens ascending within
@@ -51,3 +56,9 @@ def fused_moe(
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
+
+
+def _in_dtype(experts: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    return ExpertWeights(experts.w13.to(dtype), experts.w2.to(dtype), cast(experts.b13),
+                         cast(experts.b2), experts.activation)  # fmt: skip

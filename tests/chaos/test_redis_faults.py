@@ -168,7 +168,7 @@ def test_submit_across_a_redis_crash_enqueues_every_line_once(
         assert stream_indices(chaos, "big") == list(range(enqueued))  # nothing half-added
         monkeypatch.setattr(chunk_append._ChunkSender, "send", kill.original)
         result = CliRunner().invoke(main, args, catch_exceptions=False)
-    assert (result.exit_code, result.output) == (0, "big\n")
+    assert (result.exit_code, result.stdout) == (0, "big\n")  # stderr: no worker serves m
     assert stream_indices(chaos, "big") == list(range(2000))  # every line once
     record = chaos.record("big")
     assert (record.enqueued, record.total) == (2000, 2000)
@@ -248,7 +248,7 @@ def test_redis_out_of_memory_on_submit_is_queue_full_with_whole_chunks(
     assert stream_indices(chaos, "full") == list(range(enqueued))  # nothing half-enqueued
     conn.config_set("maxmemory", 0)
     result = CliRunner().invoke(main, args)
-    assert (result.exit_code, result.output) == (0, "full\n")
+    assert (result.exit_code, result.stdout) == (0, "full\n")  # stderr: no worker serves m
     assert stream_indices(chaos, "full") == list(range(3000))
 
 

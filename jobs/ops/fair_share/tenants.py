@@ -159,6 +159,9 @@ for _, job_id in ipairs(job_ids) do
     released = released + 1
   end
 end
+if tonumber(redis.call('HGET', held, 'jobs') or '0') <= 0 then
+  redis.call('DEL', held)  -- nothing held: no key left behind (its scan cursor included)
+end
 return released
 """,
 )
@@ -208,7 +211,10 @@ def prune(conn: redis.Redis, keys: Keys, tenant: str, now: float | None = None) 
     start: Any = conn.hget(tk.held, "cursor")
     scanned: Any = conn.hscan(tk.jobs, int(start or 0), count=PRUNE_BATCH)
     cursor, raw = scanned
-    conn.hset(tk.held, "cursor", cursor)
+    if int(cursor):
+        conn.hset(tk.held, "cursor", cursor)
+    else:  # the scan wrapped: 0, the default, is not stored (a tenant with nothing holds no key)
+        conn.hdel(tk.held, "cursor")
     shares = {text(k): text(v) for k, v in raw.items()}
     if not shares:
         return []
