@@ -200,29 +200,27 @@ def submit(
 
 
 def choose_reasoning_parser(name: str | None, model: str) -> str:
-    """The job's reasoning parser: ``name`` checked ("none": none), else the one a local
-    checkpoint's chat template makes unambiguous ("" when none does, or it is not here).
-    UsageError for a name that is no parser."""
-    if name == "none":
-        return ""
-    if name is None:
-        return reasoning.detect(chat_template(model))
-    try:
-        return reasoning.parser(name).name
-    except ParserError as exc:
-        raise UsageError(str(exc)) from None
+    """The job's reasoning parser (see ``_choose_parser``)."""
+    return _choose_parser(name, model, reasoning.detect, reasoning.parser)
 
 
 def choose_tool_call_parser(name: str | None, model: str) -> str:
-    """The job's tool-call parser: ``name`` checked ("none": none), else the one a local
-    checkpoint's chat template makes unambiguous ("" when none does, or it is not here).
-    UsageError for a name that is no parser."""
+    """The job's tool-call parser (see ``_choose_parser``)."""
+    return _choose_parser(name, model, tool_parsers.detect, tool_parsers.parser)
+
+
+def _choose_parser(
+    name: str | None, model: str, detect: Callable[[str | None], str], parser: Callable[[str], Any]
+) -> str:
+    """``name`` checked ("none": none), else the parser a local checkpoint's chat template
+    makes unambiguous ("" when none does, or it is not here). UsageError for a name that
+    is no parser."""
     if name == "none":
         return ""
     if name is None:
-        return tool_parsers.detect(chat_template(model))
+        return detect(chat_template(model))
     try:
-        return tool_parsers.parser(name).name
+        return str(parser(name).name)
     except ParserError as exc:
         raise UsageError(str(exc)) from None
 
