@@ -25,7 +25,7 @@ import difflib
 import json
 from typing import Any
 
-from batchgen.jobs.intake import jsonpos, strictjson
+from batchgen.jobs.intake import jsonpos, strictjson, tool_fields
 from batchgen.jobs.intake.embeddings import BODY_FIELDS as EMBEDDING_BODY_FIELDS
 from batchgen.jobs.intake.embeddings import body_request as embedding_body
 from batchgen.jobs.intake.embeddings import dimensions as embedding_dimensions
@@ -34,8 +34,8 @@ from batchgen.jobs.intake.lines import MAX_LINE_BYTES as MAX_LINE_BYTES  # submi
 from batchgen.jobs.intake.lines import LineError
 from batchgen.jobs.intake.openai_body import FIELDS as BODY_FIELDS
 from batchgen.jobs.intake.openai_body import PARAMS, body_params
-from batchgen.jobs.schema import chat_template, tools
-from batchgen.jobs.schema.constraints import check_spec, from_response_format
+from batchgen.jobs.intake.tool_fields import TOOL_FIELDS
+from batchgen.jobs.schema import chat_template
 from batchgen.jobs.schema.entry import QueuedRequest, compact_json
 from batchgen.jobs.schema.errors import (
     BodyError,
@@ -44,7 +44,7 @@ from batchgen.jobs.schema.errors import (
     JSONLineError,
     ParamError,
 )
-from batchgen.jobs.schema.sampling import CHECKS, check_together, default_max_tokens, show
+from batchgen.jobs.schema.sampling import CHECKS, check_together, default_max_tokens
 
 MAX_ID_CHARS = 1024
 MAX_METADATA_BYTES = 64 << 10
@@ -54,7 +54,6 @@ BASE_FIELDS = ("role", "content", "name")
 # a message's fields by role (an assistant's tool calls, a tool result's call id)
 MESSAGE_FIELDS = {"assistant": (*BASE_FIELDS, "tool_calls"), "tool": (*BASE_FIELDS, "tool_call_id")}
 
-TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # tools.py
 NATIVE_FIELDS = frozenset(
     {"id", "prompt", "messages", "metadata", "response_format", chat_template.NAME,
      *TOOL_FIELDS, *CHECKS}
@@ -129,10 +128,10 @@ def _native(
     request.template_kwargs = _template_kwargs(line_kwargs, defaults, has_messages)
     given = {k: v for k, v in value.items() if k in CHECKS}
     paths: dict[str, tuple[str, ...]] = {}
-    _response_format(value, given, paths, ())
-    _tools(value, request, given, paths, ())
+    tool_fields.response_format(value, given, paths, ())
+    tool_fields.apply_tools(value, request, given, paths, ())
     request.sampling = _params(given, defaults, has_messages, (), paths, vocab_size)
-    _check_tool_samples(request, ())
+    tool_fields.check_tool_samples(request, ())
     if "metadata" in value:
         request.metadata = _metadata(value["metadata"], ("metadata",), line_chars)
     return request
@@ -217,10 +216,10 @@ def _openai(
         name: ("body", key) for key, name in PARAMS.items() if key in body
     }
     paths["logprobs"] = ("body", "top_logprobs" if "top_logprobs" in body else "logprobs")
-    _response_format(body, params, paths, ("body",))
-    _tools(body, request, params, paths, ("body",))
+    tool_fields.response_format(body, params, paths, ("body",))
+    tool_fields.apply_tools(body, request, params, paths, ("body",))
     request.sampling = _params(params, defaults, chat, ("body",), paths, vocab_size)
-    _check_tool_samples(request, ("body",))
+    tool_fields.check_tool_samples(request, ("body",))
     if "metadata" in body:
         request.metadata = _metadata(body["metadata"], ("body", "metadata"), line_chars)
     return request
@@ -321,7 +320,7 @@ def _messages(value: Any, path: tuple[str, ...]) -> list[dict[str, Any]]:
                 raise FieldError((*at, "name"), "name must be a string")
             normalized["name"] = message["name"]
         if calls is not None:
-            normalized["tool_calls"] = _message_calls(calls, (*at, "tool_calls"))
+            normalized["tool_calls"] = tool_fields.message_calls(calls, (*at, "tool_calls"))
         if "tool_call_id" in message:
             if not isinstance(message["tool_call_id"], str):
                 raise FieldError((*at, "tool_call_id"), "tool_call_id must be a string")
@@ -329,28 +328,6 @@ def _messages(value: Any, path: tuple[str, ...]) -> list[dict[str, Any]]:
         out.append(normalized)
     if not any(m["content"] or m.get("tool_calls") for m in out):
         raise FieldError(path, "every message is empty")
-    return out
-
-
-def _message_calls(value: Any, path: tuple[str | int, ...]) -> list[dict[str, Any]]:
-    """An assistant message's tool_calls, as a row's tool_calls column writes them."""
-    shape = (
-        'tool_calls must be a list of {"id", "type": "function", "function": {"name", "arguments"}}'
-    )
-    if not isinstance(value, list):
-        raise FieldError(path, shape)
-    out = []
-    for i, call in enumerate(value):
-        function = call.get("function") if isinstance(call, dict) else None
-        if (
-            not isinstance(call, dict) or call.get("type", "function") != "function"
-            or set(call) - {"id", "type", "function"} or not isinstance(function, dict)
-            or set(function) - {"name", "arguments"} or not isinstance(function.get("name"), str)
-            or not isinstance(function.get("arguments", ""), str)
-            or not isinstance(call.get("id", ""), str)
-        ):  # fmt: skip
-            raise FieldError((*path, i), shape + " (arguments a JSON string)")
-        out.append({**call, "type": "function"})
     return out
 
 
@@ -401,74 +378,6 @@ def _params(
             path = paths.get("structured_output", (*at, "structured_output"))
             raise FieldError(path if "structured_output" in given else at, str(exc)) from None
     return merged
-
-
-def _response_format(
-    value: dict[str, Any], given: dict[str, Any], paths: dict[str, tuple[str, ...]],
-    at: tuple[str, ...],
-) -> None:  # fmt: skip
-    """OpenAI's response_format, as the structured_output it means."""
-    if "response_format" not in value:
-        return
-    path = (*at, "response_format")
-    if "structured_output" in value:
-        raise FieldError(path, "give response_format or structured_output, not both")
-    try:
-        given["structured_output"] = from_response_format(value["response_format"])
-    except ParamError as exc:
-        raise FieldError(path, str(exc)) from None
-    paths["structured_output"] = path
-
-
-def _tools(
-    value: dict[str, Any], request: QueuedRequest, given: dict[str, Any],
-    paths: dict[str, tuple[str, ...]], at: tuple[str, ...],
-) -> None:  # fmt: skip
-    """A chat line's tools and tool_choice onto its request; ``required`` or a named
-    function as the structured_output that makes every output a valid call."""
-    present = [name for name in TOOL_FIELDS if name in value]
-    if not present:
-        return
-    if request.messages is None:
-        raise FieldError((*at, present[0]), f"{present[0]} needs messages: a prompt is not "
-                         "rendered by the chat template")  # fmt: skip
-    try:
-        if "tools" in value:
-            request.tools = tools.check_tools(value["tools"])
-    except ParamError as exc:
-        raise FieldError((*at, "tools"), str(exc)) from None
-    choice_path = (*at, "tool_choice")
-    try:
-        if "tool_choice" in value:
-            request.tool_choice = tools.check_choice(value["tool_choice"], request.tools)
-    except ParamError as exc:
-        raise FieldError(choice_path, str(exc)) from None
-    parallel = value.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise FieldError((*at, "parallel_tool_calls"), "parallel_tool_calls must be true or "
-                         f"false, got {show(parallel)}")  # fmt: skip
-    if request.tools is None or request.tool_choice is None:
-        return
-    forced = tools.forced_constraint(request.tools, request.tool_choice, parallel)
-    if forced is None:
-        return
-    if given.get("structured_output"):
-        raise FieldError(choice_path, f"tool_choice {tools.kind(request.tool_choice)} "
-                         "constrains the output to a call: give no response_format or "
-                         "structured_output with it")  # fmt: skip
-    try:
-        given["structured_output"] = check_spec(forced)
-    except ParamError as exc:
-        raise FieldError((*at, "tools"), f"a function's parameters cannot constrain the "
-                         f"output: {exc}") from None  # fmt: skip
-    paths["structured_output"] = choice_path
-
-
-def _check_tool_samples(request: QueuedRequest, at: tuple[str, ...]) -> None:
-    """One sample per row with tools: the samples of n > 1 have no tool_calls column."""
-    if request.tools is not None and request.param("n", 1) > 1:
-        raise FieldError((*at, "n"), "n > 1 cannot be combined with tools (a row holds the "
-                         "tool calls of one sample)")  # fmt: skip
 
 
 def _metadata(value: Any, path: tuple[str, ...], line_chars: int) -> dict[str, Any]:
