@@ -23,7 +23,7 @@ from batchgen.worker.engine_config import EngineConfig, InvalidEngineConfig
 from batchgen.worker.models import UnsupportedModelError
 from batchgen.worker.models.model_config import AttentionSpec, ModelConfig
 from batchgen.worker.models.registry import load_model_config
-from batchgen.worker.models.tensor_parallel import Shard, split_heads
+from batchgen.worker.models.tensor_shard import Shard, split_heads
 from tests.hf_reference import first_divergence_is_tie
 
 SETTINGS = dict(num_kv_blocks=96, threads=1, max_num_batched_tokens=48)

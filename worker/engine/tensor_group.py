@@ -37,7 +37,7 @@ import torch.distributed as dist
 from batchgen.parts import child_environ, module_command
 from batchgen.worker.engine.runner.model_runner import HostStep
 from batchgen.worker.engine_config import EngineConfig
-from batchgen.worker.models.tensor_parallel import Shard
+from batchgen.worker.models.tensor_shard import Shard
 from batchgen.worker.worker_errors import GroupLost
 
 log = logging.getLogger(__name__)

@@ -30,11 +30,8 @@ from batchgen.worker.models import CausalLM, ModelConfig, UnsupportedModelError,
 from batchgen.worker.models.hf_backend import HfCausalLM
 from batchgen.worker.models.hf_config import HFConfig, read_hf_config
 from batchgen.worker.models.implementation import Implementation, choose_implementation
-from batchgen.worker.models.tensor_parallel import (
-    ShardedDecoder,
-    build_sharded_model,
-    check_shardable,
-)
+from batchgen.worker.models.tensor_parallel import ShardedDecoder, build_sharded_model
+from batchgen.worker.models.tensor_shard import check_shardable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
