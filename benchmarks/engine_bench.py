@@ -74,11 +74,6 @@ SIZES = {"tiny": 64, "small": 32, "0.5b": 16}  # requests per size
 ROUND_KEYS = ("output_tok_s", "batchgen_speedup", "floor_share", "matmul_floor_tok_s")
 # the workload's token ids are drawn below the tokenizer's vocabulary
 VOCAB = {"tiny": 8192, "small": 32000, "0.5b": 32000}
-PEER_VENVS = {"vllm": "vllm", "llama.cpp": "llamacpp", "ct2": "ct2"}
-PEER_ENGINES = REPO / "benchmarks" / "peer_engines.py"
-# vLLM's CPU docs: tcmalloc preloaded; its KV cache in GiB
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu"}
 
 
 def toy_size(size: str) -> Any:
@@ -151,19 +146,14 @@ def run_child(
 ) -> dict:
     """One system on one workload in a process of its own; ``peer`` may name its own
     precision (``ct2:int8``). Its result keeps the generated ids (``token_ids``)."""
+    from benchmarks.peer_venvs import PEER_VENVS, peer_command
+
     name, _, precision = peer.partition(":")
     common = ["--model", str(model), "--workload", workload, "--num-requests", str(n),
               "--vocab", str(vocab), "--dtype", precision or dtype]  # fmt: skip
     env = CHILD_ENV
     if name in PEER_VENVS:
-        python = REPO / ".venv-peers" / PEER_VENVS[name] / "bin" / "python"
-        if not python.exists():
-            raise SystemExit(
-                f"no venv for {name} at {python.parent.parent}: run `make bench-peers`"
-            )
-        cmd = [str(python), str(PEER_ENGINES), "--peer", name, *common]
-        if name == "vllm":
-            env = {**CHILD_ENV, **VLLM_ENV, "LD_PRELOAD": TCMALLOC}
+        cmd, env = peer_command(name, common, CHILD_ENV)
     else:
         cmd = [sys.executable, __file__, "--child", "--peer", name, *common,
                "--engine-kwargs", json.dumps(engine)]  # fmt: skip
