@@ -22,10 +22,9 @@ def fused_moe(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """x (num_tokens, hidden) -> (num_tokens, hidden) in x's dtype. MXFP4 experts (gpt-oss's
-    stored layout) are dequantized to x's dtype for the call: exact, as every e2m1 value
-    times a power of two is (the Triton kernel dequantizes inside its loop instead)."""
-    if isinstance(experts, Mxfp4ExpertWeights):
-        experts = _in_dtype(dequantize_mxfp4_experts(experts), x.dtype)
+    stored layout) are dequantized to x's dtype one expert at a time, only those a token
+    chose, so the extra memory is one expert's weights: exact, as every e2m1 value times
+    a power of two is (the Triton kernel dequantizes inside its loop instead)."""
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = flat.argsort(stable=True)  # pairs grouped by expert, tokens ascending within
@@ -37,14 +36,13 @@ def fused_moe(
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        segment = rows[start : start + n]
-        h = _linear(segment, experts.w13[e], None if experts.b13 is None else experts.b13[e])
-        h = activate(h, experts.activation)
+        w13, b13, w2, b2 = _expert(experts, e, x.dtype)
+        h = activate(_linear(rows[start : start + n], w13, b13), experts.activation)
         target = out_rows[start : start + n]
-        if experts.b2 is None:
-            torch.mm(h, experts.w2[e], out=target)
+        if b2 is None:
+            torch.mm(h, w2, out=target)
         else:
-            torch.addmm(experts.b2[e], h, experts.w2[e], out=target)
+            torch.addmm(b2, h, w2, out=target)
         start += n
     weights = topk_weights.reshape(-1).index_select(0, order)
     if weights.dtype != out_rows.dtype:  # weigh half-precision rows in fp32, like transformers
@@ -58,7 +56,24 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
-def _in_dtype(experts: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
+Tensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
+
+
+def _expert(experts: ExpertWeights | Mxfp4ExpertWeights, e: int, dtype: torch.dtype) -> Tensors:
+    """Expert e's (w13, b13, w2, b2): views of float experts; MXFP4 ones dequantized,
+    that expert alone, to ``dtype``."""
+    if isinstance(experts, Mxfp4ExpertWeights):
+        experts, e = _dequantized(experts, slice(e, e + 1), dtype), 0
+    b13 = None if experts.b13 is None else experts.b13[e]
+    b2 = None if experts.b2 is None else experts.b2[e]
+    return experts.w13[e], b13, experts.w2[e], b2
+
+
+def _dequantized(experts: Mxfp4ExpertWeights, some: slice, dtype: torch.dtype) -> ExpertWeights:
+    pick = lambda t: None if t is None else t[some]  # noqa: E731
+    dense = dequantize_mxfp4_experts(Mxfp4ExpertWeights(
+        experts.gate_up_blocks[some], experts.gate_up_scales[some], experts.down_blocks[some],
+        experts.down_scales[some], pick(experts.gate_up_bias), pick(experts.down_bias),
+    ))  # fmt: skip
     cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-    return ExpertWeights(experts.w13.to(dtype), experts.w2.to(dtype), cast(experts.b13),
-                         cast(experts.b2), experts.activation)  # fmt: skip
+    return ExpertWeights(dense.w13.to(dtype), dense.w2.to(dtype), cast(dense.b13), cast(dense.b2))
