@@ -5,7 +5,8 @@ Checkpoints name each expert's projections separately
 Mixtral, Qwen-MoE and DeepSeek), or, for gpt-oss, hold all experts in two
 stacked tensors with gate and up interleaved column by column. Either way the
 experts become ``ExpertWeights`` (``kernels/experts.py``): input-major, gate
-half then up half.
+half then up half. gpt-oss's MXFP4 checkpoints keep their experts as stored
+(``Mxfp4ExpertWeights``, read by ``quant/mxfp4.py``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights
+from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights, Mxfp4ExpertWeights
 from batchgen.worker.models.dense_weights import BlockReader
 from batchgen.worker.models.layers.mlp import DenseMlp
 from batchgen.worker.models.layers.sparse_moe import Router, SparseMoe, route_fn
-from batchgen.worker.models.model_config import MlpSpec, ModelConfig, RouterKind
+from batchgen.worker.models.model_config import MlpSpec, ModelConfig, MoeSpec, RouterKind
+from batchgen.worker.models.quant.mxfp4 import read_mxfp4_experts
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear, fuse
 
@@ -59,7 +61,7 @@ def read_moe(store: TensorStore, config: ModelConfig, layout: MoeLayout, p: str)
         correction = store.take(f"{b}{layout.router}.e_score_correction_bias", float32=True)
     router = Router(Linear(router_weight, router_bias), route_fn(spec, correction), in_fp32)
     experts = (
-        _stacked_experts(store, spec.num_experts, b)
+        _stacked_experts(store, spec, config.hidden_size, b)
         if layout.stacked
         else (_expert_by_expert(store, spec.num_experts, b, layout))
     )
@@ -92,8 +94,16 @@ def _expert_by_expert(
     return ExpertWeights(torch.stack(w13).contiguous(), torch.stack(w2).contiguous())
 
 
-def _stacked_experts(store: TensorStore, num_experts: int, b: str) -> ExpertWeights:
-    """gpt-oss: columns alternate gate, up; made gate half then up half."""
+def _stacked_experts(
+    store: TensorStore, spec: MoeSpec, hidden: int, b: str
+) -> ExpertWeights | Mxfp4ExpertWeights:
+    """gpt-oss: columns alternate gate, up; made gate half then up half (MXFP4: as stored)."""
+    num_experts = spec.num_experts
+    quantized = read_mxfp4_experts(
+        store, f"{b}experts", num_experts, hidden, spec.intermediate_size
+    )
+    if quantized is not None:
+        return quantized
     gate_up = store.take(f"{b}experts.gate_up_proj")  # (E, hidden, 2 * inter)
     gate_up_bias = store.take(f"{b}experts.gate_up_proj_bias")  # (E, 2 * inter)
     w13 = torch.cat((gate_up[..., ::2], gate_up[..., 1::2]), dim=-1).contiguous()

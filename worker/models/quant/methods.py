@@ -9,6 +9,7 @@ from batchgen.worker.models.quant.awq import read_awq
 from batchgen.worker.models.quant.compressed_tensors import read_compressed_tensors
 from batchgen.worker.models.quant.fp8 import read_fp8
 from batchgen.worker.models.quant.gptq import read_gptq
+from batchgen.worker.models.quant.mxfp4 import read_mxfp4
 from batchgen.worker.models.quant.scheme import Scheme
 from batchgen.worker.worker_errors import UnsupportedModelError
 
@@ -17,6 +18,7 @@ METHODS: dict[str, Callable[[dict[str, Any]], Scheme]] = {
     "compressed-tensors": read_compressed_tensors,
     "gptq": read_gptq,
     "awq": read_awq,
+    "mxfp4": read_mxfp4,
 }
 
 
