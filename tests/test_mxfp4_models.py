@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from batchgen import Engine
 from batchgen.kernels import quant_reference as qref
 from batchgen.kernels.cpu import routed_experts
+from batchgen.kernels.cpu.routed_experts import dequantize_expert
 from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights, Mxfp4ExpertWeights
 from batchgen.kernels.ops import CPU_OPS
 from batchgen.worker.models import UnsupportedModelError
@@ -96,33 +97,38 @@ def test_mxfp4_checkpoint(zoo_model, tmp_path: Path, skip: tuple[str, ...]) -> N
     print(f"experts: {held} bytes held, bf16 {2 * weights}: {held / (2 * weights):.3f}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_experts_dequantize_one_chosen_expert_at_a_time(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
     """Bounded memory: only the experts a token chose are dequantized, one per call, and
-    the result is bit for bit that of the whole experts dequantized first."""
+    the result is bit for bit that of the reference's whole dequantized experts."""
     gen = torch.Generator().manual_seed(3)
     e, hidden, inter = 6, 64, 32
     rand_u8 = lambda lo, hi, *shape: torch.randint(lo, hi, shape, generator=gen, dtype=torch.uint8)  # noqa: E731
     experts = Mxfp4ExpertWeights(
-        rand_u8(0, 256, e, 2 * inter, hidden // 32, 16), rand_u8(121, 126, e, 2 * inter, hidden // 32),
-        rand_u8(0, 256, e, hidden, inter // 32, 16), rand_u8(121, 126, e, hidden, inter // 32),
-        torch.randn(e, 2 * inter, generator=gen), torch.randn(e, hidden, generator=gen),
+        rand_u8(0, 256, e, 2 * inter, hidden // 32, 16), rand_u8(100, 130, e, 2 * inter, hidden // 32),
+        rand_u8(0, 256, e, hidden, inter // 32, 16), rand_u8(100, 130, e, hidden, inter // 32),
+        torch.randn(e, 2 * inter, generator=gen).to(dtype), torch.randn(e, hidden, generator=gen).to(dtype),
         ClampedSwiGLU(1.702, 7.0),
     )  # fmt: skip
-    x = torch.randn(5, hidden, generator=gen)
+    x = torch.randn(5, hidden, generator=gen).to(dtype)
     ids = torch.tensor([[4, 1], [1, 4], [4, 2], [2, 1], [1, 4]])
     weights = torch.rand(5, 2, generator=gen)
     calls: list[int] = []
 
-    def spy(some: Mxfp4ExpertWeights) -> ExpertWeights:
-        calls.append(some.num_experts)
-        return qref.dequantize_mxfp4_experts(some)
+    def spy(some: Mxfp4ExpertWeights, expert: int, to: torch.dtype) -> ExpertWeights:
+        calls.append(expert)
+        return dequantize_expert(some, expert, to)
 
-    monkeypatch.setattr(routed_experts, "dequantize_mxfp4_experts", spy)
+    monkeypatch.setattr(routed_experts, "dequantize_expert", spy)
     out = CPU_OPS.fused_moe(x, experts, weights, ids)
-    assert calls == [1, 1, 1]  # experts 1, 2 and 4; never 0, 3 or 5
-    dense = qref.dequantize_mxfp4_experts(experts)
+    assert calls == [1, 2, 4]  # never 0, 3 or 5
+    whole = qref.dequantize_mxfp4_experts(experts)
+    assert whole.b13 is not None and whole.b2 is not None
+    w13, w2, b13, b2 = (t.to(dtype) for t in (whole.w13, whole.w2, whole.b13, whole.b2))
+    dense = ExpertWeights(w13, w2, b13, b2, experts.activation)
+    assert torch.equal(dequantize_expert(experts, 4, dtype).w2[0], dense.w2[4])
     assert torch.equal(out, CPU_OPS.fused_moe(x, dense, weights, ids))
 
 

@@ -5,6 +5,11 @@ then takes its contiguous run of gathered rows through two matmuls, and the
 weighted results are added back into their tokens. Experts no token chose
 cost nothing, which is what makes a decode step with top_k of 8 among 256
 experts affordable. Same signature and semantics as ``moe_reference.fused_moe``.
+
+MXFP4 experts (gpt-oss's checkpoint tensors) are dequantized one chosen expert
+at a time (``dequantize_expert``): one table lookup per byte gives its two
+e2m1 values, the power-of-two scale is applied in the compute dtype (exact in
+bf16 and fp32), and gate_up's rows are put gate first while still bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +17,12 @@ from __future__ import annotations
 import torch
 
 from batchgen.kernels.experts import ExpertWeights, Mxfp4ExpertWeights, activate
-from batchgen.kernels.quant_reference import dequantize_mxfp4_experts
+from batchgen.kernels.quant_reference import E2M1_VALUES
+
+# a byte's two e2m1 values, the low nibble first: (256, 2)
+_BYTE_VALUES = torch.stack(
+    (torch.tensor(E2M1_VALUES).repeat(16), torch.tensor(E2M1_VALUES).repeat_interleave(16)), -1
+)
 
 
 def fused_moe(
@@ -63,17 +73,30 @@ def _expert(experts: ExpertWeights | Mxfp4ExpertWeights, e: int, dtype: torch.dt
     """Expert e's (w13, b13, w2, b2): views of float experts; MXFP4 ones dequantized,
     that expert alone, to ``dtype``."""
     if isinstance(experts, Mxfp4ExpertWeights):
-        experts, e = _dequantized(experts, slice(e, e + 1), dtype), 0
+        experts, e = dequantize_expert(experts, e, dtype), 0
     b13 = None if experts.b13 is None else experts.b13[e]
     b2 = None if experts.b2 is None else experts.b2[e]
     return experts.w13[e], b13, experts.w2[e], b2
 
 
-def _dequantized(experts: Mxfp4ExpertWeights, some: slice, dtype: torch.dtype) -> ExpertWeights:
-    pick = lambda t: None if t is None else t[some]  # noqa: E731
-    dense = dequantize_mxfp4_experts(Mxfp4ExpertWeights(
-        experts.gate_up_blocks[some], experts.gate_up_scales[some], experts.down_blocks[some],
-        experts.down_scales[some], pick(experts.gate_up_bias), pick(experts.down_bias),
-    ))  # fmt: skip
-    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-    return ExpertWeights(dense.w13.to(dtype), dense.w2.to(dtype), cast(dense.b13), cast(dense.b2))
+def dequantize_expert(experts: Mxfp4ExpertWeights, e: int, dtype: torch.dtype) -> ExpertWeights:
+    """Expert e of MXFP4 experts as a one-expert ``ExpertWeights`` in ``dtype``: bit for bit
+    ``quant_reference.dequantize_mxfp4_experts``'s expert e, cast to ``dtype``."""
+    compute = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    rows = experts.gate_up_blocks.shape[1]
+    gate_first = torch.cat((torch.arange(0, rows, 2), torch.arange(1, rows, 2)))
+
+    def weight(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        values = torch.nn.functional.embedding(blocks.int(), _BYTE_VALUES.to(compute))
+        scale = torch.exp2(scales.float() - 127).to(compute)  # a power of two: exact
+        out = (values.flatten(-2) * scale[..., None]).flatten(-2)  # (N, K)
+        return out.t().to(dtype).contiguous()[None]  # input-major (1, K, N)
+
+    def bias(t: torch.Tensor | None, order: torch.Tensor | slice) -> torch.Tensor | None:
+        return None if t is None else t[e, order].to(dtype)[None]
+
+    return ExpertWeights(
+        weight(experts.gate_up_blocks[e, gate_first], experts.gate_up_scales[e, gate_first]),
+        weight(experts.down_blocks[e], experts.down_scales[e]),
+        bias(experts.gate_up_bias, gate_first), bias(experts.down_bias, slice(None)),
+    )  # fmt: skip
