@@ -27,6 +27,8 @@ from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights, Mxfp4ExpertWe
 from batchgen.kernels.ops import CPU_OPS
 from batchgen.worker.models import UnsupportedModelError
 from batchgen.worker.models.registry import load_model_config
+from tests.family_parity import engine_prompt_logits, random_prompts
+from tests.model_zoo import VOCAB
 from tests.mxfp4_checkpoints import mxfp4, quantize_mxfp4
 from tests.test_quantized_models import _check_matches, _model_bytes
 
@@ -170,3 +172,20 @@ def test_mxfp4_refusals_name_what_they_refuse(zoo_model, tmp_path: Path) -> None
     with pytest.raises(UnsupportedModelError) as refused:
         Engine.from_pretrained(plain, num_kv_blocks=16)
     assert "lacks tensor 'model.layers.0.mlp.experts.gate_up_proj_blocks'" in str(refused.value)
+
+
+def test_mxfp4_checkpoint_on_the_triton_ops_equals_the_cpu_path(zoo_model, tmp_path: Path) -> None:
+    """The GPU path: the fused-MoE kernel dequantizing the loaded experts inside its loop
+    (Triton's interpreter off CUDA) gives the CPU path's logits."""
+    pytest.importorskip("triton")
+    path = quantize_mxfp4(zoo_model("gpt_oss"), tmp_path / "mxfp4")
+    triton, cpu = (
+        Engine.from_pretrained(path, num_kv_blocks=16, use_triton=use, max_num_batched_tokens=12)
+        for use in (True, False)
+    )
+    assert triton.runner.model.ops.name == "triton"
+    assert isinstance(_experts(triton)[0], Mxfp4ExpertWeights)
+    (tokens,) = random_prompts(VOCAB, (20,), seed=13)  # two chunks, past the window of 8
+    got, _ = engine_prompt_logits(triton, tokens)
+    expected, _ = engine_prompt_logits(cpu, tokens)
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=0)
