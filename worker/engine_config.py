@@ -19,6 +19,8 @@ from batchgen.worker.worker_errors import InvalidEngineConfig
 DTYPES = ("float32", "bfloat16", "float16")
 # auto: batchgen's own code when it has the architecture, else transformers' modules
 MODEL_IMPLS = ("auto", "native", "transformers")
+# quantized at load from an unquantized checkpoint (worker/models/quant/online_fp8.py)
+QUANTIZATIONS = ("fp8",)
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 
 
@@ -45,7 +47,11 @@ class EngineConfig:
     ``tensor_parallel_size``: ranks that split the model (``worker/models/
     tensor_parallel.py``): this process is rank 0 and starts the others, on
     the next GPUs from ``device``'s (CUDA) or on the CPU; a collective that
-    waits longer than ``tensor_parallel_timeout_s`` takes the group down."""
+    waits longer than ``tensor_parallel_timeout_s`` takes the group down.
+    ``quantization``: "fp8" quantizes a bf16/fp16/fp32 checkpoint's decoder
+    projections to FP8 e4m3 as they load (per-channel weight scales, dynamic
+    per-token activations; ``worker/models/quant/online_fp8.py``); None runs the
+    checkpoint as stored (a quantized checkpoint in its own format)."""
 
     device: str | None = None
     dtype: str | None = None
@@ -64,6 +70,7 @@ class EngineConfig:
     threads: int | None = None
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
+    quantization: str | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> EngineConfig:
         # before the generated __init__, whose TypeError names no alternative
@@ -100,6 +107,17 @@ class EngineConfig:
         if self.model_impl not in MODEL_IMPLS:
             raise InvalidEngineConfig(
                 f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidEngineConfig(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset: the "
+                f"checkpoint as stored), got {self.quantization!r}"
+            )
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise InvalidEngineConfig(
+                f"quantization {self.quantization} with tensor_parallel_size "
+                f"{self.tensor_parallel_size}: tensor parallelism does not split quantized "
+                "weights yet; use one of them"
             )
         utilization = self.gpu_memory_utilization
         if not (_is_number(utilization) and 0 < utilization <= 1):

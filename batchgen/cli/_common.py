@@ -37,6 +37,17 @@ def model_impl_option(func: Callable[..., Any]) -> Callable[..., Any]:
     )(func)  # fmt: skip
 
 
+def quantization_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    from batchgen.worker.engine_config import QUANTIZATIONS
+
+    return click.option(
+        "--quantization", metavar="|".join(QUANTIZATIONS), default=None,
+        help="fp8: quantize an unquantized (bf16/fp16/fp32) checkpoint's decoder projections to "
+        "FP8 e4m3 as it loads (per-channel weight scales, dynamic per-token activations; about "
+        "half their bf16 memory, not exact: docs/models.md). Default: the checkpoint as stored.",
+    )(func)  # fmt: skip
+
+
 def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--threads", type=int, default=None,

@@ -13,6 +13,7 @@ from batchgen.cli._common import (
     handles_errors,
     model_impl_option,
     progress_bar,
+    quantization_option,
     redis_option,
     report_submit,
     sampling_options,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 @click.option("--num-kv-blocks", type=int, default=None)
 @click.option("--max-model-len", type=int, default=None, help="Cap the context length.")
 @model_impl_option
+@quantization_option
 @threads_option
 @click.option("--job-id", default=None, help="Name the job (re-running it resumes it).")
 @click.option("--skip-invalid", is_flag=True,
@@ -53,7 +55,7 @@ def run(
     prompts: str, model: str, dest: str, force: bool, job_output: str | None,
     defaults: dict[str, Any], table: TableSpec, device: str | None, max_num_seqs: int,
     num_kv_blocks: int | None, max_model_len: int | None, model_impl: str,
-    threads: int | None, job_id: str | None,
+    quantization: str | None, threads: int | None, job_id: str | None,
     skip_invalid: bool, reasoning_parser: str | None, tool_call_parser: str | None,
     redis_url: str | None,
 ) -> None:  # fmt: skip
@@ -83,6 +85,7 @@ def run(
     engine_config = EngineConfig(
         device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len, model_impl=model_impl, threads=threads,
+        quantization=quantization,
     )  # fmt: skip
     job_id = check_job_id(job_id) if job_id else new_job_id()
     destination(job_id, dest, force)  # refused now, not after the whole job ran

@@ -11,6 +11,7 @@ from batchgen.cli._common import (
     connect,
     handles_errors,
     model_impl_option,
+    quantization_option,
     redis_option,
     threads_option,
 )
@@ -41,6 +42,7 @@ from batchgen.cli._common import (
 )  # fmt: skip
 @click.option("--max-model-len", type=int, default=None, help="Cap the context length.")
 @model_impl_option
+@quantization_option
 @threads_option
 @click.option(
     "--tensor-parallel-size", type=int, default=1, show_default=True,
@@ -67,9 +69,9 @@ from batchgen.cli._common import (
 def worker(
     model: str, gpus: str | None, device: str | None, workers: int | None, burst: bool,
     max_num_seqs: int, num_kv_blocks: int | None, max_model_len: int | None, model_impl: str,
-    threads: int | None, tensor_parallel_size: int, metrics_port: int | None, metrics_host: str,
-    metrics_tenants: bool, claim_timeout: float, max_attempts: int, drain_timeout: float,
-    redis_url: str | None,
+    quantization: str | None, threads: int | None, tensor_parallel_size: int,
+    metrics_port: int | None, metrics_host: str, metrics_tenants: bool, claim_timeout: float,
+    max_attempts: int, drain_timeout: float, redis_url: str | None,
 ) -> None:  # fmt: skip
     """Pull MODEL's requests from Redis, generate, and write Parquet rows.
 
@@ -94,7 +96,7 @@ def worker(
     engine = EngineConfig(
         device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len, model_impl=model_impl, threads=threads,
-        tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_size=tensor_parallel_size, quantization=quantization,
     )  # fmt: skip
     plan = plan_children(gpus, device, workers, threads, tensor_parallel_size)
     check_checkpoint(model)  # a typo or a hub id: one line now, not five failed children

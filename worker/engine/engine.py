@@ -98,8 +98,7 @@ class Engine:
         block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, max_model_len, kv_cache_bytes,
         gpu_memory_utilization, use_triton, use_cuda_graphs, seed, model_impl,
-        threads); see it for
-        what each does. An unknown name is a TypeError, a bad value an
+        threads, tensor_parallel_size, quantization); see it for what each does. An unknown name is a TypeError, a bad value an
         ``InvalidEngineConfig`` (a ValueError).
         """
         return cls.from_config(path, EngineConfig.from_kwargs(kwargs))

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from batchgen.worker.models import CausalLM, ModelConfig, UnsupportedModelError,
 from batchgen.worker.models.hf_backend import HfCausalLM
 from batchgen.worker.models.hf_config import HFConfig, read_hf_config
 from batchgen.worker.models.implementation import Implementation, choose_implementation
+from batchgen.worker.models.quant.online_fp8 import quantized_at_load, summary
 from batchgen.worker.models.tensor_parallel import ShardedDecoder, build_sharded_model
 from batchgen.worker.models.tensor_shard import check_shardable
 
@@ -151,6 +152,8 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
         heads = _local_heads(model)
     else:
         model = _load_model(root, hf, impl, ops, dev, torch_dtype, max_model_len)
+    if config.quantization is not None:
+        log.info("quantization %s: %s", config.quantization, summary(model))
     if isinstance(model, HfCausalLM):  # transformers' model: its attention shape, once loaded
         shape = model.config
         heads = (shape.num_heads, shape.num_kv_heads, shape.head_dim)
@@ -281,7 +284,15 @@ def _read_config(
     except ModelNotLoadable as exc:
         raise UnsupportedModelError(str(exc)) from None
     hf = read_hf_config(root)
-    return root, hf, choose_implementation(hf, config.model_impl)
+    impl = choose_implementation(hf, config.model_impl)
+    if config.quantization is not None:  # the native families' projections, quantized at load
+        if impl.native is None:
+            raise UnsupportedModelError(
+                f"quantization {config.quantization}: {root} runs on the transformers backend, "
+                "whose modules batchgen does not quantize; run it without --quantization"
+            )
+        impl = replace(impl, native=quantized_at_load(impl.native, config.quantization))
+    return root, hf, impl
 
 
 def _context(root: Path, impl: Implementation, config: EngineConfig) -> int:
