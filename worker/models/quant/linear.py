@@ -88,8 +88,8 @@ def read_quantized(
         )
     if layout.transposed or layout.qkv_per_head or layout.rope_interleaved:
         raise UnsupportedModelError(
-            f"a {scheme.method}-quantized checkpoint of a family whose projections are "
-            "reordered or transposed at load is not supported"
+            f"{scheme.method} quantization is not supported for a family whose projections "
+            "are reordered or transposed at load"
         )
     parts = tuple(scheme.read(store, name) for name in names)
     in_features = {p.in_features for p in parts}
