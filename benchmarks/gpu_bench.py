@@ -23,6 +23,7 @@ class Shapes:
     bw_batches: tuple[int, ...]
     bw_contexts: tuple[int, ...]
     bw_target: tuple[int, int]  # (batch, context) held to TARGET_FRACTION
+    mla: tuple[int, int, int]  # DeepSeek's latent attention: (heads, kv_lora_rank, rope dim)
     copy_bytes: int
     warmup: int
     iters: int
@@ -37,7 +38,7 @@ GPU = Shapes(
     prefill_chunks=((512, 512), (2048, 512), (1000, 1), (4096, 37), (17, 17), (300, 299)),
     tokens=4096, hidden=4096, intermediate=14336,
     bw_batches=(64, 128, 256), bw_contexts=(512, 2048, 8192), bw_target=(128, 2048),
-    copy_bytes=4 << 30, warmup=3, iters=10,
+    mla=(128, 512, 64), copy_bytes=4 << 30, warmup=3, iters=10,
     num_prompts=256, prompt_lens=(64, 512), max_new_tokens=256,
 )  # fmt: skip
 DRY_RUN = Shapes(
@@ -46,7 +47,7 @@ DRY_RUN = Shapes(
     prefill_chunks=((20, 20), (33, 5), (17, 1)),
     tokens=4, hidden=32, intermediate=48,
     bw_batches=(2,), bw_contexts=(17, 40), bw_target=(2, 40),
-    copy_bytes=1 << 20, warmup=1, iters=2,
+    mla=(20, 32, 16), copy_bytes=1 << 20, warmup=1, iters=2,
     num_prompts=4, prompt_lens=(4, 16), max_new_tokens=4,
 )  # fmt: skip
 TARGET_FRACTION = 0.7  # of copy bandwidth, at batch 128, context 2048

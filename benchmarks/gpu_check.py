@@ -21,11 +21,12 @@ when it raised, timed out or died) and ``DIR/<section>.log`` its stderr; a
 progress line goes to stdout. The exit code is 1 if any section failed. Sections:
 
 1. correctness: every Triton op against its reference on the device (bf16,
-   realistic shapes): max abs error and pass/fail.
+   realistic shapes), DeepSeek's MLA decode included: max abs error and pass/fail.
 2. bandwidth: paged decode attention's K/V bytes read / time against the
    device's copy bandwidth ((read + written bytes) / time of a big
    device-to-device copy), batch 64/128/256 x context 512/2k/8k, Llama-3-8B
    attention (32 heads, 8 KV heads, head_dim 128). Target: >= 70% at 128 x 2k.
+   Also the MLA decode kernel (DeepSeek-V3: 128 heads over 512 + 64 latent rows) at 128 x 2k.
 3. moe: the Triton fused-MoE kernel against the per-expert loop oracle at
    Mixtral, Qwen3-MoE, gpt-oss and DeepSeek-V3 expert shapes, and its ms per
    call against the same grouped algorithm in plain torch (gpu_moe.py).
@@ -96,6 +97,12 @@ def section_lines(name: str, result: dict[str, Any]) -> list[str]:
         for r in result["decode"]:
             lines.append(
                 f"  {r['batch']:5}  {r['context']:7}  {r['num_splits']:6}  {r['ms']:6.3f}  {r['gb_per_s']:6.0f}  {r['fraction_of_copy']:6.0%}"
+            )
+        if "mla_decode" in result:
+            r = result["mla_decode"]
+            lines.append(
+                f"  MLA {r['heads']} heads  {r['batch']:5}  {r['context']:7}  {r['ms']:6.3f} ms  "
+                f"{r['gb_per_s']:6.0f} GB/s  {r['fraction_of_copy']:6.0%} of copy"
             )
     elif name == "moe":
         from benchmarks.gpu_moe import table_lines

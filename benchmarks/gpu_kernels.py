@@ -14,6 +14,7 @@ def correctness(b: Bench) -> dict[str, Any]:
     from batchgen.kernels import dense
     from batchgen.kernels import reference as ref
     from batchgen.kernels.triton.decode_attention import decode_attention
+    from batchgen.kernels.triton.latent_decode import latent_decode_attention
     from batchgen.kernels.triton.op_set import TRITON_OPS as ops
 
     torch, s = b.torch, b.shapes
@@ -37,6 +38,18 @@ def correctness(b: Bench) -> dict[str, Any]:
         args = (q, k_cache, v_cache, tables, lens, head_dim**-0.5, max(contexts))
         out = decode_attention(*args, num_splits=num_splits)
         return compare(out, dense.paged_decode_attention(*args))
+
+    def latent_decode(num_splits: int | None):
+        """DeepSeek's MLA: one latent row per token as K and V for every head."""
+        heads, rank, rope = s.mla
+        contexts = list(s.decode_contexts)
+        cache, _, tables, lens = b.paged(contexts, rank + rope)
+        cache = cache[:, :, :1]  # one row per token (a strided view of the pool)
+        q = b.randn(len(contexts), heads, rank + rope)
+        args = (q, cache, tables, lens, (rank + rope) ** -0.5, max(contexts))
+        out = latent_decode_attention(*args, num_splits=num_splits)
+        expected = dense.paged_decode_attention(q, cache, cache, *args[2:])
+        return compare(out, expected)
 
     def prefill(head_dim: int):
         contexts = [c for c, _ in s.prefill_chunks]
@@ -108,6 +121,8 @@ def correctness(b: Bench) -> dict[str, Any]:
         "decode_no_split": lambda: decode(s.head_dim, 1),
         "decode_8_splits": lambda: decode(s.head_dim, 8),
         "decode_head_dim_80": lambda: decode(80, 4),
+        "mla_decode": lambda: latent_decode(None),
+        "mla_decode_8_splits": lambda: latent_decode(8),
         "prefill": lambda: prefill(s.head_dim),
         "prefill_head_dim_80": lambda: prefill(80),
         "norms": norms,
@@ -184,9 +199,31 @@ def bandwidth(b: Bench) -> dict[str, Any]:
         )
     target = [r for r in rows if (r["batch"], r["context"]) == s.bw_target]
     return {
+        "mla_decode": mla_bandwidth(b, copy_bw),
         "copy_gb_per_s": copy_bw / 1e9,
         "decode": rows,
         "target_shape_sweep": sweep,
         "target": f">= {TARGET_FRACTION:.0%} of copy bandwidth at (batch, context) {s.bw_target}",
         "target_met": bool(target) and target[0]["fraction_of_copy"] >= TARGET_FRACTION,
     }
+
+
+def mla_bandwidth(b: Bench, copy_bw: float) -> dict[str, Any]:
+    """The MLA decode kernel at the target (batch, context): latent bytes read / time."""
+    from batchgen.kernels.triton.latent_decode import latent_decode_attention
+
+    torch, s = b.torch, b.shapes
+    (batch, ctx), (heads, rank, rope) = s.bw_target, s.mla
+    nb = -(-ctx // s.block_size)
+    cache = b.randn(batch * nb, s.block_size, 1, rank + rope)
+    perm = torch.randperm(batch * nb, generator=b.gen, device=b.device)
+    tables = perm.view(batch, nb).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=b.device)
+    q = b.randn(batch, heads, rank + rope)
+    args = (q, cache, tables, lens, (rank + rope) ** -0.5, ctx)
+    seconds = b.median_seconds(functools.partial(latent_decode_attention, *args))
+    latent_bytes = batch * ctx * (rank + rope) * cache.element_size()
+    return {
+        "batch": batch, "context": ctx, "heads": heads, "ms": seconds * 1e3,
+        "gb_per_s": latent_bytes / seconds / 1e9, "fraction_of_copy": latent_bytes / seconds / copy_bw,
+    }  # fmt: skip

@@ -10,7 +10,7 @@ to 1 as constants), each distinct variant once. ``realistic_calls`` (the dense
 model's ops) compile for sm_80 and sm_90; ``hopper_calls`` for sm_90 only: the
 attention matrix of benchmarks/gpu_check.py (fp16 and bf16 x head_dim
 64/128/256 x GQA 1/4/8, splits 1/8/64, prefill chunks of 1/8/512 tokens,
-softcap+window, sinks+window), clamped SwiGLU, the fused MoE (dense and gpt-oss
+softcap+window, sinks+window), DeepSeek's MLA decode, clamped SwiGLU, the fused MoE (dense and gpt-oss
 MXFP4) and the quantized GEMMs (FP8 block-scaled, W4A16 for GPTQ, AWQ and
 compressed-tensors) at Llama-3-70B and gpt-oss shapes. That catches
 what the interpreter cannot: tl.dot shape limits, constexpr misuse, type errors
@@ -41,7 +41,7 @@ TYPES = {
 }  # fmt: skip
 KERNEL_MODULES = (
     "store_kv", "decode_attention", "prefill_attention", "norm", "rotary", "activation",
-    "fused_moe", "fp8_gemm", "w4a16_gemm",
+    "fused_moe", "fp8_gemm", "w4a16_gemm", "latent_decode",
 )  # fmt: skip
 
 
@@ -109,7 +109,7 @@ def compile_launch(fn: Any, args: tuple, kwargs: dict, capability: int) -> dict[
     kernel = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     ptx = kernel.asm["ptx"]
     shown = (
-        "HEAD_DIM", "GROUP", "GROUP_PAD", "BLOCK_M", "BLOCK_N", "BLOCK_K", "TILE_N", "NUM_SPLITS", "BLOCK",
+        "HEAD_DIM", "MAIN_DIM", "REST_DIM", "GROUP", "GROUP_PAD", "BLOCK_M", "BLOCK_N", "BLOCK_K", "TILE_N", "NUM_SPLITS", "BLOCK",
         "HAS_RESIDUAL", "SOFTCAP", "HAS_SINKS", "MXFP4", "HAS_BIAS", "GROUP_N", "GROUP_K",
         "PACKED_ALONG_K", "AWQ_ORDER", "HAS_ZEROS", "ZERO_OFFSET", "HAS_G_IDX", "ONE_GROUP_PER_STEP",
     )  # fmt: skip
@@ -166,6 +166,7 @@ def hopper_calls() -> None:
     from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights, Mxfp4ExpertWeights
     from batchgen.kernels.triton import fp8_gemm, w4a16_gemm
     from batchgen.kernels.triton.decode_attention import decode_attention
+    from batchgen.kernels.triton.latent_decode import latent_decode_attention
     from batchgen.kernels.triton.op_set import TRITON_OPS as ops
     from batchgen.kernels.triton.prefill_attention import prefill_attention
 
@@ -197,6 +198,10 @@ def hopper_calls() -> None:
                 decode_attention(q, cache, cache, tables, lens, 0.1, 128, window=64, num_splits=num_splits, **options)  # fmt: skip
             starts = torch.arange(5, dtype=i32) * 32
             prefill_attention(empty(128, 64, head_dim, dtype=dtype), cache, cache, tables, lens, starts, 0.1, 32, 128, window=64, **options)  # fmt: skip
+        # MLA (DeepSeek V2/V3): latent 512 + rope 64, 128 heads (one rank), splits 1 and 8
+        latent = empty(8, 64, 1, 576, dtype=dtype)
+        for num_splits in (1, 8):
+            latent_decode_attention(empty(4, 128, 576, dtype=dtype), latent, tables, lens, 0.1, 128, num_splits=num_splits)  # fmt: skip
         ops.silu_and_mul(empty(4, 2 * 14336, dtype=dtype))
         gpt_oss = ClampedSwiGLU(alpha=1.702, limit=7.0)
         # fused MoE: Mixtral (hidden 4096, inter 14336), gpt-oss (2880, 2880, biases); 2 experts

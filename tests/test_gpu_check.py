@@ -122,9 +122,8 @@ def test_dry_run_from_a_plain_checkout_writes_every_sections_result(machine, tmp
 
     correctness = found["correctness"]["result"]
     assert correctness["all_pass"] is True, correctness
-    assert {"store_kv", "decode", "decode_8_splits", "prefill", "norms", "apply_rotary"} <= set(
-        correctness
-    )
+    assert {"store_kv", "decode", "decode_8_splits", "prefill", "norms", "apply_rotary",
+            "mla_decode", "mla_decode_8_splits"} <= set(correctness)  # fmt: skip
     assert correctness["store_kv"]["max_abs_err"] == 0.0
     assert correctness["decode_cuda_graph"] == {"pass": True, "skipped": "needs CUDA"}
 
@@ -134,6 +133,8 @@ def test_dry_run_from_a_plain_checkout_writes_every_sections_result(machine, tmp
     assert all(r["ms"] > 0 and r["fraction_of_copy"] > 0 for r in bandwidth["decode"])
     assert len(bandwidth["target_shape_sweep"]) == 9  # 3 tiles x 2 warp counts, 3 splits
     assert isinstance(bandwidth["target_met"], bool)
+    mla = bandwidth["mla_decode"]
+    assert (mla["batch"], mla["context"], mla["heads"]) == (2, 40, 20) and mla["ms"] > 0
 
     moe = found["moe"]["result"]
     assert moe["all_pass"] is True, moe

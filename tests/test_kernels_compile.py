@@ -27,7 +27,7 @@ BOTH = {  # the dense model's ops: compiled for sm_80 and sm_90
 }  # fmt: skip
 HOPPER = {  # what runs on the lent H100/H200 beyond them: sm_90 only
     "_clamped_swiglu_kernel", "_grouped_gemm_kernel", "_per_token_group_quant_kernel",
-    "_w8a8_block_fp8_kernel", "_w4a16_kernel",
+    "_w8a8_block_fp8_kernel", "_w4a16_kernel", "_latent_decode_kernel",
 }  # fmt: skip
 
 
@@ -73,6 +73,15 @@ def test_sm90_covers_the_gpu_checks_attention_matrix(results):
             assert {r["dtype"] for r in hopper if r["kernel"] == kernel and r["constexprs"][option]} == {"fp16", "bf16"}  # fmt: skip
     splits = {r["constexprs"]["NUM_SPLITS"] for r in hopper if r["kernel"] == "_decode_kernel"}
     assert {1, 8, 64} <= splits
+
+
+def test_sm90_compiles_the_mla_decode_at_deepseek_shapes_on_tensor_cores(results):
+    mla = [r for r in results if r["kernel"] == "_latent_decode_kernel"]
+    assert {(r["dtype"], r["constexprs"]["MAIN_DIM"], r["constexprs"]["REST_DIM"],
+             r["constexprs"]["NUM_SPLITS"]) for r in mla} == {
+        (t, 512, 64, n) for t in ("fp16", "bf16") for n in (1, 8)
+    }  # fmt: skip
+    assert all(r["mma"] or r["wgmma"] for r in mla)
 
 
 def test_sm90_compiles_the_moe_and_quantized_gemms_on_tensor_cores(results):
