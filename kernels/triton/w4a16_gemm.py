@@ -14,8 +14,11 @@ One kernel serves the three packings the checkpoints use (see
   weight_zero_point int32 (ceil(N/8), G) packed along N.
 
 A program computes a BLOCK_M x BLOCK_N tile of x @ w: for each BLOCK_K slice
-it loads the int32 words holding its BLOCK_K x BLOCK_N nibbles, each row's
-group scale and zero, forms (q - z) * s in x's dtype and feeds it to tl.dot
+it loads the int32 words holding its BLOCK_K x BLOCK_N nibbles (each word
+once, as a tile contiguous along the packed tensor's rows, unpacked by eight
+broadcast shifts: a tile of words repeated 8 times per nibble would be laid
+out across K, and Triton 3.6 then reads the scales one 16-bit value at a
+time), each row's group scale and zero, forms (q - z) * s in x's dtype and feeds it to tl.dot
 with fp32 accumulation; the weight is never dequantized whole. Output in x's
 dtype (bf16, fp16 or fp32).
 """
@@ -65,40 +68,51 @@ def _w4a16_kernel(
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    m_mask, n_mask = offs_m < M, offs_n < N
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * x_stride + offs_k[None, :]
-    col_in_word = offs_n % 8
+    # the words holding the tile's nibbles, each loaded once from contiguous addresses and
+    # unpacked by broadcasting eight shifts over it: words along N hold 8 columns, along K 8 rows
+    offs_wn = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    offs_wk = tl.arange(0, BLOCK_K // 8)
+    nibble = tl.arange(0, 8)
     if AWQ_ORDER:
-        col_shift = ((col_in_word % 2) * 4 + col_in_word // 2) * 4
+        col_shift = ((nibble % 2) * 4 + nibble // 2) * 4
     else:
-        col_shift = col_in_word * 4
+        col_shift = nibble * 4
+    m_mask, n_mask = offs_m < M, offs_n < N
+    wn_mask = offs_wn * 8 < N
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * x_stride + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rows = k0 + offs_k
         k_mask = rows < K
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        if PACKED_ALONG_K:
+        if PACKED_ALONG_K:  # (BLOCK_K // 8, BLOCK_N) words -> (BLOCK_K, BLOCK_N) nibbles
+            word_rows = k0 // 8 + offs_wk
             words = tl.load(
-                qweight_ptr + (rows // 8)[:, None] * qw_stride_k + offs_n[None, :] * qw_stride_n,
-                mask=w_mask,
+                qweight_ptr + word_rows[:, None] * qw_stride_k + offs_n[None, :] * qw_stride_n,
+                mask=(word_rows * 8 < K)[:, None] & n_mask[None, :],
                 other=0,
             )
-            q = (words >> ((rows % 8) * 4)[:, None]) & 0xF
-        else:
+            q = (words[:, None, :] >> (nibble * 4)[None, :, None]) & 0xF
+        else:  # (BLOCK_K, BLOCK_N // 8) words -> (BLOCK_K, BLOCK_N) nibbles
             words = tl.load(
-                qweight_ptr + rows[:, None] * qw_stride_k + (offs_n // 8)[None, :] * qw_stride_n,
-                mask=w_mask,
+                qweight_ptr + rows[:, None] * qw_stride_k + offs_wn[None, :] * qw_stride_n,
+                mask=k_mask[:, None] & wn_mask[None, :],
                 other=0,
             )
-            q = (words >> col_shift[None, :]) & 0xF
+            q = (words[:, :, None] >> col_shift[None, None, :]) & 0xF
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
         if ONE_GROUP_PER_STEP:  # the slice's rows share one group: a row of scales and zeros
             group = k0 // GROUP_SIZE
             scales = tl.load(
                 scales_ptr + group * s_stride_g + offs_n * s_stride_n, mask=n_mask, other=0.0
             )[None, :]
-            zero_ptrs = zeros_ptr + group * z_stride_g + (offs_n // 8) * z_stride_n
-            zero_words = tl.load(zero_ptrs, mask=n_mask, other=0)[None, :]
+            zeros = 8  # symmetric: the stored values are offset by 8
+            if HAS_ZEROS:
+                zero_ptrs = zeros_ptr + group * z_stride_g + offs_wn * z_stride_n
+                zero_words = tl.load(zero_ptrs, mask=wn_mask, other=0)  # (BLOCK_N // 8,)
+                zeros = (zero_words[:, None] >> col_shift[None, :]) & 0xF
+                zeros = tl.reshape(zeros, (1, BLOCK_N)) + ZERO_OFFSET
         else:
             if HAS_G_IDX:
                 groups = tl.load(g_idx_ptr + rows, mask=k_mask, other=0)
@@ -109,14 +123,12 @@ def _w4a16_kernel(
                 mask=w_mask,
                 other=0.0,
             )
-            zero_ptrs = (
-                zeros_ptr + groups[:, None] * z_stride_g + (offs_n // 8)[None, :] * z_stride_n
-            )
-            zero_words = tl.load(zero_ptrs, mask=w_mask, other=0)
-        if HAS_ZEROS:
-            zeros = ((zero_words >> col_shift[None, :]) & 0xF) + ZERO_OFFSET
-        else:
             zeros = 8
+            if HAS_ZEROS:
+                z_ptrs = zeros_ptr + groups[:, None] * z_stride_g + offs_wn[None, :] * z_stride_n
+                zero_words = tl.load(z_ptrs, mask=k_mask[:, None] & wn_mask[None, :], other=0)
+                zeros = (zero_words[:, :, None] >> col_shift[None, None, :]) & 0xF
+                zeros = tl.reshape(zeros, (BLOCK_K, BLOCK_N)) + ZERO_OFFSET
         w = ((q - zeros).to(tl.float32) * scales.to(tl.float32)).to(x.dtype)
         if DOT_FP32:
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
