@@ -35,8 +35,9 @@ class KernelOps:
     attention: Callable[..., StepAttention]
     # (x, ExpertWeights, topk_weights, topk_ids) -> routed experts' weighted sum (experts.py)
     fused_moe: Callable[..., torch.Tensor]
-    # (num_heads, num_kv_heads, head_dim) -> why the attention kernels cannot take
-    # that shape, or None: checked when a model loads, not at its first step
+    # (num_heads, num_kv_heads, head_dim, kv_shared) -> why the attention kernels cannot
+    # take that shape, or None: checked when a model loads, not at its first step;
+    # kv_shared: K and V are one tensor (MLA's latent cache)
     attention_limits: Callable[..., str | None]
 
 

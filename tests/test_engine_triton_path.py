@@ -58,8 +58,8 @@ def test_attention_arguments_are_checked_once_per_step_not_per_layer(toy_model, 
 
 
 # local/global layers with soft-capping, a window on every layer (blocks handed back),
-# partial rotary in a parallel block, learned positions without rotary
-@pytest.mark.parametrize("name", ["gemma2", "mistral", "phi", "gpt2"])
+# partial rotary in a parallel block, learned positions without rotary, MLA's latent cache
+@pytest.mark.parametrize("name", ["gemma2", "mistral", "phi", "gpt2", "deepseek_v3"])
 def test_triton_ops_run_the_families_switches_like_the_cpu_path(zoo_model, name):
     path = zoo_model(name)
     engines = [

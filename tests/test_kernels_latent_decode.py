@@ -98,3 +98,32 @@ def test_latent_decode_rejects_bad_input():
         latent_decode_attention(q, cache, tables, lens, 0.1, 5, num_splits=3)
     with pytest.raises(TypeError, match="dtypes must match"):
         latent_decode_attention(q.half(), cache, tables, lens, 0.1, 5)
+
+
+def test_a_step_on_the_latent_cache_runs_decodes_and_prefill_chunks_on_the_latent_kernel():
+    """Two decodes and two prefill chunks (each chunk token a row over its causal prefix)
+    through TritonAttention, against the dense decode and prefill on the same cache."""
+    from batchgen.kernels.batch import AttentionBatch, AttentionKind
+    from batchgen.kernels.reference import PAD_SLOT_ID
+    from batchgen.kernels.triton.op_set import TRITON_OPS
+
+    contexts, q_lens = [5, 19, 12, 7], [1, 1, 4, 7]  # decodes, then chunks ending the context
+    q, cache, tables, lens = _latent_case(contexts, 20, 48, 4, torch.float32)
+    q = torch.randn(sum(q_lens), 20, 48, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    starts = torch.tensor([0, 4, 11], dtype=torch.int32, device=DEVICE)
+    batch = AttentionBatch(
+        slot_mapping=torch.full((13,), PAD_SLOT_ID, dtype=torch.int64, device=DEVICE),  # no store
+        num_decode_tokens=2, decode_block_tables=tables[:2], decode_context_lens=lens[:2],
+        decode_max_context_len=19, prefill_block_tables=tables[2:], prefill_context_lens=lens[2:],
+        prefill_query_start_loc=starts, prefill_max_query_len=7, prefill_max_context_len=12,
+    )  # fmt: skip
+    step = TRITON_OPS.attention(batch, cache, cache, AttentionKind(scale=0.15))
+    new = torch.zeros(13, 1, 48, device=DEVICE)
+    out = step(q, new, new, cache, cache)
+    assert step.latent and step.latent_rows is not None
+    assert step.latent_rows[1].tolist() == [9, 10, 11, 12, 1, 2, 3, 4, 5, 6, 7]
+    decode = dense.paged_decode_attention(q[:2], cache, cache, tables[:2], lens[:2], 0.15, 19)
+    prefill = dense.paged_prefill_attention(
+        q[2:], cache, cache, tables[2:], lens[2:], starts, 0.15, 7, 12
+    )
+    torch.testing.assert_close(out, torch.cat((decode, prefill)), atol=2e-5, rtol=2e-5)

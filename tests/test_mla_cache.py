@@ -57,20 +57,23 @@ def test_the_latent_cache_is_one_tensor_read_as_keys_and_values(zoo_model):
     assert bytes_per_block(config, 16, torch.float32) == 3 * 16 * 40 * 4
 
 
-def test_real_mla_sizes_on_the_triton_kernels_are_refused_at_load(zoo_model, tmp_path: Path):
-    """A 576-dim latent row for 128 heads is beyond the Triton attention kernels' register
-    budget: the load says so, rather than the first step failing inside the engine."""
-    import shutil
-
-    import pytest
+def test_real_mla_sizes_load_on_the_triton_latent_kernel(tmp_path: Path):
+    """A 576-dim latent row for 128 heads is beyond the generic attention kernels' register
+    budget, so the latent cache goes to the latent kernel: the load's kernel check passes
+    it, and refuses the same shape as separate K and V."""
     from transformers import DeepseekV3Config
 
-    from batchgen import Engine
-    from batchgen.worker.models import UnsupportedModelError
+    from batchgen.kernels.ops import CPU_OPS, select_ops
 
-    config = DeepseekV3Config(**DEEPSEEK_V3, architectures=["DeepseekV3ForCausalLM"])
-    config.save_pretrained(tmp_path)
-    for file in zoo_model("deepseek_v3").glob("*token*"):  # the tokenizer, no weights
-        shutil.copy(file, tmp_path / file.name)
-    with pytest.raises(UnsupportedModelError, match=r"head_dim 576 with 128 query heads per KV"):
-        Engine.from_pretrained(tmp_path, use_triton=True)
+    DeepseekV3Config(**DEEPSEEK_V3, architectures=["DeepseekV3ForCausalLM"]).save_pretrained(
+        tmp_path
+    )
+    config = load_model_config(tmp_path)
+    a = config.attention
+    shape = (a.num_heads, a.num_kv_heads, a.head_dim)
+    assert shape == (128, 1, 576) and config.kv_shared
+    triton = select_ops(torch.device("cpu"), use_triton=True)
+    assert triton.attention_limits(*shape, config.kv_shared) is None
+    assert "head_dim 576 with 128 query heads per KV" in str(triton.attention_limits(*shape, False))
+    assert "latent (MLA) row of 1024" in str(triton.attention_limits(128, 1, 1024, True))
+    assert CPU_OPS.attention_limits(*shape, False) is None

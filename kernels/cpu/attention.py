@@ -58,7 +58,9 @@ class CpuAttention:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def attention_limits(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+def attention_limits(
+    num_heads: int, num_kv_heads: int, head_dim: int, kv_shared: bool
+) -> str | None:
     """The CPU path takes any attention shape."""
     return None
 

@@ -143,7 +143,7 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     if impl.native is not None:  # the kernels' limits, known from the config alone
         a = impl.native.attention
         heads = (a.num_heads, a.num_kv_heads, a.head_dim)
-        _check_kernels(ops, impl.native.family, a.num_heads, a.num_kv_heads, a.head_dim)
+        _check_kernels(ops, impl.native.family, *heads, impl.native.kv_shared)
     tokenizer = _load_tokenizer(path, root)
     if group is not None:
         assert native is not None  # _tensor_parallel_native refused the transformers backend
@@ -311,10 +311,10 @@ def _context(root: Path, impl: Implementation, config: EngineConfig) -> int:
 
 
 def _check_kernels(
-    ops: KernelOps, name: str, num_heads: int, num_kv_heads: int, head_dim: int
+    ops: KernelOps, name: str, num_heads: int, num_kv_heads: int, head_dim: int, kv_shared: bool
 ) -> None:
     """Refuse an attention shape the kernels cannot run (``KernelOps.attention_limits``)."""
-    problem = ops.attention_limits(num_heads, num_kv_heads, head_dim)
+    problem = ops.attention_limits(num_heads, num_kv_heads, head_dim, kv_shared)
     if problem is not None:
         raise UnsupportedModelError(f"{name} on the {ops.name} kernels: {problem}")
 
@@ -346,5 +346,6 @@ def _load_model(
     except UnsupportedModelError as exc:
         raise impl.refusal(exc) from exc
     shape = model.config
-    _check_kernels(ops, shape.architecture, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+    _check_kernels(ops, shape.architecture, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                   shape.kv_shared)  # fmt: skip
     return model
