@@ -106,6 +106,7 @@ def test_a_step_on_the_latent_cache_runs_decodes_and_prefill_chunks_on_the_laten
     from batchgen.kernels.batch import AttentionBatch, AttentionKind
     from batchgen.kernels.reference import PAD_SLOT_ID
     from batchgen.kernels.triton.op_set import TRITON_OPS
+    from batchgen.kernels.triton.step import TritonAttention
 
     contexts, q_lens = [5, 19, 12, 7], [1, 1, 4, 7]  # decodes, then chunks ending the context
     q, cache, tables, lens = _latent_case(contexts, 20, 48, 4, torch.float32)
@@ -117,7 +118,8 @@ def test_a_step_on_the_latent_cache_runs_decodes_and_prefill_chunks_on_the_laten
         decode_max_context_len=19, prefill_block_tables=tables[2:], prefill_context_lens=lens[2:],
         prefill_query_start_loc=starts, prefill_max_query_len=7, prefill_max_context_len=12,
     )  # fmt: skip
-    step = TRITON_OPS.attention(batch, cache, cache, AttentionKind(scale=0.15))
+    assert TRITON_OPS.attention is TritonAttention
+    step = TritonAttention(batch, cache, cache, AttentionKind(scale=0.15))
     new = torch.zeros(13, 1, 48, device=DEVICE)
     out = step(q, new, new, cache, cache)
     assert step.latent and step.latent_rows is not None

@@ -68,7 +68,9 @@ class TritonAttention:
                 check_sinks(sinks, shape)
         self.checked = True
 
-    def _check_latent(self, q: torch.Tensor, cache: torch.Tensor, sinks: torch.Tensor | None):
+    def _check_latent(
+        self, q: torch.Tensor, cache: torch.Tensor, sinks: torch.Tensor | None
+    ) -> None:
         b, nd, kind = self.batch, self.batch.num_decode_tokens, self.kind
         if kind.window is not None or kind.softcap is not None or sinks is not None:
             raise ValueError("the latent (MLA) kernel has no window, softcap or sinks")
