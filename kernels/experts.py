@@ -67,6 +67,29 @@ class Mxfp4ExpertWeights:
         return self.gate_up_blocks.shape[0]
 
 
+@dataclass(slots=True)
+class Fp8BlockExpertWeights:
+    """Routed experts as block-wise FP8 checkpoints store them (DeepSeek-V3/R1, Qwen3 -FP8).
+
+    Output-major float8_e4m3fn weights, each (bn, bk) block of a projection
+    times its fp32 ``weight_scale_inv`` (``quant_reference.dequantize_fp8_block``).
+    gate_up holds each expert's gate rows then up rows, its scale grid gate's
+    grid then up's (gate and up are separate tensors on disk, so a partial last
+    block of gate stays partial). Half the bytes of bf16 experts, plus the scales.
+    """
+
+    gate_up: torch.Tensor  # (num_experts, 2 * inter, hidden) float8_e4m3fn
+    gate_up_scale_inv: torch.Tensor  # (num_experts, 2 * ceil(inter / bn), ceil(hidden / bk))
+    down: torch.Tensor  # (num_experts, hidden, inter) float8_e4m3fn
+    down_scale_inv: torch.Tensor  # (num_experts, ceil(hidden / bn), ceil(inter / bk))
+    block: tuple[int, int]  # (bn, bk): weight_block_size
+    activation: ClampedSwiGLU | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+
 def activate(h: torch.Tensor, activation: ClampedSwiGLU | None) -> torch.Tensor:
     """(rows, 2 * inter) gate/up -> (rows, inter), in torch."""
     if activation is None:

@@ -11,6 +11,7 @@ Formats (the tensor names are the checkpoints'):
   float8_e4m3fn (N, K), ``weight_scale_inv`` fp32 (ceil(N/bn), ceil(K/bk)) whose
   entry multiplies its bn x bk block of the weight; activations are quantized
   at run time per token and group of bk columns (``per_token_group_quant_fp8``).
+  Routed experts: one such pair per expert and projection (``Fp8BlockExpertWeights``).
 - GPTQ: ``qweight`` int32 (K/8, N), row k's 4 bits at bit 4*(k%8) of word k//8;
   ``qzeros`` int32 (G, N/8), column n's at bit 4*(n%8), stored minus one (the
   original "gptq" checkpoint format); ``scales`` (G, N); ``g_idx`` (K,) the group
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.experts import ExpertWeights, Mxfp4ExpertWeights
+from batchgen.kernels.experts import ExpertWeights, Fp8BlockExpertWeights, Mxfp4ExpertWeights
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
 FP8_EPS = 1e-10  # a group of zeros still gets a non-zero scale
@@ -183,5 +184,28 @@ def dequantize_mxfp4_experts(experts: Mxfp4ExpertWeights) -> ExpertWeights:
         w2=dequantize_mxfp4(experts.down_blocks, experts.down_scales).transpose(1, 2).contiguous(),
         b13=torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1).float() if bias is not None else None,
         b2=experts.down_bias.float() if experts.down_bias is not None else None,
+        activation=experts.activation,
+    )
+
+
+def dequantize_fp8_block_expert(
+    experts: Fp8BlockExpertWeights, e: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e -> fp32, output-major: gate_up (2 * inter, hidden), gate rows first, and
+    down (hidden, inter); gate and up each dequantized on its own scale grid."""
+    inter, rows = experts.gate_up.shape[1] // 2, experts.gate_up_scale_inv.shape[1] // 2
+    gate_up, scale = experts.gate_up[e], experts.gate_up_scale_inv[e]
+    gate = dequantize_fp8_block(gate_up[:inter], scale[:rows], experts.block)
+    up = dequantize_fp8_block(gate_up[inter:], scale[rows:], experts.block)
+    down = dequantize_fp8_block(experts.down[e], experts.down_scale_inv[e], experts.block)
+    return torch.cat((gate, up)), down
+
+
+def dequantize_fp8_block_experts(experts: Fp8BlockExpertWeights) -> ExpertWeights:
+    """Every expert -> fp32 ``ExpertWeights`` (input-major, gate columns then up)."""
+    pairs = [dequantize_fp8_block_expert(experts, e) for e in range(experts.num_experts)]
+    return ExpertWeights(
+        w13=torch.stack([gate_up.t() for gate_up, _ in pairs]).contiguous(),
+        w2=torch.stack([down.t() for _, down in pairs]).contiguous(),
         activation=experts.activation,
     )

@@ -68,13 +68,15 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int])
 
 
 def quantize_fp8_block(
-    src: Path, out: Path, block: tuple[int, int], skip: tuple[str, ...] = ()
-) -> Path:
-    """``skip``: modules left plain, written to modules_to_not_convert."""
+    src: Path, out: Path, block: tuple[int, int], skip: tuple[str, ...] = (),
+    projections: re.Pattern[str] = PROJECTION,
+) -> Path:  # fmt: skip
+    """``skip``: modules left plain, written to modules_to_not_convert; ``projections``: the
+    weights quantized (an MoE family's experts and MLA's projections have other names)."""
 
     def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         module = name.removesuffix(".weight")
-        if not PROJECTION.match(name) or any(module.endswith(s) for s in skip):
+        if not projections.match(name) or any(module.endswith(s) for s in skip):
             return {name: tensor}
         q, scale = fp8_block(tensor.float(), block)
         return {name: q, f"{module}.weight_scale_inv": scale}

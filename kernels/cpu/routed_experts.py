@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from batchgen.kernels.experts import ExpertWeights, Mxfp4ExpertWeights, activate
-from batchgen.kernels.quant_reference import E2M1_VALUES
+from batchgen.kernels.experts import (
+    ExpertWeights,
+    Fp8BlockExpertWeights,
+    Mxfp4ExpertWeights,
+    activate,
+)
+from batchgen.kernels.quant_reference import E2M1_VALUES, dequantize_fp8_block_expert
 
 # a byte's two e2m1 values, the low nibble first: (256, 2)
 _BYTE_VALUES = torch.stack(
@@ -27,14 +32,16 @@ _BYTE_VALUES = torch.stack(
 
 def fused_moe(
     x: torch.Tensor,
-    experts: ExpertWeights | Mxfp4ExpertWeights,
+    experts: ExpertWeights | Mxfp4ExpertWeights | Fp8BlockExpertWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """x (num_tokens, hidden) -> (num_tokens, hidden) in x's dtype. MXFP4 experts (gpt-oss's
     stored layout) are dequantized to x's dtype one expert at a time, only those a token
     chose, so the extra memory is one expert's weights: exact, as every e2m1 value times
-    a power of two is (the Triton kernel dequantizes inside its loop instead)."""
+    a power of two is (the Triton kernel dequantizes inside its loop instead).
+    Block-wise FP8 experts stay FP8 the same way: each expert with tokens is dequantized
+    on its own, in fp32 then x's dtype as transformers' dequantizing loader rounds it."""
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = flat.argsort(stable=True)  # pairs grouped by expert, tokens ascending within
@@ -69,9 +76,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 Tensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 
 
-def _expert(experts: ExpertWeights | Mxfp4ExpertWeights, e: int, dtype: torch.dtype) -> Tensors:
-    """Expert e's (w13, b13, w2, b2): views of float experts; MXFP4 ones dequantized,
-    that expert alone, to ``dtype``."""
+def _expert(
+    experts: ExpertWeights | Mxfp4ExpertWeights | Fp8BlockExpertWeights, e: int, dtype: torch.dtype
+) -> Tensors:
+    """Expert e's (w13, b13, w2, b2): views of float experts; MXFP4 and block-FP8 ones
+    dequantized, that expert alone, to ``dtype``."""
+    if isinstance(experts, Fp8BlockExpertWeights):
+        gate_up, down = dequantize_fp8_block_expert(experts, e)
+        return gate_up.to(dtype).t(), None, down.to(dtype).t(), None
     if isinstance(experts, Mxfp4ExpertWeights):
         experts, e = dequantize_expert(experts, e, dtype), 0
     b13 = None if experts.b13 is None else experts.b13[e]

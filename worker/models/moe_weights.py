@@ -15,11 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights, Mxfp4ExpertWeights
-from batchgen.worker.models.dense_weights import BlockReader
+from batchgen.kernels.experts import (
+    ClampedSwiGLU,
+    ExpertWeights,
+    Fp8BlockExpertWeights,
+    Mxfp4ExpertWeights,
+)
+from batchgen.worker.models.dense_weights import BlockReader, CheckpointLayout
 from batchgen.worker.models.layers.mlp import DenseMlp
 from batchgen.worker.models.layers.sparse_moe import Router, SparseMoe, route_fn
 from batchgen.worker.models.model_config import MlpSpec, ModelConfig, MoeSpec, RouterKind
+from batchgen.worker.models.quant import read_quantized
+from batchgen.worker.models.quant.fp8_experts import read_quantized_experts
 from batchgen.worker.models.quant.mxfp4 import read_mxfp4_experts
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear, fuse
@@ -71,24 +78,35 @@ def read_moe(store: TensorStore, config: ModelConfig, layout: MoeLayout, p: str)
     if spec.shared_intermediate_size:
         s = f"{b}{layout.shared}."
         shared_spec = MlpSpec(spec.shared_intermediate_size, config.mlp.activation)
-        up = fuse(store.take_all([f"{s}gate_proj.weight", f"{s}up_proj.weight"]))
-        moe.shared = DenseMlp(
-            shared_spec, up, Linear(store.take(f"{s}down_proj.weight").t().contiguous())
-        )
+        up = _projection(store, [f"{s}gate_proj", f"{s}up_proj"])
+        moe.shared = DenseMlp(shared_spec, up, _projection(store, [f"{s}down_proj"]))
         if spec.shared_gate:
-            moe.shared_gate = Linear(store.take(f"{b}{layout.shared_gate}.weight").t().contiguous())
+            moe.shared_gate = _projection(store, [f"{b}{layout.shared_gate}"])
     return moe
+
+
+def _projection(store: TensorStore, names: list[str]) -> Linear:
+    """The modules ``names`` fused in that order: quantized where the checkpoint is."""
+    quantized = read_quantized(store, names, False, CheckpointLayout())
+    if quantized is not None:
+        return quantized
+    return fuse(store.take_all(f"{n}.weight" for n in names))
 
 
 def _expert_by_expert(
     store: TensorStore, num_experts: int, b: str, layout: MoeLayout
-) -> ExpertWeights:
+) -> ExpertWeights | Fp8BlockExpertWeights:
+    names = [
+        (f"{b}experts.{e}.{layout.gate}", f"{b}experts.{e}.{layout.up}",
+         f"{b}experts.{e}.{layout.down}")
+        for e in range(num_experts)
+    ]  # fmt: skip
+    quantized = read_quantized_experts(store, names)
+    if quantized is not None:
+        return quantized
     w13, w2 = [], []
-    for e in range(num_experts):
-        x = f"{b}experts.{e}."
-        gate, up, down = store.take_all(
-            f"{x}{n}.weight" for n in (layout.gate, layout.up, layout.down)
-        )
+    for expert in names:
+        gate, up, down = store.take_all(f"{n}.weight" for n in expert)
         w13.append(torch.cat((gate, up)).t())  # (hidden, 2 * inter)
         w2.append(down.t())  # (inter, hidden)
     return ExpertWeights(torch.stack(w13).contiguous(), torch.stack(w2).contiguous())

@@ -281,7 +281,7 @@ def _shard_mlp(block: MlpBlock, shard: Shard) -> MlpBlock:
         if block.shared is not None:
             assert isinstance(block.shared, DenseMlp), "a shared expert is a dense MLP"
             shared = _shard_dense_mlp(block.shared, shard)
-        # quantized experts (MXFP4) never get here: tensor_shard refuses quantized checkpoints
+        # quantized experts (MXFP4, FP8) never get here: tensor_shard refuses quantized checkpoints
         assert isinstance(block.experts, ExpertWeights), "plain experts"
         return replace(block, experts=_shard_experts(block.experts, shard), shared=shared)
     raise UnsupportedModelError(f"tensor parallelism cannot split a {type(block).__name__}")

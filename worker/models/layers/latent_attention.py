@@ -13,16 +13,21 @@ dim (the absorbed q_nope and the rotated q_pe), values the latent part of the
 same rows. The cache holds only that row per token and layer, one tensor read
 as keys and as values (``ModelConfig.kv_shared``); the output's rope columns
 are dropped before W_UV.
+
+A quantized checkpoint's projections (DeepSeek-V3/R1's block-wise FP8) stay
+quantized (``quant.QuantizedLinear``), except kv_b_proj, dequantized once at
+load into W_UK and W_UV.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from batchgen.kernels.batch import StepAttention
 from batchgen.kernels.ops import KernelOps
+from batchgen.worker.models.dense_weights import CheckpointLayout
 from batchgen.worker.models.layers.norms import Norm
 from batchgen.worker.models.layers.rope import RopeTable
 from batchgen.worker.models.model_config import (
@@ -31,9 +36,14 @@ from batchgen.worker.models.model_config import (
     NormKind,
     NormSpec,
 )
+from batchgen.worker.models.quant import QuantizedLinear, read_quantized
+from batchgen.worker.models.quant.fp8 import Fp8BlockWeight
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear
+from batchgen.worker.worker_errors import UnsupportedModelError
 
+# MLA's projections are read by name, never reordered nor transposed as a family's can be
+PLAIN = CheckpointLayout()
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps,
 # not the config's rms_norm_eps
 LATENT_NORM = NormSpec(NormKind.RMS, 1e-6)
@@ -97,6 +107,9 @@ def read_latent_attention(
     bias = a.qkv_bias
 
     def linear(name: str, with_bias: bool = False) -> Linear:
+        quantized = read_quantized(store, [attn + name], with_bias, PLAIN)
+        if quantized is not None:
+            return quantized
         weight = store.take(f"{attn}{name}.weight").t().contiguous()
         return Linear(weight, store.take_if(with_bias, f"{attn}{name}.bias"))
 
@@ -118,7 +131,7 @@ def read_latent_attention(
         q_a, q_a_norm = linear("q_a_proj", bias), norm("q_a_layernorm")
         q_b = _columns(linear("q_b_proj"), q_order)
     kv_a = _columns(linear("kv_a_proj_with_mqa", bias), kv_order)
-    kv_b = store.take(f"{attn}kv_b_proj.weight").view(heads, nope + s.v_head_dim, s.kv_lora_rank)
+    kv_b = _kv_b(store, f"{attn}kv_b_proj").view(heads, nope + s.v_head_dim, s.kv_lora_rank)
     w_uk = kv_b[:, :nope].contiguous()  # (heads, nope, rank)
     w_uv = kv_b[:, nope:].transpose(1, 2).contiguous()  # (heads, rank, v_head_dim)
     o = linear("o_proj", a.o_bias)
@@ -127,7 +140,37 @@ def read_latent_attention(
     )
 
 
+def _kv_b(store: TensorStore, name: str) -> torch.Tensor:
+    """kv_b_proj's (out, in) weight, to be split into W_UK and W_UV per head. A quantized one
+    is dequantized here, once, in fp32 and then rounded to the model's dtype as transformers'
+    dequantizing loader rounds it: it is small (heads * (nope + v) x kv_lora_rank,
+    DeepSeek-V3's 17M of 671B weights)."""
+    quantized = read_quantized(store, [name], False, PLAIN)
+    if quantized is None:
+        return store.take(f"{name}.weight")
+    return quantized.dequantized().t().to(store.dtype).contiguous()
+
+
 def _columns(layer: Linear, order: torch.Tensor) -> Linear:
+    if isinstance(layer, QuantizedLinear):
+        return _quantized_columns(layer, order)
     order = order.to(layer.weight.device)
     bias = None if layer.bias is None else layer.bias[order].contiguous()
     return Linear(layer.weight[:, order].contiguous(), bias)
+
+
+def _quantized_columns(layer: QuantizedLinear, order: torch.Tensor) -> QuantizedLinear:
+    """The rope pairs' reordering applied to the stored rows of a block-wise FP8 weight, its
+    scales as they are: possible where every row stays in its block of rows, as in
+    DeepSeek-V3 (a head's 64 rope rows lie in one block of 128)."""
+    if torch.equal(order, torch.arange(len(order))):
+        return layer
+    (part,) = layer.parts
+    reordered = part.rows_reordered(order) if isinstance(part, Fp8BlockWeight) else None
+    if reordered is None:
+        raise UnsupportedModelError(
+            "a quantized MLA projection whose interleaved rope rows cross its scale blocks "
+            "is not supported (block-wise fp8 with rope rows inside one block is)"
+        )
+    bias = None if layer.bias is None else layer.bias[order.to(layer.bias.device)].contiguous()
+    return replace(layer, bias=bias, parts=(reordered,))

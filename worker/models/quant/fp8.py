@@ -54,6 +54,14 @@ class Fp8BlockWeight(QuantizedWeight):
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.weight, self.scale_inv)
 
+    def rows_reordered(self, order: torch.Tensor) -> Fp8BlockWeight | None:
+        """Output feature i becomes stored row ``order[i]``, the scales unchanged; None when
+        a row would leave its block of bn rows (its scale would then differ)."""
+        rows = torch.arange(self.out_features, device=order.device)
+        if not torch.equal(order // self.block[0], rows // self.block[0]):
+            return None
+        return Fp8BlockWeight(self.weight[order.to(self.weight.device)], self.scale_inv, self.block)
+
 
 @dataclass(frozen=True, slots=True)
 class Fp8BlockScheme(Scheme):
