@@ -57,15 +57,22 @@ def _fp8_experts(
     )
 
 
-def test_fp8_experts_product_equals_dequantize_then_run() -> None:
-    """Partial blocks (inter 20 over blocks of 8 rows): gate and up keep their own grids; the
-    CPU product dequantizing one expert at a time equals running the dequantized experts."""
-    experts = _fp8_experts(num=4, hidden=48, inter=20, block=(8, 16))
-    assert experts.gate_up_scale_inv.shape == (4, 6, 3)  # gate's 3 rows of blocks, then up's
+@pytest.mark.parametrize("inter", [16, 20])
+def test_fp8_experts_product_equals_dequantize_then_run(inter: int) -> None:
+    """Whole blocks, and partial ones (inter 20 over blocks of 8 rows): gate and up keep their
+    own grids; the CPU product dequantizing one expert at a time (its faster dequantizer
+    giving the reference's values exactly) equals running the dequantized experts."""
+    experts = _fp8_experts(num=4, hidden=48, inter=inter, block=(8, 16))
+    for e in range(4):
+        fast = qref.dequantize_fp8_block_expert(experts, e, routed_experts._dequantize_fp8_block)
+        for got, want in zip(fast, qref.dequantize_fp8_block_expert(experts, e)):
+            assert torch.equal(got, want)
+    rows = -(-inter // 8)  # gate's rows of blocks, then up's as many
+    assert experts.gate_up_scale_inv.shape == (4, 2 * rows, 3)
     plain = qref.dequantize_fp8_block_experts(experts)
-    # the format's definition: up's row 1 is stored row 21, scaled by up's first row of blocks
+    # the format's definition: up's row 1 is stored row inter + 1, scaled by up's first blocks
     q, scale = experts.gate_up[2], experts.gate_up_scale_inv[2]
-    assert plain.w13[2, 40, 21] == q[21, 40].float() * scale[3, 40 // 16]
+    assert plain.w13[2, 40, inter + 1] == q[inter + 1, 40].float() * scale[rows, 40 // 16]
     x = torch.randn(9, 48)
     ids = torch.tensor([[0, 3], [3, 1], [1, 0], [3, 2], [0, 1], [2, 3], [1, 2], [3, 0], [2, 1]])
     weights = torch.rand(9, 2)

@@ -22,12 +22,18 @@ from batchgen.kernels.experts import (
     Mxfp4ExpertWeights,
     activate,
 )
-from batchgen.kernels.quant_reference import E2M1_VALUES, dequantize_fp8_block_expert
+from batchgen.kernels.quant_reference import (
+    E2M1_VALUES,
+    dequantize_fp8_block,
+    dequantize_fp8_block_expert,
+)
 
 # a byte's two e2m1 values, the low nibble first: (256, 2)
 _BYTE_VALUES = torch.stack(
     (torch.tensor(E2M1_VALUES).repeat(16), torch.tensor(E2M1_VALUES).repeat_interleave(16)), -1
 )
+# each e4m3 byte's value: a lookup takes about half the time of torch's fp8 cast on the CPU
+E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 def fused_moe(
@@ -82,7 +88,7 @@ def _expert(
     """Expert e's (w13, b13, w2, b2): views of float experts; MXFP4 and block-FP8 ones
     dequantized, that expert alone, to ``dtype``."""
     if isinstance(experts, Fp8BlockExpertWeights):
-        gate_up, down = dequantize_fp8_block_expert(experts, e)
+        gate_up, down = dequantize_fp8_block_expert(experts, e, _dequantize_fp8_block)
         return gate_up.to(dtype).t(), None, down.to(dtype).t(), None
     if isinstance(experts, Mxfp4ExpertWeights):
         experts, e = dequantize_expert(experts, e, dtype), 0
@@ -112,3 +118,16 @@ def dequantize_expert(experts: Mxfp4ExpertWeights, e: int, dtype: torch.dtype) -
         weight(experts.down_blocks[e], experts.down_scales[e]),
         bias(experts.gate_up_bias, gate_first), bias(experts.down_bias, slice(None)),
     )  # fmt: skip
+
+
+def _dequantize_fp8_block(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """``quant_reference.dequantize_fp8_block``'s values (the same fp32 products), faster:
+    the bytes looked up, each whole block scaled in place."""
+    (n, k), (bn, bk) = weight.shape, block
+    if n % bn or k % bk:
+        return dequantize_fp8_block(weight, scale_inv, block)
+    values = E4M3_VALUES.index_select(0, weight.view(torch.uint8).flatten().int())
+    blocks = values.view(n // bn, bn, k // bk, bk)
+    return blocks.mul_(scale_inv.float()[:, None, :, None]).view(n, k)
