@@ -84,6 +84,9 @@ def test_the_engine_takes_its_thread_count_from_the_mask_and_quota_it_is_given(
         torch.set_num_threads(8)
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5})
         assert (set_threads(None, torch.device("cpu")), torch.get_num_threads()) == (2, 2)  # mask
+        # two tensor-parallel ranks share the two CPUs
+        assert (set_threads(None, torch.device("cpu"), 2), torch.get_num_threads()) == (1, 1)
+        torch.set_num_threads(8)
         assert (set_threads(5, torch.device("cpu")), torch.get_num_threads()) == (5, 5)  # asked
         # CUDA keeps torch's own count unless asked
         assert (set_threads(None, torch.device("cuda")), torch.get_num_threads()) == (5, 5)

@@ -82,14 +82,15 @@ def pick_dtype(dtype: str | None, device: torch.device, saved: str | None) -> to
     return torch.bfloat16
 
 
-def set_threads(asked: int | None, device: torch.device) -> int:
+def set_threads(asked: int | None, device: torch.device, ranks: int = 1) -> int:
     """Sets torch's CPU threads for the engine (``cpu_threads.choose_threads``):
-    on CPU, and on CUDA only when asked. Returns the count."""
+    on CPU, and on CUDA only when asked; a tensor-parallel group's ``ranks`` share the
+    usable CPUs. Returns the count."""
     current = torch.get_num_threads()
     if device.type != "cpu" and asked is None:
         return current
     usable = usable_cpus()
-    threads = choose_threads(asked, current, usable)
+    threads = choose_threads(asked, current, max(1, usable // ranks))
     if threads != current:
         torch.set_num_threads(threads)
     log.info("%d CPU threads (%d usable CPUs)", threads, usable)
@@ -136,7 +137,7 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     if config.tensor_parallel_size > 1:
         native = _tensor_parallel_native(impl, root, config)
         group = TensorGroup.start(str(path), config, dev)  # the ranks load while this one does
-    threads = set_threads(config.threads, dev)
+    threads = set_threads(config.threads, dev, config.tensor_parallel_size)
     torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
     ops = select_ops(dev, config.use_triton)
     heads = (0, 1, 0)  # (num_heads, num_kv_heads, head_dim) of the attention kernels
@@ -215,7 +216,7 @@ def build_rank_runner(
     native = _tensor_parallel_native(impl, root, config)
     dev = rank_device(pick_device(config.device), rank)
     collectives = join(dev)
-    set_threads(config.threads, dev)
+    set_threads(config.threads, dev, config.tensor_parallel_size)
     torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
     ops = select_ops(dev, config.use_triton)
     model = build_sharded_model(root, native, dev, torch_dtype, ops, max_model_len,
