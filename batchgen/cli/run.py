@@ -46,6 +46,11 @@ if TYPE_CHECKING:
 @model_impl_option
 @quantization_option
 @threads_option
+@click.option(
+    "--tensor-parallel-size", type=int, default=1, show_default=True,
+    help="Ranks that split the model: that many GPUs from --device's on, or processes on "
+    "--device cpu (docs/fleet.md).",
+)  # fmt: skip
 @click.option("--job-id", default=None, help="Name the job (re-running it resumes it).")
 @click.option("--skip-invalid", is_flag=True,
               help="Run the valid lines; the others become error rows.")  # fmt: skip
@@ -55,7 +60,8 @@ def run(
     prompts: str, model: str, dest: str, force: bool, job_output: str | None,
     defaults: dict[str, Any], table: TableSpec, device: str | None, max_num_seqs: int,
     num_kv_blocks: int | None, max_model_len: int | None, model_impl: str,
-    quantization: str | None, threads: int | None, job_id: str | None,
+    quantization: str | None, threads: int | None, tensor_parallel_size: int,
+    job_id: str | None,
     skip_invalid: bool, reasoning_parser: str | None, tool_call_parser: str | None,
     redis_url: str | None,
 ) -> None:  # fmt: skip
@@ -86,6 +92,7 @@ def run(
         device=device, max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len, model_impl=model_impl, threads=threads,
         quantization=quantization,
+        tensor_parallel_size=tensor_parallel_size,
     )  # fmt: skip
     job_id = check_job_id(job_id) if job_id else new_job_id()
     destination(job_id, dest, force)  # refused now, not after the whole job ran
@@ -119,11 +126,15 @@ def run(
     # An engine that raised handed its requests back: start a fresh one, as the
     # worker's supervisor would (a poison request is dead-lettered after
     # max_attempts). Stopped otherwise (Ctrl-C) before the job finished: say so.
-    while QueueLoop(conn, api, config).run(until=finished) == ENGINE_FAILED_EXIT:
-        if finished():
-            break
-        click.echo("batchgen: the engine failed; starting a fresh one", err=True)
-        api = engine()
+    try:
+        while QueueLoop(conn, api, config).run(until=finished) == ENGINE_FAILED_EXIT:
+            if finished():
+                break
+            click.echo("batchgen: the engine failed; starting a fresh one", err=True)
+            api.close()
+            api = engine()
+    finally:
+        api.close()  # a tensor-parallel engine's other ranks exit with it
     if not finished():
         raise BatchgenError(
             f"stopped before job {job_id} finished; its requests wait in its own queue, "

@@ -37,7 +37,10 @@ def main() -> int:
         print(f"batchgen: error: {exc}", file=sys.stderr, flush=True)
         return MODEL_REFUSED_EXIT
     logging.info("serving %s (max_model_len %d)", config.model, api.engine.max_model_len)
-    return QueueLoop(conn, api, config).run()
+    try:
+        return QueueLoop(conn, api, config).run()
+    finally:
+        api.close()
 
 
 def _die_with_parent() -> None:

@@ -126,6 +126,10 @@ class EngineAPI(Generic[Params]):
     # step's errors after which the engine cannot step again (a tensor-parallel rank lost):
     # no bisection, its requests go back charged as for a crash
     lost: tuple[type[BaseException], ...] = ()
+    # stops what the engine started (a tensor-parallel engine's other ranks); a process
+    # that loaded it calls this before it exits, so the ranks exit cleanly, not on a
+    # closed connection
+    close: Callable[[], None] = lambda: None
 
 
 def load_engine(model: str, config: EngineConfig) -> EngineAPI[Any]:
@@ -136,5 +140,5 @@ def load_engine(model: str, config: EngineConfig) -> EngineAPI[Any]:
     engine = engine_package.Engine.from_config(model, config)
     return EngineAPI(
         engine, engine_package.SamplingParams, (engine_package.RequestRejected,),
-        (engine_package.GroupLost,),
+        (engine_package.GroupLost,), engine.close,
     )  # fmt: skip
