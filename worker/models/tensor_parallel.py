@@ -53,6 +53,8 @@ from batchgen.worker.models.layers.self_attention import AttentionBlock, SelfAtt
 from batchgen.worker.models.layers.sparse_moe import SparseMoe
 from batchgen.worker.models.loader import read_checkpoint
 from batchgen.worker.models.model_config import ModelConfig
+from batchgen.worker.models.quant.linear import QuantizedLinear
+from batchgen.worker.models.quant.sharding import column_shard, row_shard
 from batchgen.worker.models.tensor_shard import HeadSplit, Shard, check_shardable, split_heads
 from batchgen.worker.models.weights import Linear
 from batchgen.worker.worker_errors import UnsupportedModelError
@@ -68,6 +70,8 @@ def _rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
 
 def _column_linear(layer: Linear, index: torch.Tensor) -> Linear:
     """Column-parallel: this rank's output columns (and their bias)."""
+    if isinstance(layer, QuantizedLinear):
+        return column_shard(layer, index)
     assert layer.packed is None, "shard before the first call packs the weight"
     bias = None if layer.bias is None else _cols(layer.bias, index)
     return Linear(_cols(layer.weight, index), bias)
@@ -75,6 +79,8 @@ def _column_linear(layer: Linear, index: torch.Tensor) -> Linear:
 
 def _row_linear(layer: Linear, start: int, end: int, shard: Shard) -> Linear:
     """Row-parallel: this rank's input rows; the bias is added once, on rank 0."""
+    if isinstance(layer, QuantizedLinear):
+        return row_shard(layer, start, end, keep_bias=shard.rank == 0)
     assert layer.packed is None, "shard before the first call packs the weight"
     bias = layer.bias if shard.rank == 0 else None
     return Linear(_rows(layer.weight, start, end), bias)
@@ -173,6 +179,7 @@ def build_sharded_model(
     family = BY_NAME[config.family]
     check_shardable(config, shard.world)
     store = read_checkpoint(Path(path), torch.device("cpu"), dtype)
+    store.quantization = config.quantization
     weights = family.read_weights(store, config)
     store.check_all_taken(family.name)
     local_config, local, vocab, vocab_per_rank = shard_decoder(config, weights, shard)
@@ -192,11 +199,7 @@ def shard_decoder(
     per_rank = -(-config.vocab_size // shard.world)
     vocab = (min(shard.rank * per_rank, config.vocab_size),
              min((shard.rank + 1) * per_rank, config.vocab_size))  # fmt: skip
-    head = weights.lm_head
-    assert head.packed is None
-    head_index = torch.arange(*vocab)
-    lm_head = Linear(_cols(head.weight, head_index),
-                     None if head.bias is None else _cols(head.bias, head_index))  # fmt: skip
+    lm_head = _column_linear(weights.lm_head, torch.arange(*vocab))
     local = DecoderWeights(
         embed=_rows(weights.embed, *vocab),
         layers=layers,
@@ -296,6 +299,11 @@ def _shard_dense_mlp(block: DenseMlp, shard: Shard) -> DenseMlp:
 
 
 def _shard_experts(experts: ExpertWeights, shard: Shard) -> ExpertWeights:
+    if not isinstance(experts, ExpertWeights):
+        raise UnsupportedModelError(
+            f"tensor parallelism does not split {type(experts).__name__} experts yet; run it "
+            "with tensor_parallel_size 1"
+        )
     inter = experts.w2.shape[1]
     span = shard.span(inter)
     cols = _gated_columns(inter, span)
@@ -312,10 +320,12 @@ def _to_device(value: Any, device: torch.device) -> Any:
     """The shard's modules with every tensor they hold on ``device``."""
     if device.type == "cpu":
         return value
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
+    if isinstance(value, torch.Tensor):  # a quantized projection's shape is a meta tensor
+        return value if value.device.type == "meta" else value.to(device)
     if isinstance(value, list):
         return [_to_device(v, device) for v in value]
+    if isinstance(value, tuple):  # a quantized projection's parts
+        return tuple(_to_device(v, device) for v in value)
     if isinstance(value, functools.partial):  # a router rule holding DeepSeek's correction bias
         return functools.partial(
             _to_device(value.func, device),

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed does not export it
 
 from batchgen.worker.models.model_config import ModelConfig, QKNormScope
+from batchgen.worker.models.quant.sharding import SPLIT_METHODS
 from batchgen.worker.worker_errors import UnsupportedModelError
 
 
@@ -95,9 +96,10 @@ def check_shardable(config: ModelConfig, world: int) -> None:
             f"{config.family}'s q/k norm spans every head's projection; tensor parallelism "
             "does not split it yet (run it with tensor_parallel_size 1)"
         )
-    if config.quantization is not None and world > 1:
+    method = None if config.quantization is None else config.quantization.method
+    if method is not None and method not in SPLIT_METHODS and world > 1:
         raise UnsupportedModelError(
-            f"this {config.family} checkpoint is quantized; tensor parallelism does not split "
-            "quantized weights yet (run it with tensor_parallel_size 1)"
+            f"this {config.family} checkpoint is {method}-quantized; tensor parallelism splits "
+            f"{' and '.join(SPLIT_METHODS)} weights only (run it with tensor_parallel_size 1)"
         )
     split_heads(a.num_heads, a.num_kv_heads, Shard(0, world), config.family)
