@@ -47,7 +47,9 @@ class PacedEngine(ZeroEngine):
     step_s: float = 0.01
     made: dict[str, list[int]] = field(default_factory=dict)  # id -> [made, wanted]
 
-    def add_request(self, request_id, prompt, params, *, resume_token_ids=None, priority=0):
+    def add_request(
+        self, request_id, prompt, params, *, resume_token_ids=None, priority=0, reasoning=None
+    ):
         self.made[request_id] = [len(resume_token_ids or ()), int(params["max_tokens"])]
 
     def step(self) -> list[_Out]:

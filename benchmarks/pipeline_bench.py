@@ -131,7 +131,9 @@ class ZeroEngine:
     def add_embedding(self, request_id, prompt, dimensions=None):
         raise ValueError("the zero engine does not embed")
 
-    def add_request(self, request_id, prompt, params, *, resume_token_ids=None, priority=0):
+    def add_request(
+        self, request_id, prompt, params, *, resume_token_ids=None, priority=0, reasoning=None
+    ):
         self.running.append(request_id)
 
     def step(self) -> list[_Out]:

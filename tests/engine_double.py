@@ -128,6 +128,7 @@ class FakeEngine:
         *,
         resume_token_ids: list[int] | None = None,
         priority: int = 0,
+        reasoning: Any = None,  # the double has no constraints to hold back
     ) -> None:
         assert isinstance(prompt, list)
         if len(prompt) + params.max_tokens > self.max_model_len:

@@ -27,6 +27,11 @@ first end tag, the answer is everything after it; when the end tag never comes,
 everything generated is reasoning. A prompt that ends with the end tag (the template
 closed the reasoning, as Qwen3's ``enable_thinking: false`` does) leaves nothing to
 parse: all of the output is answer.
+
+A structured output (or a forced tool call) asked together with a parser constrains
+the answer alone, as vLLM does: the engine samples freely until the parser's
+``answer_marker`` (the end tag; harmony's final-message start) and the grammar starts
+at the text after it (worker/engine/constrained.py).
 """
 
 from __future__ import annotations
@@ -58,6 +63,11 @@ class ThinkTags:
     end: str = END
     keeps_special: ClassVar[bool] = False  # reads the output as the row's text holds it
 
+    @property
+    def answer_marker(self) -> str:
+        """The text after which the answer begins (where a structured output starts)."""
+        return self.end
+
     def closed_by(self, prompt_tail: str) -> bool:
         """Whether a rendered prompt ending in ``prompt_tail`` already closed the
         reasoning (the model then writes only its answer)."""
@@ -85,6 +95,11 @@ class HarmonyChannels:
     ANALYSIS: ClassVar[str] = "<|channel|>analysis<|message|>"
     FINAL: ClassVar[str] = "<|channel|>final<|message|>"
     STOPS: ClassVar[tuple[str, ...]] = ("<|return|>", "<|call|>", "<|end|>")  # end a message
+
+    @property
+    def answer_marker(self) -> str:
+        """The text after which the answer begins: the final message's start."""
+        return self.FINAL
 
     def closed_by(self, prompt_tail: str) -> bool:
         """Whether the prompt already opened the final message (no reasoning to come)."""

@@ -9,6 +9,12 @@ matcher consumes the token; when the grammar cannot go on, the request stops.
 The matcher follows the output tokens only, so preemption by recompute, prefix
 hits and chunked prefill leave it alone; a resumed request replays its tokens
 into a fresh one.
+
+A request whose job splits reasoning from answer is constrained in its answer alone
+(as vLLM does): an ``AnswerGate`` watches its text, sampling stays free until the
+reasoning parser's answer marker (``</think>``, harmony's final-message start), and
+the matcher starts with the text after it. A request whose reasoning never ends is
+never constrained.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import numpy as np
 import torch
 
 from batchgen.jobs.schema.constraints import StructuredOutput, grammar_text
+from batchgen.jobs.schema.reasoning import ReasoningParser
+from batchgen.worker.engine.detokenizer import StopStringMatcher
 from batchgen.worker.worker_errors import GrammarError
 
 if TYPE_CHECKING:
@@ -54,6 +62,12 @@ class Grammars:
             raise GrammarError(f"the resumed tokens do not follow the constraint: {m.get_error()}")
         return m
 
+    def answer_matcher(self, constraint: StructuredOutput, answer: str) -> LLMatcher:
+        """A fresh matcher for ``constraint`` that has consumed ``answer``, the text an
+        ``AnswerGate`` found after the reasoning (usually none)."""
+        tokens = self._hf_tokenizer.encode(answer, add_special_tokens=False) if answer else []
+        return self.matcher(constraint, tokens)
+
     def _compile(self, constraint: StructuredOutput) -> LLMatcher:
         key = constraint.key
         found = self._compiled.get(key)
@@ -82,6 +96,28 @@ class Grammars:
             except (ValueError, TypeError) as exc:  # e.g. a slow (Python) tokenizer
                 raise GrammarError(f"this model's tokenizer cannot be constrained: {exc}") from None
         return self._lltokenizer
+
+
+class AnswerGate:
+    """Holds a request's constraint back while it reasons: finds the reasoning parser's
+    answer marker in the output's text, decoded as the parser reads it."""
+
+    def __init__(self, tokenizer: Any, reasoning: ReasoningParser) -> None:
+        self.marker = reasoning.answer_marker
+        self._text = StopStringMatcher(tokenizer, [self.marker], not reasoning.keeps_special)
+
+    def feed(self, output_ids: list[int]) -> str | None:
+        """Called after each new token: None while the reasoning goes on, then the
+        answer's text so far (what follows the marker; usually "")."""
+        before = self._text.feed(output_ids)
+        return None if before is None else self._text.text[len(before) + len(self.marker) :]
+
+    def skip(self, output_ids: list[int]) -> str | None:
+        """Starts after tokens generated elsewhere (a resumed request): ``feed``'s answer
+        when they already ended the reasoning."""
+        self._text.skip(output_ids)
+        at = self._text.text.find(self.marker)
+        return None if at < 0 else self._text.text[at + len(self.marker) :]
 
 
 class TokenMasks:

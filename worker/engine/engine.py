@@ -16,9 +16,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from batchgen.jobs.schema.constraints import StructuredOutput
+from batchgen.jobs.schema.reasoning import ReasoningParser
 from batchgen.worker.engine.admission import Capacity, check_fits
 from batchgen.worker.engine.block_manager import BlockManager
-from batchgen.worker.engine.constrained import Grammars
+from batchgen.worker.engine.constrained import AnswerGate, Grammars
 from batchgen.worker.engine.detokenizer import StopStringMatcher
 from batchgen.worker.engine.kv_window import SlidingRelease
 from batchgen.worker.engine.outputs import EngineStats, build_output
@@ -137,8 +139,11 @@ class Engine:
         *,
         resume_token_ids: Sequence[int] | None = None,
         priority: int = 0,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
-        """Queues a request. Raises RequestRejected when it can never run here."""
+        """Queues a request. Raises RequestRejected when it can never run here.
+        ``reasoning``: the parser of an output that reasons first; its structured output
+        then constrains only the answer, from the text after the parser's marker."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise RequestRejected(request_id, "a request with this id is already in the engine")
@@ -165,11 +170,40 @@ class Engine:
                 req.stop_matcher.skip(resumed)
             if params.structured_output is not None:
                 try:
-                    req.matcher = self.grammars.matcher(params.structured_output, resumed)
+                    self._constrain(req, params.structured_output, resumed, reasoning)
                 except GrammarError as exc:
                     raise RequestRejected(request_id, f"structured_output: {exc}") from None
             samples.append(req)
         self._requests.add(ParentRequest(request_id, samples), self.scheduler.add)
+
+    def _constrain(
+        self, req: EngineRequest, constraint: StructuredOutput, resumed: list[int],
+        reasoning: ReasoningParser | None,
+    ) -> None:  # fmt: skip
+        """Gives ``req`` its matcher, or an answer gate while its reasoning goes on."""
+        if reasoning is None:
+            req.matcher = self.grammars.matcher(constraint, resumed)
+            return
+        gate = AnswerGate(self.tokenizer, reasoning)
+        answer = gate.skip(resumed)
+        if answer is None:
+            req.answer_gate = gate
+        else:  # the resumed tokens ended the reasoning
+            req.matcher = self.grammars.answer_matcher(constraint, answer)
+
+    def _open_answer(self, req: EngineRequest) -> bool:
+        """After a gated request's new token: starts its matcher once the reasoning ended
+        (False: the text after the marker cannot follow the constraint)."""
+        assert req.answer_gate is not None and req.params.structured_output is not None
+        answer = req.answer_gate.feed(req.output_token_ids)
+        if answer is None:
+            return True
+        req.answer_gate = None
+        try:
+            req.matcher = self.grammars.answer_matcher(req.params.structured_output, answer)
+        except GrammarError:
+            return False
+        return True
 
     def add_embedding(
         self,
@@ -240,8 +274,11 @@ class Engine:
             self._generated += 1
             if req.logprobs is not None and logprobs is not None:
                 req.logprobs.append(logprobs)
-            if req.matcher is not None and not req.matcher.consume_token(req.token_ids[-1]):
-                # cannot happen while masks apply; ends the request rather than the worker
+            if (req.matcher is not None and not req.matcher.consume_token(req.token_ids[-1])) or (
+                req.answer_gate is not None and not self._open_answer(req)
+            ):
+                # cannot happen while masks apply (nor, usually, when the reasoning ends:
+                # the marker's token holds nothing after it); ends the request, not the worker
                 req.finish_reason = EngineFinishReason.ABORT
                 self.scheduler.finish(req)
                 finished.append(req)

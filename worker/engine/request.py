@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchgen.worker.engine.detokenizer import StopStringMatcher
 from batchgen.worker.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from batchgen.worker.engine.constrained import AnswerGate
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +70,8 @@ class EngineRequest:
     stop_text: str | None = None  # text cut at a stop string
     stop_matcher: StopStringMatcher | None = None  # when params.stop is set
     matcher: Any = None  # llguidance LLMatcher when params.structured_output is set
+    # set instead of the matcher while a request that reasons first has not ended its reasoning
+    answer_gate: AnswerGate | None = None
     embed: EmbedTask | None = None  # set for an embedding request
 
     @property

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import Field, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
+from batchgen.jobs.schema.reasoning import ReasoningParser
 from batchgen.worker.engine_config import EngineConfig
 
 Params = TypeVar("Params")  # the engine's sampling parameters, opaque to the loop
@@ -95,6 +96,7 @@ class EngineLike(Protocol[ParamsIn]):
         *,
         resume_token_ids: list[int] | None = None,
         priority: int = 0,
+        reasoning: ReasoningParser | None = None,  # its constraint starts after the reasoning
     ) -> None: ...
 
     def add_embedding(

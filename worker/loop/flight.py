@@ -26,6 +26,11 @@ class Reasoning:
     parser: ReasoningParser
     closed: bool  # its prompt already closed the reasoning: the output is all answer
 
+    @property
+    def unclosed(self) -> ReasoningParser | None:
+        """The parser of an output that reasons first (None: the prompt closed it)."""
+        return None if self.closed else self.parser
+
 
 @dataclass(slots=True)
 class Flight:

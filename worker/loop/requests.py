@@ -226,22 +226,22 @@ class Requests:
                 self.emit(d, job.output, row)
                 self.count("rows_cached", 1)
                 continue
-            try:
-                self.engine.add_request(
-                    d.entry_id, token_ids, params, resume_token_ids=d.resume or None
-                )
+            reasoning = None
+            if job.reasoning is not None:
+                tail = self.engine.decode(token_ids[-PROMPT_TAIL_TOKENS:])
+                reasoning = Reasoning(job.reasoning, job.reasoning.closed_by(tail))
+            unclosed = reasoning.unclosed if reasoning is not None else None
+            try:  # a constraint (a forced call's too) applies to the answer after the reasoning
+                self.engine.add_request(d.entry_id, token_ids, params,
+                                        resume_token_ids=d.resume or None, reasoning=unclosed)  # fmt: skip
             except self.rejections as exc:
                 self.cache.forget(d.entry_id)
                 reason = getattr(exc, "reason", None) or str(exc)
                 self.error(d, job.output, f"request rejected: {reason}", len(token_ids))
                 continue
             flight = Flight(d, job.output, len(token_ids), counted=len(d.resume))
+            flight.reasoning = reasoning
             kind = tools.kind(d.request.tool_choice) if d.request.tools is not None else ""
-            if job.reasoning is not None:
-                tail = self.engine.decode(token_ids[-PROMPT_TAIL_TOKENS:])
-                # a forced call is constrained from its first token: it has no reasoning
-                closed = kind in tools.FORCING or job.reasoning.closed_by(tail)
-                flight.reasoning = Reasoning(job.reasoning, closed)
             if kind == "auto":
                 flight.tool_parser = job.tool_parser
             self.flights[d.entry_id] = flight
