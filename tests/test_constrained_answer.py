@@ -1,5 +1,6 @@
 """Constrained output on a Qwen-shaped toy: with a reasoning parser the constraint (a
-forced tool call's too) starts after the reasoning, as vLLM's does.
+forced tool call's too) starts after the reasoning, as vLLM's does, and a regex that
+holds the text of an added token that is not special (``<tool_call>``) runs.
 
 The toy's weights are random: its free text is never JSON, so an answer that validates
 after free reasoning shows the constraint started at the end tag and not before.
@@ -109,6 +110,18 @@ def test_a_resumed_request_finds_its_reasoning_ended_or_not(engine):
     })  # fmt: skip
     assert {rid: list(o.token_ids) for rid, o in resumed.items()} == {
         "from 10": tokens, "from 28": tokens, "from 31": tokens}  # fmt: skip
+
+
+def test_a_regex_holding_an_added_tokens_text_runs(engine):
+    from batchgen import SamplingParams, StructuredOutput
+
+    tool_call = engine.tokenizer.convert_tokens_to_ids("<tool_call>")
+    pattern = "<tool_call>[a-z]{1,5}</tool_call>"
+    params = SamplingParams(max_tokens=30, temperature=0,
+                            structured_output=StructuredOutput(regex=pattern))  # fmt: skip
+    out = _run(engine, {"r": (engine.encode(CHAT), params, {})})["r"]
+    assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), out
+    assert out.token_ids[0] == tool_call  # the added token wrote its own text
 
 
 def test_forced_calls_and_schemas_after_reasoning_through_the_cli(

@@ -338,13 +338,12 @@ def test_tools_and_tool_turns_render_as_transformers_renders_them(qwen_model):
 
 
 # an auto line whose output is steered (by a grammar) into two hermes calls: what a model
-# that calls tools writes, so the worker's parser reads real blocks. The grammar names
-# the added tokens as tokens (<tool_call>): llguidance forces a regex's "<tool_call>" text
-# as that token, then refuses it as not the text's bytes (the request aborts)
-HERMES_GRAMMAR = (r'start: <tool_call> "\n{\"name\": \"get_weather\", \"arguments\": '
-                  r'{\"city\": \"" /(Paris|Oslo)/ "\", \"days\": " /[1-9]/ "}}\n" </tool_call> '
-                  r'"\n" <tool_call> "\n{\"name\": \"get_time\", \"arguments\": {\"zone\": '
-                  r'\"" /(UTC|CET)/ "\"}}\n" </tool_call>')  # fmt: skip
+# that calls tools writes, so the worker's parser reads real blocks. The added tokens are
+# text to the grammar, as to the tokenizer (<tool_call> writes "<tool_call>")
+HERMES_GRAMMAR = (r'start: "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": '
+                  r'{\"city\": \"" /(Paris|Oslo)/ "\", \"days\": " /[1-9]/ "}}\n</tool_call>'
+                  r'\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": '
+                  r'\"" /(UTC|CET)/ "\"}}\n</tool_call>"')  # fmt: skip
 
 
 def _tool_lines() -> list[dict[str, Any]]:

@@ -87,15 +87,45 @@ class Grammars:
 
     def _tokenizer(self) -> Any:
         if self._lltokenizer is None:
-            import llguidance.hf
-
             try:
-                self._lltokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos
+                self._lltokenizer = grammar_tokenizer(
+                    self._hf_tokenizer, self._vocab_size, self._eos
                 )
             except (ValueError, TypeError) as exc:  # e.g. a slow (Python) tokenizer
                 raise GrammarError(f"this model's tokenizer cannot be constrained: {exc}") from None
         return self._lltokenizer
+
+
+def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int, eos: list[int]) -> Any:
+    """llguidance's view of ``hf_tokenizer``: each token's bytes, with an added token
+    that is not special (Qwen's ``<tool_call>``, ``<think>``) as the text it decodes to.
+
+    llguidance reads every added token as a special one (text no grammar literal
+    matches), yet tokenizes a literal's ``<tool_call>`` text to that token and lets the
+    mask allow it: the matcher then refused the token and the request was aborted.
+    Here only the tokenizer's special tokens are special.
+    """
+    import llguidance.hf
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    read = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+    text = {i for i, t in hf_tokenizer.added_tokens_decoder.items() if not t.special}
+    if not text:
+        return read
+    special = b"\xff"  # llguidance's marker of a special token's bytes
+    tokens = [(b"" if i in text or not read.is_special_token(i) else special)
+              + read.decode_bytes([i]) for i in range(vocab_size)]  # fmt: skip
+
+    class Vocabulary:
+        eos_token_id, bos_token_id = (eos[0] if eos else None), None
+
+        def __init__(self) -> None:
+            self.tokens = tokens
+
+        def __call__(self, s: str) -> list[int]:
+            return list(hf_tokenizer.encode(s, add_special_tokens=False))
+
+    return LLTokenizer(TokenizerWrapper(Vocabulary()), n_vocab=vocab_size, eos_token=eos)
 
 
 class AnswerGate:
