@@ -28,9 +28,11 @@ from batchgen.jobs.ops.lifecycle import JobState
 from batchgen.jobs.ops.modelinfo import fingerprint
 from batchgen.jobs.ops.submission import submit
 from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema import tools
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.jobs.schema.rows import SCHEMA, FinishReason, Row, to_table
 from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.jobs.schema.tool_parsers import Call
 from batchgen.jobs.storage import result_cache
 from batchgen.jobs.storage.output_store import OutputDir
 from batchgen.jobs.storage.result_cache import ResultCache, content_key, location
@@ -80,7 +82,7 @@ def cache_dir(tmp_path: Path) -> Path:
 
 def run_job(
     conn, engines, model: Path, tmp_path: Path, prompts: list[Any], job_id: str,
-    cache: str, **defaults: Any,
+    cache: str, *, reasoning_parser: str | None = None, **defaults: Any,
 ) -> tuple[dict[str, list], dict[str, int]]:  # fmt: skip
     """Submit ``prompts`` as ``job_id``, run it on a fresh loop; (result columns, counters)."""
     src = tmp_path / f"{job_id}.jsonl"
@@ -88,7 +90,8 @@ def run_job(
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / f"out-{job_id}"
     submit(conn, KEYS, source_path=str(src), model=str(model), output=str(out),
-           defaults={**DEFAULTS, "max_tokens": 6, **defaults}, job_id=job_id, cache=cache)  # fmt: skip
+           defaults={**DEFAULTS, "max_tokens": 6, **defaults}, job_id=job_id, cache=cache,
+           reasoning_parser=reasoning_parser)  # fmt: skip
     config = LoopConfig(model=str(model), name=f"w-{job_id}", block_ms=50, flush_interval_s=0.05,
                         heartbeat_s=0.2, sweep_interval_s=0.2, engine=ENGINE)  # fmt: skip
     loop = QueueLoop(conn, engine_for(engines, model), config)
@@ -149,7 +152,7 @@ def test_other_sampling_never_hits_and_unseeded_sampling_is_not_cached(
     run_job(conn, engines, model, tmp_path, few, "greedy", uri)
     _, counters = run_job(conn, engines, model, tmp_path, few, "longer", uri, max_tokens=5)
     assert counters.get("rows_cached", 0) == 0 and counters["rows_ok"] == 3
-    seeded = {"temperature": 0.9, "seed": 7}
+    seeded: dict[str, Any] = {"temperature": 0.9, "seed": 7}
     run_job(conn, engines, model, tmp_path, few, "seed7", uri, **seeded)
     again, counters = run_job(conn, engines, model, tmp_path, few, "seed7b", uri, **seeded)
     assert counters["rows_cached"] == 3 and again["cache_source"] == ["seed7"] * 3
@@ -183,11 +186,46 @@ def test_content_key_covers_the_model_the_engine_and_every_sampling_field():
                     {"max_tokens": 6, "logit_bias": {"5": 1.0}}),
         content_key("sha256:a", "cpu/auto/256", [1, 2, 3],
                     {"max_tokens": 6, "structured_output": {"choice": ["yes", "no"]}}),
+        content_key("sha256:a", "cpu/auto/256", [1, 2, 3], {"max_tokens": 6},
+                    {"reasoning": "qwen3"}),
+        content_key("sha256:a", "cpu/auto/256", [1, 2, 3], {"max_tokens": 6},
+                    {"tool_choice": '"auto"', "tool_parser": "hermes"}),
     ]  # fmt: skip
     assert None not in others and len({base, *others}) == len(others) + 1
     assert content_key("", "cpu/auto/256", [1], {}) is None  # no fingerprint: no cache
     assert content_key("sha256:a", "cpu/auto/256", [1], {"temperature": 0.5}) is None
     assert content_key("sha256:a", "cpu/auto/256", [1], {"temperature": 0.5, "seed": 1})
+
+
+def test_reasoning_and_tool_rows_hit_only_rows_split_the_same_way(
+    conn, engines, model, tmp_path, cache_dir
+):
+    uri, few = str(cache_dir), OLD[:3]
+    thought, _ = run_job(conn, engines, model, tmp_path, few, "R1", uri, reasoning_parser="think")
+    assert thought["text"] == [""] * 3 and all(thought["reasoning"])  # no end tag: reasoning
+    plain, counters = run_job(conn, engines, model, tmp_path, few, "P", uri)  # another split
+    assert counters.get("rows_cached", 0) == 0 and plain["reasoning"] == [None] * 3
+    again, counters = run_job(
+        conn, engines, model, tmp_path, few, "R2", uri, reasoning_parser="think"
+    )
+    assert counters["rows_cached"] == 3 and again["cache_source"] == ["R1"] * 3
+    for column in ("text", "token_ids", "reasoning", "reasoning_tokens"):
+        assert again[column] == thought[column]
+    assert thought["reasoning_tokens"] == [len(t) for t in thought["token_ids"]]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    tool = [{"messages": [{"role": "user", "content": p}], "max_tokens": 40, "tools": [
+        {"type": "function", "function": {"name": "get_time", "parameters": {
+            "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"], "additionalProperties": False}}}], "tool_choice": named}
+        for p in few]  # fmt: skip
+    first, _ = run_job(conn, engines, model, tmp_path, tool, "T1", uri)
+    second, counters = run_job(conn, engines, model, tmp_path, tool, "T2", uri)
+    assert counters["rows_cached"] == 3 and second["finish_reason"] == ["tool_calls"] * 3
+    for i in range(3):
+        a, b = first["tool_calls"][i], second["tool_calls"][i]
+        assert [c["function"] for c in a] == [c["function"] for c in b]
+        call = Call(b[0]["function"]["name"], b[0]["function"]["arguments"])
+        assert b == [tools.call_record(call, "T2", second["index"][i], 0)] != a  # its own id
 
 
 def test_another_model_with_the_same_config_never_hits(

@@ -4,7 +4,9 @@ A job submitted with ``--cache`` looks up each request whose output its inputs
 decide (greedy, or sampling with a seed; never unseeded sampling, never
 embeddings) by a content key (``content_key``): sha256 of the model fingerprint
 of the weights the worker holds, the engine's numerics (device, dtype, context),
-the exact prompt token ids and every sampling field of ``params.FIELDS``. A hit
+the exact prompt token ids (tools and template variables rendered in them),
+every sampling field of ``params.FIELDS`` and how the row's output is split (its
+job's reasoning parser, its tool_choice and tool-call parser). A hit
 becomes the row without the engine; a miss is generated and, after its part is
 committed, stored.
 
@@ -56,10 +58,11 @@ from batchgen.jobs.storage.output_store import OutputDir
 
 log = logging.getLogger(__name__)
 
-KEY_VERSION = 1
+KEY_VERSION = 2  # 2: the key holds how the output is split; the rows its columns
 # What a cached row gives back: the generation's own values (the rest is the new request's).
 GENERATED = ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens",
-             "cached_tokens", "structured", "logprobs", "choices")  # fmt: skip
+             "cached_tokens", "structured", "logprobs", "choices", "reasoning",
+             "reasoning_tokens", "tool_calls")  # fmt: skip
 
 
 def location(embedded_redis: bool) -> str:
@@ -81,13 +84,17 @@ def location(embedded_redis: bool) -> str:
     return os.path.abspath(embedded.home() / "cache")
 
 
-def content_key(fingerprint: str, engine: str, token_ids: list[int], sampling: dict) -> str | None:
+def content_key(
+    fingerprint: str, engine: str, token_ids: list[int], sampling: dict,
+    split: dict[str, str] | None = None,
+) -> str | None:  # fmt: skip
     """The content key of a request, or None when its output is not decided by its inputs
     (unseeded sampling) or the model has no fingerprint (not a local checkpoint).
 
     ``sampling``: a request's sampling parameters (fields missing there take their
     defaults, as in the engine's SamplingParams); ``engine``: the worker's numerics
-    (device, dtype, ...).
+    (device, dtype, ...); ``split``: how its output becomes columns (the parsers' names,
+    its tool_choice), when it is split at all.
     """
     if not fingerprint:
         return None
@@ -100,7 +107,7 @@ def content_key(fingerprint: str, engine: str, token_ids: list[int], sampling: d
     if values["temperature"] != 0.0 and values["seed"] is None:
         return None
     payload = {"v": KEY_VERSION, "model": fingerprint, "engine": engine,
-               "prompt": list(token_ids), "sampling": values}  # fmt: skip
+               "prompt": list(token_ids), "sampling": values, "split": split or {}}  # fmt: skip
     return hashlib.sha256(_canonical(payload).encode()).hexdigest()
 
 

@@ -10,18 +10,21 @@ cache's storage fails, a lookup is a miss and a store is skipped.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 
 import redis
 
 from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema import tools
 from batchgen.jobs.schema.errors import BatchgenError
 from batchgen.jobs.schema.rows import Row
 from batchgen.jobs.storage.result_cache import ResultCache, content_key
 from batchgen.worker.consumer.commit import PartCommit
 from batchgen.worker.consumer.queue import Delivery
 from batchgen.worker.loop.flight import cached_row
+from batchgen.worker.loop.job_book import JobInfo
 from batchgen.worker.loop.loop_config import LoopConfig
 
 log = logging.getLogger(__name__)
@@ -54,12 +57,13 @@ class LoopCache:
             self.caches[uri] = ResultCache(self.conn, self.keys, uri)
         return self.caches[uri]
 
-    def lookup(self, items: list[tuple[str, Delivery, list[int]]]) -> dict[str, Row]:
-        """(cache uri, delivery, prompt token ids) -> the rows served from the cache, by
+    def lookup(self, items: list[tuple[JobInfo, Delivery, list[int]]]) -> dict[str, Row]:
+        """(its job, delivery, prompt token ids) -> the rows served from the cache, by
         entry id. The misses' keys are kept for ``finished``."""
         by_uri: dict[str, list[tuple[Delivery, str]]] = {}
-        for uri, d, token_ids in items:
-            key = content_key(self.fingerprint, self.engine, token_ids, d.request.sampling or {})
+        for job, d, token_ids in items:
+            uri, sampling = job.cache, d.request.sampling or {}
+            key = content_key(self.fingerprint, self.engine, token_ids, sampling, split(job, d))
             if key is not None:
                 by_uri.setdefault(uri, []).append((d, key))
         rows: dict[str, Row] = {}
@@ -107,6 +111,18 @@ class LoopCache:
             alive = set(held())
             self.pending = {e: k for e, k in self.pending.items() if e in alive}
             self.keyed = {e: k for e, k in self.keyed.items() if e in alive}
+
+
+def split(job: JobInfo, d: Delivery) -> dict[str, str]:
+    """How a request's output becomes its row's columns, beyond its tokens: the job's
+    reasoning parser; with tools, its tool_choice and (for auto) the tool-call parser."""
+    out = {"reasoning": job.reasoning.name} if job.reasoning is not None else {}
+    if d.request.tools is not None:
+        kind = tools.kind(d.request.tool_choice)
+        out["tool_choice"] = json.dumps(d.request.tool_choice, sort_keys=True)
+        if kind == "auto" and job.tool_parser is not None:
+            out["tool_parser"] = job.tool_parser.name
+    return out
 
 
 def numerics(engine: object, config: LoopConfig) -> str:

@@ -213,7 +213,8 @@ def error_row(delivery: Delivery, error: str, worker: str, prompt_tokens: int = 
 
 def cached_row(delivery: Delivery, values: dict, source_job: str, worker: str) -> Row:
     """The row of a request served by the result cache: the generated values (and token
-    counts) of the original row, this request's own id, index, metadata and timing."""
+    counts) of the original row, this request's own id, index, metadata, timing and tool
+    call ids."""
     return Row(
         index=delivery.index,
         id=delivery.request.id,
@@ -232,6 +233,18 @@ def cached_row(delivery: Delivery, values: dict, source_job: str, worker: str) -
         structured=values["structured"],
         logprobs=values["logprobs"],
         choices=values["choices"],
+        reasoning=values["reasoning"],
+        reasoning_tokens=values["reasoning_tokens"],
+        tool_calls=[
+            tools.call_record(
+                Call(c["function"]["name"], c["function"]["arguments"]),
+                delivery.job_id,
+                delivery.index,
+                i,
+            )
+            for i, c in enumerate(values["tool_calls"] or ())
+        ]
+        or None,  # this row's ids
         cached=True,
         cache_source=source_job,
     )

@@ -215,10 +215,7 @@ class Requests:
             prepared = self._prepare(d, job.output)
             if prepared is not None:
                 ready.append((d, job, *prepared))
-        # a job with a reasoning parser, and a request with tools, leave the cache alone:
-        # their rows are split
-        lookups = [(job.cache, d, ids) for d, job, _, ids in ready if job.cache and cached
-                   and job.reasoning is None and d.request.tools is None]  # fmt: skip
+        lookups = [(job, d, ids) for d, job, _, ids in ready if job.cache and cached]
         hits = self.cache.lookup(lookups) if lookups else {}
         for d, job, params, token_ids in ready:
             row = hits.get(d.entry_id)
