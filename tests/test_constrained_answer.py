@@ -112,6 +112,24 @@ def test_a_resumed_request_finds_its_reasoning_ended_or_not(engine):
         "from 10": tokens, "from 28": tokens, "from 31": tokens}  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "spec, reasoned",
+    [
+        ("think:<r>,</r>", 'I pick a.</r>{"a":'),  # text tags, the answer begun
+        ("gpt_oss", "<|channel|>analysis<|message|>Pick a.<|end|><|start|>assistant"
+                    '<|channel|>final<|message|>{"a"'),  # harmony: after the final start
+    ],
+)  # fmt: skip
+def test_a_resumed_answer_goes_on_under_the_constraint(engine, spec, reasoned):
+    resumed = engine.tokenizer.encode(reasoned, add_special_tokens=False)
+    out = _run(engine, {spec: (engine.encode(CHAT), _greedy({}, len(resumed) + 40),
+                               {"reasoning": parser(spec), "resume_token_ids": resumed})})  # fmt: skip
+    text = out[spec].text
+    marker = parser(spec).answer_marker
+    assert out[spec].finish_reason == "stop" and text.startswith(reasoned)
+    jsonschema.validate(json.loads(text[text.index(marker) + len(marker) :]), SCHEMA)
+
+
 def test_a_regex_holding_an_added_tokens_text_runs(engine):
     from batchgen import SamplingParams, StructuredOutput
 
