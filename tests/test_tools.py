@@ -210,8 +210,6 @@ def test_multi_turn_messages_keep_tool_calls_and_tool_results():
           "response_format": {"type": "json_object"}},
          "tool_choice required constrains the output to a call: give no response_format or "
          "structured_output with it"),
-        ({"messages": ASK, "tools": TOOLS, "n": 2},
-         "n > 1 cannot be combined with tools (a row holds the tool calls of one sample)"),
         ({"messages": ASK, "tools": TOOLS, "parallel_tool_calls": "no"},
          'parallel_tool_calls must be true or false, got "no"'),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
@@ -359,6 +357,8 @@ def _tool_lines() -> list[dict[str, Any]]:
     lines.append({"id": "auto", "messages": ASK, "tools": TOOLS, "max_tokens": 200,
                   "structured_output": {"grammar": HERMES_GRAMMAR}})  # fmt: skip
     lines.append({"id": "prose", "messages": ASK, "tools": TOOLS, "max_tokens": 8})
+    lines.append({"id": "pair", "messages": ASK, "tools": TOOLS, "tool_choice": NAMED, "n": 2,
+                  "temperature": 1.0, "seed": 3, "max_tokens": 60})  # fmt: skip
     lines.append({"id": "none", "messages": ASK, "tools": TOOLS, "tool_choice": "none",
                   "max_tokens": 200, "structured_output": {"grammar": HERMES_GRAMMAR}})  # fmt: skip
     return lines
@@ -401,6 +401,15 @@ def test_every_forced_row_is_a_valid_call_through_the_cli(qwen_model, tmp_path, 
     assert by_id["none"]["finish_reason"] == "stop"
     prose = by_id["prose"]
     assert prose["tool_calls"] is None and prose["finish_reason"] in ("stop", "length")
+    # n > 1: each sample is a call of its own, the row's the first sample's
+    pair = by_id["pair"]
+    samples = pair["choices"]
+    assert [(c["index"], c["finish_reason"], c["text"]) for c in samples] == [
+        (0, "tool_calls", ""), (1, "tool_calls", "")]  # fmt: skip
+    for c in samples:
+        _assert_valid_calls(c["tool_calls"], ["get_time"])
+    assert samples[0]["tool_calls"] == pair["tool_calls"]
+    assert samples[0]["tool_calls"][0]["id"] != samples[1]["tool_calls"][0]["id"]
 
 
 def test_serve_returns_openai_tool_calls(qwen_model, tmp_path):

@@ -131,7 +131,6 @@ def _native(
     tool_fields.response_format(value, given, paths, ())
     tool_fields.apply_tools(value, request, given, paths, ())
     request.sampling = _params(given, defaults, has_messages, (), paths, vocab_size)
-    tool_fields.check_tool_samples(request, ())
     if "metadata" in value:
         request.metadata = _metadata(value["metadata"], ("metadata",), line_chars)
     return request
@@ -219,7 +218,6 @@ def _openai(
     tool_fields.response_format(body, params, paths, ("body",))
     tool_fields.apply_tools(body, request, params, paths, ("body",))
     request.sampling = _params(params, defaults, chat, ("body",), paths, vocab_size)
-    tool_fields.check_tool_samples(request, ("body",))
     if "metadata" in body:
         request.metadata = _metadata(body["metadata"], ("body", "metadata"), line_chars)
     return request

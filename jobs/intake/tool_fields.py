@@ -60,13 +60,6 @@ def apply_tools(
     paths["structured_output"] = choice_path
 
 
-def check_tool_samples(request: QueuedRequest, at: tuple[str, ...]) -> None:
-    """One sample per row with tools: the samples of n > 1 have no tool_calls column."""
-    if request.tools is not None and request.param("n", 1) > 1:
-        raise FieldError((*at, "n"), "n > 1 cannot be combined with tools (a row holds the "
-                         "tool calls of one sample)")  # fmt: skip
-
-
 def message_calls(value: Any, path: tuple[str | int, ...]) -> list[dict[str, Any]]:
     """An assistant message's tool_calls, as a row's tool_calls column writes them."""
     shape = (

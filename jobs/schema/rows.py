@@ -35,7 +35,8 @@ TOOL_CALLS = pa.list_(
 )  # fmt: skip
 CHOICES = pa.list_(
     pa.struct([("index", pa.int32()), ("text", pa.string()), ("token_ids", pa.list_(pa.int32())),
-               ("finish_reason", pa.string()), ("logprobs", LOGPROBS)])
+               ("finish_reason", pa.string()), ("logprobs", LOGPROBS),
+               ("reasoning", pa.string()), ("tool_calls", TOOL_CALLS)])  # split as the row
 )  # fmt: skip
 SCHEMA = pa.schema(
     [

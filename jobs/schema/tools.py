@@ -154,9 +154,13 @@ def forced_calls(text: str, choice: str | dict[str, Any]) -> list[Call] | None:
     return calls
 
 
-def call_record(call: Call, job_id: str, index: int, position: int) -> dict[str, Any]:
-    """A call as a row's ``tool_calls`` item; its id is the same on every run of the row."""
-    digest = hashlib.blake2b(f"{job_id}/{index}/{position}".encode(), digest_size=12).hexdigest()
+def call_record(
+    call: Call, job_id: str, index: int, position: int, sample: int = 0
+) -> dict[str, Any]:
+    """A call as a row's ``tool_calls`` item (of its ``sample`` with n > 1); its id is the
+    same on every run of the row."""
+    where = f"{job_id}/{index}/{position}" + (f"/{sample}" if sample else "")
+    digest = hashlib.blake2b(where.encode(), digest_size=12).hexdigest()
     return {"id": f"call_{digest}", "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
 

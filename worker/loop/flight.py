@@ -72,18 +72,26 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def output_row(
-    flight: Flight, out: EngineOutput, worker: str, token_text: Callable[[int], str],
-    decode: Decode,
-) -> Row:  # fmt: skip
-    """The row of a finished engine output (``RequestOutput``); ``token_text``: a token
-    id's text alone, for the logprobs columns; ``decode``: tokens' text as the output's."""
-    d = flight.delivery
-    reason = _REASONS.get(out.finish_reason)
-    token_ids = list(out.token_ids)
-    text = out.text if reason else ""
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One sample's output as columns: its answer, reasoning and tool calls."""
+
+    text: str
+    reasoning: str | None
+    reasoning_tokens: int | None
+    calls: list[Call]
+    reason: FinishReason | None  # None: the engine ended it otherwise (an error)
+
+
+def answer(
+    flight: Flight, text: str, token_ids: list[int], finish_reason: str, decode: Decode
+) -> Answer:
+    """A sample split by the job's reasoning parser, its calls read under its tool_choice."""
+    reason = _REASONS.get(finish_reason)
+    if not reason:
+        return Answer("", None, None, [], None)
     reasoning, reasoning_count = None, None
-    if flight.reasoning is not None and reason:
+    if flight.reasoning is not None:
         parser = flight.reasoning.parser
         keep = parser.keeps_special  # its markers are special tokens, which the text drops
         source = decode(token_ids, True) if keep else text
@@ -93,18 +101,38 @@ def output_row(
         )
         text, reasoning = split.text, split.reasoning
     calls: list[Call] = []
-    if reason and d.request.tools is not None:
+    if flight.delivery.request.tools is not None:
         text, calls = tool_calls(flight, text, token_ids, decode)
         if calls and reason is FinishReason.STOP:
             reason = FinishReason.TOOL_CALLS
+    return Answer(text, reasoning, reasoning_count, calls, reason)
+
+
+def output_row(
+    flight: Flight, out: EngineOutput, worker: str, token_text: Callable[[int], str],
+    decode: Decode,
+) -> Row:  # fmt: skip
+    """The row of a finished engine output (``RequestOutput``); ``token_text``: a token
+    id's text alone, for the logprobs columns; ``decode``: tokens' text as the output's.
+    With n > 1 each sample is split as the first one is, into ``choices``."""
+    d = flight.delivery
+    token_ids = list(out.token_ids)
+    first = answer(flight, out.text, token_ids, out.finish_reason, decode)
+    text, reasoning, reasoning_count, calls, reason = (first.text, first.reasoning,
+        first.reasoning_tokens, first.calls, first.reason)  # fmt: skip
     top_k = d.request.param("logprobs")
-    samples = out.samples if len(out.samples) > 1 else []
-    choices: list[dict[str, Any]] = [
-        {"index": i, "text": s.text, "token_ids": list(s.token_ids),
-         "finish_reason": s.finish_reason,
-         "logprobs": _logprobs(s.token_ids, s.logprobs, top_k, token_text)}
-        for i, s in enumerate(samples)
-    ]  # fmt: skip
+    choices: list[dict[str, Any]] = []
+    for i, s in enumerate(out.samples if len(out.samples) > 1 else []):
+        got = first if i == 0 else answer(flight, s.text, list(s.token_ids), s.finish_reason,
+                                          decode)  # fmt: skip
+        choices.append({
+            "index": i, "text": got.text, "token_ids": list(s.token_ids),
+            "finish_reason": got.reason.value if got.reason else s.finish_reason,
+            "logprobs": _logprobs(s.token_ids, s.logprobs, top_k, token_text),
+            "reasoning": got.reasoning,
+            "tool_calls": [tools.call_record(c, d.job_id, d.index, k, i)
+                           for k, c in enumerate(got.calls)] or None,
+        })  # fmt: skip
     return Row(
         index=d.index,
         id=d.request.id,
@@ -232,19 +260,25 @@ def cached_row(delivery: Delivery, values: dict, source_job: str, worker: str) -
         metadata=_metadata(delivery),
         structured=values["structured"],
         logprobs=values["logprobs"],
-        choices=values["choices"],
+        choices=_own_choices(delivery, values["choices"]),
         reasoning=values["reasoning"],
         reasoning_tokens=values["reasoning_tokens"],
-        tool_calls=[
-            tools.call_record(
-                Call(c["function"]["name"], c["function"]["arguments"]),
-                delivery.job_id,
-                delivery.index,
-                i,
-            )
-            for i, c in enumerate(values["tool_calls"] or ())
-        ]
-        or None,  # this row's ids
+        tool_calls=_own_calls(delivery, values["tool_calls"]),
         cached=True,
         cache_source=source_job,
     )
+
+
+def _own_choices(delivery: Delivery, choices: list[dict] | None) -> list[dict] | None:
+    """Cached samples, each with its tool calls under this row's ids."""
+    if not choices:
+        return None
+    return [{**c, "tool_calls": _own_calls(delivery, c.get("tool_calls"), c["index"])}
+            for c in choices]  # fmt: skip
+
+
+def _own_calls(delivery: Delivery, calls: list[dict] | None, sample: int = 0) -> list[dict] | None:
+    """Cached tool calls with this row's ids."""
+    return [tools.call_record(Call(c["function"]["name"], c["function"]["arguments"]),
+                              delivery.job_id, delivery.index, i, sample)
+            for i, c in enumerate(calls or ())] or None  # fmt: skip
