@@ -14,7 +14,7 @@ from batchgen import SamplingParams
 from batchgen.jobs.schema.errors import ParamError
 from batchgen.jobs.schema.sampling import FIELDS, check
 from batchgen.worker.engine.request import EngineRequest
-from batchgen.worker.engine.runner.sampler import Sampler, seeded_uniform
+from batchgen.worker.engine.runner.sampler import Sampler, greedy, seeded_uniform
 
 
 def _req(params: SamplingParams, prompt=(1, 2), output=()) -> EngineRequest:
@@ -27,6 +27,23 @@ def test_greedy_is_argmax():
     out = Sampler(eos_token_ids=())(logits, [_req(SamplingParams()), _req(SamplingParams())])
     assert out.token_ids == [1, 0]
     assert out.logprobs == [None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_picks_torch_argmax_ids_on_ties_nan_and_inf(dtype):
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor(
+        [[1.0, nan, 3.0, nan], [2.0, 5.0, 5.0, 1.0], [-inf] * 4, [inf, 1.0, inf, 0.0],
+         [0.0, -0.0, 0.0, 0.0], [-1.0, -3.0, -0.5, -0.5]],
+        dtype=dtype,
+    )  # fmt: skip
+    ties = torch.randn(64, 8192).to(dtype)
+    ties[:, ::7] = ties.max()  # every row's highest value in many columns
+    for rows in (logits, ties, ties[:, 5:]):  # the last: rows not contiguous
+        picked = greedy(rows)
+        assert picked.dtype == torch.int64
+        assert picked.tolist() == rows.argmax(dim=-1).tolist()
+    assert greedy(logits).tolist() == [1, 1, 0, 0, 0, 2]
 
 
 def test_filtered_probabilities_are_exact():
@@ -262,11 +279,13 @@ def test_a_sampled_step_reads_the_device_once(monkeypatch):
     logits, requests, masks = _mixed_batch()
     sampler = Sampler(eos_token_ids=(0,), seed=0)
     reads = _HostReads(monkeypatch)
+    # on the CPU the greedy ids are numpy's argmax over a view of the logits (no copy, no
+    # device); on a GPU torch's argmax stays there (test_a_sampled_step_syncs_the_gpu_once)
     sampler(logits, requests, masks)
-    assert reads.calls == ["tolist"]
+    assert reads.calls == ["numpy", "tolist"]
     reads.calls.clear()
     sampler(logits, [_req(SamplingParams()), _req(SamplingParams())])  # greedy: argmax alone
-    assert reads.calls == ["tolist"]
+    assert reads.calls == ["numpy", "tolist"]
 
 
 @pytest.mark.gpu
