@@ -69,6 +69,31 @@ static inline float kv_at(const void *row, int64_t d, const int bf16)
     return ((const float *)row)[d];
 }
 
+/* out[0 .. V_CHUNK) = sum over p in [lo, n) of w[p] * V[p][at .. at + V_CHUNK), in p's
+   order from 0, as the position-by-position loop below adds into the zeroed output (the
+   same sums, bit for bit): the chunk stays in registers over the positions instead of
+   being loaded and stored at each, which took that loop most of the kernel's time. V's
+   rows are found a block at a time. */
+enum { V_CHUNK = 32 };
+static inline __attribute__((always_inline)) void weigh_chunk(
+    const Decode *a, const int32_t *table, const float *w, int64_t lo, int64_t n, int64_t at,
+    float *out, const int bf16)
+{
+    const int64_t BS = a->BS, row = a->HK * a->D, size = bf16 ? 2 : 4;
+    float acc[V_CHUNK] = {0.f};
+    for (int64_t p = lo; p < n;) {
+        const int64_t end = (p / BS + 1) * BS < n ? (p / BS + 1) * BS : n;
+        const char *v = (const char *)a->v_cache + ((int64_t)table[p / BS] * BS + p % BS) * row * size
+                        + at * size;
+        for (; p < end; p++, v += row * size) {
+            const float wp = w[p];
+            #pragma omp simd
+            for (int64_t d = 0; d < V_CHUNK; d++) acc[d] += wp * kv_at(v, d, bf16);
+        }
+    }
+    for (int64_t d = 0; d < V_CHUNK; d++) out[d] = acc[d];
+}
+
 /* One row s; scores: H * max_len + H floats of scratch. Inlined into one copy per
    K/V type (bf16 a constant there), so the inner loops vectorise for each. */
 static inline __attribute__((always_inline)) void decode_row_as(
@@ -123,6 +148,12 @@ static inline __attribute__((always_inline)) void decode_row_as(
         if (a->sinks) sum += expf(a->sinks[h] - top[h]);
         const float inv = 1.f / sum;
         for (int64_t p = lo; p < n; p++) sh[p] *= inv;
+    }
+    if (D % V_CHUNK == 0) { /* weighted sum, V_CHUNK of a head's outputs held in registers */
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t d0 = 0; d0 < D; d0 += V_CHUNK)
+                weigh_chunk(a, table, scores + h * n, lo, n, (h / group) * D + d0, o + h * D + d0, bf16);
+        return;
     }
     for (int64_t p = lo; p < n; p++) { /* weighted sum: V read once */
         const char *v = v_cache + ((int64_t)table[p / BS] * BS + p % BS) * row_bytes;
