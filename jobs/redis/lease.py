@@ -17,6 +17,7 @@ from types import TracebackType
 import redis
 
 from batchgen.jobs.redis.lua import LuaScript
+from batchgen.jobs.redis.outage_probe import OutageLog
 from batchgen.jobs.schema.errors import LeaseHeld
 
 log = logging.getLogger(__name__)
@@ -65,14 +66,16 @@ class Lease:
         return self
 
     def _renew(self) -> None:
+        outage = OutageLog(log, f"renewing lease {self.key}")
         while not self._stop.wait(self.ttl_ms / 3000):
             try:
                 if not RENEW(self.conn, lease=self.key, token=self.token, ttl_ms=self.ttl_ms):
                     self.lost = True
                     log.error("lease %s was lost (expired while this process stalled)", self.key)
                     return
+                outage.up()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("could not renew lease %s (%s); retrying", self.key, exc)
+                outage.down(exc)
 
     def __exit__(
         self,

@@ -10,6 +10,9 @@ LOADING) fails status's own reads first: the CLI's one-line "cannot serve now".
 
 from __future__ import annotations
 
+import logging
+import time
+
 import redis
 
 from batchgen.jobs.redis.connection import RedisRefused
@@ -33,3 +36,23 @@ def refused_writes(conn: redis.Redis, keys: Keys) -> str | None:
         return (f"Redis refuses writes ({exc.code}: {str(exc).removeprefix(exc.code + ' ')}); "
                 f"workers and serve wait and resume on their own, nothing is lost; {hint}")  # fmt: skip
     return None
+
+
+class OutageLog:
+    """Says an outage once when it starts and once when it ends, however often the
+    caller retries meanwhile (a loop that logged each retry would flood its log)."""
+
+    def __init__(self, log: logging.Logger, who: str) -> None:
+        self.log, self.who = log, who  # what waits: "finalizer", "renewing lease K"
+        self.since: float | None = None
+
+    def down(self, reason: object) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            self.log.warning("%s waits for Redis: %s", self.who, reason)
+
+    def up(self) -> None:
+        if self.since is not None:
+            waited = time.monotonic() - self.since
+            self.log.warning("%s resumes: Redis serves again after %.0fs", self.who, waited)
+            self.since = None

@@ -19,6 +19,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import redis
+
+from batchgen.jobs.backoff import backoff_delay
+from batchgen.jobs.ops.finalize.finalize_tasks import run_pending
+from batchgen.jobs.redis.connection import connect
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.outage_probe import OutageLog, refused_writes
+from batchgen.jobs.schema.errors import BatchgenError, RedisUnavailable
 from batchgen.parts import child_environ, module_command
 
 
@@ -108,25 +116,47 @@ class Finalizers:
 
 
 def main() -> int:
-    from batchgen.jobs.ops.finalize.finalize_tasks import run_pending
-    from batchgen.jobs.redis.connection import connect
-    from batchgen.jobs.redis.keys import Keys
-    from batchgen.jobs.schema.errors import BatchgenError
-
     config = json.loads(sys.stdin.read())
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s finalizer %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )  # fmt: skip
-    try:
-        conn = connect(config["redis_url"], retries=5, wait_s=30)
-    except BatchgenError as exc:
-        logging.error("%s", exc)
+    keys = Keys(config["prefix"])
+    conn = _connect_when_writable(config["redis_url"], keys)
+    if conn is None:
         return 3
-    ran = run_pending(conn, Keys(config["prefix"]), config["tag"])
+    ran = run_pending(conn, keys, config["tag"])
     if ran:
         logging.info("ran %d finalize task(s)", ran)
     return 0
+
+
+def _connect_when_writable(url: str, keys: Keys) -> redis.Redis | None:
+    """A client once Redis takes writes: an outage (unreachable, or an error reply of
+    OUTAGE_REPLIES: outage_probe) is waited out with backoff and logged when it starts
+    and when it ends. None when Redis refuses us for good (credentials, policy)."""
+    outage = OutageLog(logging.getLogger(), "finalizer")
+    attempt = 0
+    while True:
+        try:
+            conn = connect(url, retries=2)
+            reason = refused_writes(conn, keys)
+        except RedisUnavailable as exc:
+            if not exc.transient:
+                logging.error("%s", exc)
+                return None
+            reason = str(exc)
+        except BatchgenError as exc:
+            logging.error("%s", exc)
+            return None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            reason = f"Redis unavailable ({exc})"
+        if reason is None:
+            outage.up()
+            return conn
+        outage.down(reason)
+        time.sleep(backoff_delay(attempt, 0.2, 5.0))
+        attempt += 1
 
 
 if __name__ == "__main__":

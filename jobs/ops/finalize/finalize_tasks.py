@@ -102,6 +102,8 @@ def finalize_task(job_id: str, prefix: str) -> dict[str, Any]:
         state = finalize(conn, keys, job_id, settings, owner=f"task {current.id}")
     except LeaseHeld as held:
         return {"job_id": job_id, "state": "busy", "holder": held.holder}
+    except (redis.ConnectionError, redis.TimeoutError):
+        raise  # an outage, not a failed finalize: the sweep queues the job again
     except Exception as exc:
         record_failure(conn, keys, job_id, exc, settings)
         raise
