@@ -8,6 +8,11 @@ Submit adds a job once its record exists (again on a resumed submit, so a submit
 killed in between is listed once resumed). ``forget`` drops jobs that left the job
 index (deleted, or their state expired after its retention); an entry whose record
 is gone anyway (Redis lost it) leaves the index when a listing meets it.
+
+Jobs submitted before the index existed are only in the job index (``keys.jobs``):
+the first listing on such a Redis adds them (``backfill``, once: ``keys.jobs_indexed``
+says it is done, so every later listing pays one EXISTS for it). It reads the old jobs
+500 at a time and may run twice at once (two listings): an addition is idempotent.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import redis
 
 from batchgen.jobs.ops.job_record import JobRecord
 from batchgen.jobs.redis.keys import Keys, text
+from batchgen.jobs.redis.redis_errors import RedisRefused
 
 CHUNK = 500  # jobs read at a time when a listing asks for all of them
+OUTAGE_WRITES = ("OOM", "READONLY", "MISCONF")  # refusals of writes only: reads work
 
 
 def add(conn: redis.Redis, keys: Keys, record: JobRecord) -> None:
@@ -27,6 +34,49 @@ def add(conn: redis.Redis, keys: Keys, record: JobRecord) -> None:
     conn.zadd(keys.jobs_by_time, {record.id: record.created_at})
     if record.api_tenant:
         conn.zadd(keys.api_tenant_jobs(record.api_tenant), {record.id: record.created_at})
+
+
+def backfill(conn: redis.Redis, keys: Keys) -> int:
+    """List the jobs submitted before the index existed, once a Redis; how many were
+    not listed yet. While Redis refuses writes (OOM, READONLY, MISCONF) it waits for a
+    later listing: this one shows the index as it is."""
+    if conn.exists(keys.jobs_indexed):
+        return 0
+    added, cursor = 0, 0
+    try:
+        while conn.hlen(keys.jobs) > conn.zcard(keys.jobs_by_time):  # else all are listed
+            cursor, chunk = conn.hscan(keys.jobs, cursor, count=CHUNK)
+            added += _list_unlisted(conn, keys, chunk)
+            if not cursor:
+                break
+        conn.set(keys.jobs_indexed, "1")
+    except RedisRefused as exc:
+        if exc.code in OUTAGE_WRITES:
+            return added
+        raise
+    return added
+
+
+def _list_unlisted(conn: redis.Redis, keys: Keys, tags: dict[Any, Any]) -> int:
+    """Add those of the jobs (job id -> queue tag, as ``keys.jobs`` holds them) that the
+    index lacks; a job whose record is gone is left out."""
+    ids = [text(j) for j in tags]
+    if not ids:
+        return 0
+    scores: Any = conn.zmscore(keys.jobs_by_time, ids)
+    missing = [(j, text(tags[k])) for j, k, s in zip(ids, tags, scores) if s is None]
+    pipe = conn.pipeline(transaction=False)
+    for job_id, tag in missing:
+        pipe.hmget(keys.queue(tag).job(job_id).job, "created_at", "api_tenant")
+    added = 0
+    for (job_id, _), (created_at, api_tenant) in zip(missing, pipe.execute()):
+        if created_at is None:
+            continue
+        record = JobRecord(id=job_id, created_at=float(created_at), api_tenant=text(api_tenant))
+        add(pipe, keys, record)
+        added += 1
+    pipe.execute()
+    return added
 
 
 def forget(conn: redis.Redis, keys: Keys, job_ids: list[str]) -> None:
@@ -47,6 +97,7 @@ def _index(keys: Keys, api_tenant: str | None) -> str:
 
 def count(conn: redis.Redis, keys: Keys, api_tenant: str | None = None) -> int:
     """How many jobs there are (None: all), or of a serve tenant."""
+    backfill(conn, keys)
     return int(conn.zcard(_index(keys, api_tenant)))
 
 
@@ -59,6 +110,7 @@ def page(
 ) -> list[JobRecord]:
     """Jobs newest first, from the ``offset``-th on, ``limit`` at most (None: all):
     every job (``api_tenant`` None) or a serve tenant's."""
+    backfill(conn, keys)
     index = _index(keys, api_tenant)
     found: list[JobRecord] = []
     start = offset

@@ -233,6 +233,11 @@ class Keys:
         """Every job by submit time, for listings (job_index.py)."""
         return f"{self.prefix}:jobs:by-time"
 
+    @property
+    def jobs_indexed(self) -> str:
+        """Set once every job submitted before the index existed is in it (job_index.py)."""
+        return f"{self.prefix}:jobs:by-time:complete"
+
     def api_tenant_jobs(self, api_tenant: str) -> str:
         """A serve tenant's jobs by submit time (job_index.py)."""
         return f"{self.prefix}:jobs:by-time:api:{api_tenant}"
