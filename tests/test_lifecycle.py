@@ -86,6 +86,22 @@ def test_a_script_runs_once_after_the_server_forgot_it(redis_url: str) -> None:
     assert conn.get("n") == "11"
 
 
+class FlushingAfterLoad(redis.Redis):
+    """A client whose SCRIPT LOAD a SCRIPT FLUSH follows at once (as another client's may)."""
+
+    def script_load(self, script: Any) -> Any:
+        sha = super().script_load(script)
+        self.script_flush()
+        return sha
+
+
+def test_a_script_flushed_between_its_load_and_its_run_runs_once(redis_url: str) -> None:
+    conn: Any = FlushingAfterLoad.from_url(redis_url, decode_responses=True)
+    conn.script_flush()
+    assert INCR(conn, counter="n", by=3) == 3  # NOSCRIPT twice: sent as source (EVAL)
+    assert conn.get("n") == "3"
+
+
 def test_steady_state_calls_are_evalsha_and_the_source_is_sent_once(redis_url: str) -> None:
     conn = rconn(redis_url)
     conn.script_flush()

@@ -18,7 +18,7 @@ names (``CANCEL(conn, job=..., job_id=...)``).
 
 Calls go through redis-py's ``Script``: EVALSHA, and on a NOSCRIPT reply (a new
 or restarted server, a promoted replica, SCRIPT FLUSH) SCRIPT LOAD and EVALSHA
-again. Called with a pipeline for ``conn``, the script is queued and the pipeline
+again; a flush between those two (NOSCRIPT again) sends the source with EVAL. Called with a pipeline for ``conn``, the script is queued and the pipeline
 loads whatever the server lacks before it executes.
 """
 
@@ -116,7 +116,10 @@ class LuaScript:
     def __call__(self, conn: redis.Redis, **given: Any) -> Any:
         """Run on ``conn`` with KEYS and ARGV given by name."""
         keys, args = self.flatten(given)
-        return self.script(keys, args, client=conn)
+        try:
+            return self.script(keys, args, client=conn)
+        except redis.exceptions.NoScriptError:  # flushed again between its load and its run
+            return conn.eval(self.source, len(keys), *keys, *args)
 
 
 def _in_order(params: tuple[Param, ...], given: dict[str, Any]) -> list[Any]:
