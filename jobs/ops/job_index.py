@@ -45,7 +45,8 @@ def backfill(conn: redis.Redis, keys: Keys) -> int:
     added, cursor = 0, 0
     try:
         while conn.hlen(keys.jobs) > conn.zcard(keys.jobs_by_time):  # else all are listed
-            cursor, chunk = conn.hscan(keys.jobs, cursor, count=CHUNK)
+            scanned: Any = conn.hscan(keys.jobs, cursor, count=CHUNK)
+            cursor, chunk = scanned
             added += _list_unlisted(conn, keys, chunk)
             if not cursor:
                 break
