@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from batchgen.interface_errors import APIError
 from batchgen.jobs.redis.keys import Keys
 from batchgen.jobs.redis.lease import Lease
+from batchgen.jobs.redis.outage_probe import OutageLog, refused_writes
 from batchgen.jobs.schema.errors import BatchgenError, JobNotFound
 from batchgen.serve import dashboard_api, files_api, openai_errors
 from batchgen.serve.auth import COOKIE, Sessions, Who, principal_of
@@ -55,8 +56,9 @@ def create_app(config: ServeConfig, conn: redis.Redis, keys: Keys) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         alive = Lease(conn, keys.serve_instance(instance), config.lease_s, owner).__enter__()
-        thread = threading.Thread(target=_background, args=(sweep, sampler, config, stop),
-                                  name="batchgen-serve-sweep", daemon=True)  # fmt: skip
+        work = (conn, keys, sweep, sampler, config, stop)
+        thread = threading.Thread(target=_background, args=work, name="batchgen-serve-sweep",
+                                  daemon=True)  # fmt: skip
         thread.start()
         yield
         stop.set()
@@ -145,17 +147,24 @@ async def _on_redis_down(_request: Request, exc: Exception) -> JSONResponse:
     return openai_errors.response(503, f"Redis cannot serve now: {exc}", "redis_unavailable")
 
 
-def _background(sweep: Sweep, sampler: RateSampler, config: ServeConfig,
-                stop: threading.Event) -> None:  # fmt: skip
-    """Expire and finish batches every tick; sample tok/s every sample_s."""
+def _background(conn: redis.Redis, keys: Keys, sweep: Sweep, sampler: RateSampler,
+                config: ServeConfig, stop: threading.Event) -> None:  # fmt: skip
+    """Expire and finish batches every tick; sample tok/s every sample_s. While Redis
+    refuses writes or cannot be reached (outage_probe), the tick waits, and says so once."""
+    outage = OutageLog(log, "the sweep of batches")
     next_sample = 0.0
     while not stop.wait(min(config.tick_s, config.sample_s) if next_sample else 0):
         try:
+            refused = refused_writes(conn, keys)
+            if refused is not None:
+                outage.down(refused)
+                continue
+            outage.up()
             sweep.run()
             if time.monotonic() >= next_sample:
                 sampler.sample()
                 next_sample = time.monotonic() + config.sample_s
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            log.warning("Redis unreachable (%s); retrying", exc)
+            outage.down(f"Redis unavailable ({exc})")
         except Exception:
             log.exception("background sweep failed")

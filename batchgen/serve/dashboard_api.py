@@ -13,6 +13,11 @@ Listings are pages of an index by submit time (jobs/ops/job_index.py): the overv
 newest ``MAX_JOBS`` and ``total_jobs``, /api/jobs takes ``offset`` and ``limit``
 (``MAX_JOBS`` at most); a page costs Redis a command a job shown, whatever the number
 of jobs, and a key that is not an admin's reads its tenant's index only.
+
+While Redis refuses writes (OOM, READONLY, MISCONF: outage_probe) the overview's
+``outage`` says so in the line ``batchgen status`` prints, and the page shows it; a
+server that refuses reads too (BUSY, LOADING) makes every /api call a 503 whose error
+says why (app.py), which the page shows in place of its last update time.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from batchgen.jobs.ops import job_index
 from batchgen.jobs.ops.cancellation import cancel
 from batchgen.jobs.ops.job_record import load_job
 from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.redis.outage_probe import refused_writes
 from batchgen.jobs.schema.errors import JobNotFound
 from batchgen.serve import dashboard
 from batchgen.serve.api_keys import Principal
@@ -61,7 +67,8 @@ def router(conn: redis.Redis, keys: Keys) -> APIRouter:
                 "total_jobs": job_index.count(conn, keys, dashboard.listed_tenant(who)),
                 "workers": dashboard.workers(conn, keys),
                 "tenants": dashboard.tenants(conn, keys, who), "series": series(who),
-                "notice": dashboard.unseen_notice(conn, keys, who)}  # fmt: skip
+                "notice": dashboard.unseen_notice(conn, keys, who),
+                "outage": refused_writes(conn, keys)}  # fmt: skip
 
     @api.get("/api/jobs")
     def api_jobs(

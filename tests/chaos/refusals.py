@@ -6,9 +6,10 @@ a replica of a port nobody listens on (it keeps its data). MISCONF: a snapshot f
 (its dir is gone) with snapshots configured (stop-writes-on-bgsave-error). BUSY:
 another client's script loops past ``lua-time-limit`` until SCRIPT KILL. LOADING: the
 server restarts on an AOF whose RDB preamble holds 64 MB that it reads slowly
-(``key-load-delay``, 16 s in all); while loading it answers LOADING each time it looks up
-from the file (every 2 MB, 0.5 s: a client needs a few of those to connect and be told). Every ``allow`` also flushes the script cache, so the next script
-call meets NOSCRIPT (redis-py's Script loads the script again).
+(``key-load-delay``, 24 s in all); while loading it answers LOADING each time it looks
+up from the file (every 2 MB, 0.75 s: a client needs a few of those to connect and be
+told). Every ``allow`` also flushes the script cache, so the next script call meets
+NOSCRIPT (redis-py's Script loads the script again).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Refusal:
         wait_until(lambda: _rewritten(conn), 60, "the AOF rewrite")
         server = self.server
         server.kill()
-        server.extra_args = (*server.extra_args, "--key-load-delay", "1000")  # µs a key
+        server.extra_args = (*server.extra_args, "--key-load-delay", "1500")  # µs a key
         starting = threading.Thread(target=server.start, kwargs={"timeout": 120})
         starting.start()
         wait_until(lambda: _answers_loading(server.url), 30, "the server to answer LOADING")

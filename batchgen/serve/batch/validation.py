@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
+
 from batchgen.interface_errors import APIError
 from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.ops.cancellation import cancel as cancel_job
@@ -70,6 +72,8 @@ class Validator:
                     self._validate(self.batches.load(batch_id))
                 except APIError:
                     return  # its record is gone (deleted)
+                except (redis.ConnectionError, redis.TimeoutError):
+                    raise  # an outage, not a bad batch
                 except Exception as exc:  # never leave a batch validating for ever
                     log.exception("validating batch %s failed", batch_id)
                     record = self.batches.load(batch_id)
@@ -77,6 +81,9 @@ class Validator:
                         self.batches.fail(record, [error("server_error", str(exc)[:500])])
         except LeaseHeld:
             return
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # still validating: once its lease expires, the sweep validates it again
+            log.warning("validating batch %s waits for Redis: %s", batch_id, exc)
 
     def _validate(self, record: BatchRecord) -> None:
         if not record.state.validating:

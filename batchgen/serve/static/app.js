@@ -242,6 +242,9 @@ async function refresh() {
     const notice = document.getElementById("notice");
     notice.textContent = data.notice || "";
     notice.hidden = !data.notice;
+    const outage = document.getElementById("outage");
+    outage.textContent = data.outage || "";
+    outage.hidden = !data.outage;
     renderJobs(data.jobs);
     renderWorkers(data.workers, data.now);
     renderTenants(data.tenants);
