@@ -1,7 +1,7 @@
 """The dashboard in a real headless browser (Debian's ``chromium``; ``.ci/run`` installs it):
 log in, watch a running job's progress bar move and reach 100%, click its id as a person
 does (its detail, output and tok/s agree with `batchgen status` and the chart), cancel a
-waiting job with its button, no console error."""
+waiting job with its button, no console error; the outage line while Redis refuses writes."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from openai import OpenAI
 
 from tests.cdp import Browser, find_chromium
@@ -160,3 +161,31 @@ def test_dashboard_shows_a_job_progress_to_100_percent(stack, browser, toy_model
     shot = page.screenshot(tmp_path / "dashboard.png")
     assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 20_000
     assert page.console_errors() == []
+
+
+def test_the_page_says_when_redis_refuses_writes(private_redis, browser, tmp_path):
+    """/api/overview's outage line (`batchgen status`'s) shows at the top of the page while
+    Redis refuses writes (OOM here), and goes once it takes them again. No worker needed."""
+    stack = Stack(private_redis.url, tmp_path)
+    admin = redis.Redis.from_url(private_redis.url)
+    try:
+        (tmp_path / "keys.txt").write_text(f"{KEY} ops admin\n")
+        stack.serve("--keys-file", str(tmp_path / "keys.txt"), "--refresh", "0.3")
+        page = browser.page
+        page.send("Page.navigate", url=stack.base + "/")
+        page.wait_for("document.readyState === 'complete' && !!document.getElementById('login')")
+        page.evaluate(f"document.getElementById('key').value = {json.dumps(KEY)};"
+                      "document.getElementById('login').submit()")  # fmt: skip
+        page.wait_for("!!document.querySelector('#jobs') && document.readyState === 'complete'")
+        assert page.evaluate("document.getElementById('outage').hidden") is True
+        admin.config_set("maxmemory", 1)
+        try:
+            page.wait_for("!document.getElementById('outage').hidden")
+            shown = page.evaluate("document.getElementById('outage').textContent")
+        finally:
+            admin.config_set("maxmemory", 0)
+        assert shown.startswith("Redis refuses writes (OOM: command not allowed when used "
+                                "memory > 'maxmemory'.); workers and serve wait")  # fmt: skip
+        page.wait_for("document.getElementById('outage').hidden")
+    finally:
+        stack.stop()
