@@ -114,7 +114,8 @@ def output_row(
 ) -> Row:  # fmt: skip
     """The row of a finished engine output (``RequestOutput``); ``token_text``: a token
     id's text alone, for the logprobs columns; ``decode``: tokens' text as the output's.
-    With n > 1 each sample is split as the first one is, into ``choices``."""
+    With n > 1 each sample is split as the first one is, into ``choices``, and the
+    token counts are of every sample."""
     d = flight.delivery
     token_ids = list(out.token_ids)
     first = answer(flight, out.text, token_ids, out.finish_reason, decode)
@@ -125,6 +126,8 @@ def output_row(
     for i, s in enumerate(out.samples if len(out.samples) > 1 else []):
         got = first if i == 0 else answer(flight, s.text, list(s.token_ids), s.finish_reason,
                                           decode)  # fmt: skip
+        if i and got.reasoning_tokens is not None:  # of every sample, as completion_tokens
+            reasoning_count = (reasoning_count or 0) + got.reasoning_tokens
         choices.append({
             "index": i, "text": got.text, "token_ids": list(s.token_ids),
             "finish_reason": got.reason.value if got.reason else s.finish_reason,
