@@ -13,7 +13,10 @@ alone on a ``TCPStore`` that rank 0 serves on a free port of 127.0.0.1 (so
 one process may hold several groups): gloo for the step's arrays, and for the
 model's collectives on the CPU; NCCL for those on CUDA. A rank starts as
 ``python -m batchgen.worker.engine.tensor_rank`` with its settings on stdin
-and dies with rank 0 (``PR_SET_PDEATHSIG``). A rank that dies, or a
+and dies with rank 0 (``PR_SET_PDEATHSIG``). Until every rank has begun to
+join (``JOINING`` in the store), rank 0 watches their processes, so one that
+exits first fails the start at once with ``GroupLost``, not after gloo's
+START_TIMEOUT. A rank that dies, or a
 collective that waits longer than ``tensor_parallel_timeout_s``, makes rank
 0's step raise ``GroupLost``: the group cannot go on (its ranks may be in
 different collectives), so the engine process exits and its supervisor
@@ -26,7 +29,9 @@ import contextlib
 import json
 import logging
 import pickle
+import signal
 import subprocess
+import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -45,6 +50,16 @@ HOST = "127.0.0.1"
 # ranks meet, load their shards and size their KV pools within this (a large checkpoint's
 # shard read from a slow disk); each step's collectives then within tensor_parallel_timeout_s
 START_TIMEOUT = timedelta(minutes=30)
+JOINING = "joining"  # each rank sets JOINING/<rank> in the store as it starts to join
+POLL_S = 0.05  # how often rank 0 looks at the ranks it started while they have not joined
+
+
+def exit_text(code: int) -> str:
+    """A rank's exit, its signal named: ``exited with -9 (SIGKILL)``."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"exited with {code} ({signal.Signals(-code).name})"
+    return f"exited with {code}"
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -77,6 +92,7 @@ class Collectives:
     @classmethod
     def join(cls, store: Any, rank: int, world: int, device: torch.device,
              timeout: timedelta) -> Collectives:  # fmt: skip
+        store.set(f"{JOINING}/{rank}", b"")  # rank 0 waits for these before it blocks
         control = dist.ProcessGroupGloo(
             dist.PrefixStore("control", store), rank, world, START_TIMEOUT
         )
@@ -116,6 +132,23 @@ class Collectives:
         return message if self.shard.rank == 0 else pickle.loads(data.numpy().tobytes())
 
 
+def await_joining(store: Any, ranks: list[subprocess.Popen[bytes]]) -> None:
+    """Returns once every rank started (rank r is ``ranks[r - 1]``) has begun to join; a rank
+    that exits first raises ``GroupLost`` at once, not after gloo's START_TIMEOUT."""
+    keys = [f"{JOINING}/{rank}" for rank in range(1, len(ranks) + 1)]
+    deadline = time.monotonic() + START_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        for rank, proc in enumerate(ranks, 1):
+            code = proc.poll()
+            if code is not None:
+                raise GroupLost(
+                    f"tensor-parallel group lost: rank {rank} {exit_text(code)} before it joined"
+                )
+        if time.monotonic() > deadline:
+            raise GroupLost(f"tensor-parallel group lost: ranks not joined in {START_TIMEOUT}")
+        time.sleep(POLL_S)
+
+
 class TensorGroup:
     """Rank 0's side: the ranks it started, and what it sends them each step."""
 
@@ -149,8 +182,9 @@ class TensorGroup:
                 pipe.write(json.dumps(asdict(order)).encode())
             ranks.append(proc)
         try:
+            await_joining(store, ranks)
             collectives = Collectives.join(store, 0, world, device, timeout)
-        except Exception:
+        except BaseException:
             for proc in ranks:
                 proc.kill()
             raise
@@ -168,7 +202,7 @@ class TensorGroup:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1.0 / len(self.ranks))
         dead = self._dead()
-        why = f"rank {dead[0][0]} exited with {dead[0][1]}" if dead else "a collective failed"
+        why = f"rank {dead[0][0]} {exit_text(dead[0][1])}" if dead else "a collective failed"
         return GroupLost(f"tensor-parallel group lost: {why} ({type(exc).__name__}: {exc})")
 
     def _dead(self) -> list[tuple[int, int]]:
@@ -178,7 +212,7 @@ class TensorGroup:
         dead = self._dead()
         if dead:
             rank, code = dead[0]
-            raise GroupLost(f"tensor-parallel group lost: rank {rank} exited with {code}")
+            raise GroupLost(f"tensor-parallel group lost: rank {rank} {exit_text(code)}")
 
     def close(self) -> None:
         """Tells the ranks to exit and waits for them (killed if they do not)."""
