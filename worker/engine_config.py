@@ -134,6 +134,19 @@ class EngineConfig:
                 f"seed must be an integer from 0 to 2**63 - 1, got {self.seed!r}"
             )
 
+    def check_visible_gpus(self, visible: int) -> None:
+        """For an engine on CUDA, where ``visible`` GPUs are seen: its tensor-parallel rank r
+        runs on the GPU r after its device's (``tensor_group.rank_device``), so fewer GPUs
+        from there on than ranks is refused before any rank starts."""
+        first = int((self.device or "cuda").partition(":")[2] or 0)
+        size = self.tensor_parallel_size
+        if first + size > visible:
+            where = f"cuda:{first} to cuda:{first + size - 1}" if size > 1 else f"cuda:{first}"
+            raise InvalidEngineConfig(
+                f"tensor_parallel_size {size} needs the GPUs {where}, but {visible} GPU(s) "
+                "are visible"
+            )
+
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:
         """``Engine.from_pretrained``'s keyword arguments, each a field of this class

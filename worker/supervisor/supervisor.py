@@ -1,8 +1,8 @@
 """The worker supervisor: one engine process per GPU or tensor-parallel group of GPUs
 (or N on CPU), kept alive.
 
-It imports no torch itself (except to count GPUs for ``--gpus``). Children run
-``python -m batchgen.worker.loop``; a child that crashes is restarted: after
+It imports no torch itself (except to count GPUs for ``--gpus`` and for a
+tensor-parallel ``--device cuda``). Children run ``python -m batchgen.worker.loop``; a child that crashes is restarted: after
 ``RESTART_DELAY_S`` if it had started serving (its first heartbeat: it was
 killed, ran out of memory, or met a poison request, which ``max_attempts``
 dead-letters; a tensor-parallel engine whose other rank died exits so, its
@@ -43,6 +43,7 @@ from batchgen.jobs.schema.errors import UsageError
 from batchgen.openmp_waits import SPIN_ENV, WAIT_VARIABLES
 from batchgen.parts import child_environ, module_command
 from batchgen.worker.cpu_threads import usable_cpus
+from batchgen.worker.engine_config import EngineConfig
 from batchgen.worker.loop.loop_config import (
     ENGINE_FAILED_EXIT,
     MODEL_REFUSED_EXIT,
@@ -328,6 +329,11 @@ def plan_children(
     n = workers or 1
     if n < 1:
         raise UsageError("--workers must be at least 1")
+    if tensor_parallel_size > 1 and device is not None and device.startswith("cuda"):
+        import torch  # each child's group needs its GPUs: refused before any child starts
+
+        config = EngineConfig(device=device, tensor_parallel_size=tensor_parallel_size)
+        config.check_visible_gpus(torch.cuda.device_count())
     env: dict[str, str] = {}
     if (device or "cpu") == "cpu":
         if threads is not None:

@@ -136,6 +136,8 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     group, native = None, impl.native
     if config.tensor_parallel_size > 1:
         native = _tensor_parallel_native(impl, root, config)
+        if dev.type == "cuda":
+            replace(config, device=str(dev)).check_visible_gpus(torch.cuda.device_count())
         group = TensorGroup.start(str(path), config, dev)  # the ranks load while this one does
     threads = set_threads(config.threads, dev, config.tensor_parallel_size)
     torch_dtype = pick_dtype(config.dtype, dev, hf.torch_dtype)
