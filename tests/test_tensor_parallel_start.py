@@ -89,3 +89,18 @@ def test_worker_refuses_more_ranks_than_gpus_before_any_child(tmp_path, toy_mode
         r"but \d+ GPU\(s\) are visible\n",
         out.stderr,
     ), out.stderr
+
+
+def test_a_rank_killed_while_it_loads_fails_the_first_collective_by_name(toy_model, monkeypatch):
+    path = toy_model("llama")
+    start = tensor_group.TensorGroup.start
+
+    def start_then_kill(*args, **kwargs):  # joined: the rank is loading its shard now
+        group = start(*args, **kwargs)
+        os.kill(group.ranks[0].pid, signal.SIGKILL)
+        return group
+
+    monkeypatch.setattr(tensor_group.TensorGroup, "start", start_then_kill)
+    with pytest.raises(GroupLost, match=r"^tensor-parallel group lost: rank 1 exited with -9 "
+                       r"\(SIGKILL\) \(RuntimeError: "):  # fmt: skip
+        Engine.from_pretrained(path, **SETTINGS, tensor_parallel_size=2)

@@ -198,12 +198,24 @@ class TensorGroup:
     def lost(self, exc: BaseException) -> Exception:
         if isinstance(exc, GroupLost):
             return exc
-        for proc in self.ranks:  # a killed rank's peers may hear of it before its parent
+        return self.rank_died(exc) or GroupLost(
+            f"tensor-parallel group lost: a collective failed ({type(exc).__name__}: {exc})"
+        )
+
+    def rank_died(self, exc: BaseException) -> GroupLost | None:
+        """``exc`` as ``GroupLost`` naming the rank that died, if one did (a killed rank's
+        peers fail their collectives at once, maybe before its parent hears of it)."""
+        for proc in self.ranks:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=1.0 / len(self.ranks))
         dead = self._dead()
-        why = f"rank {dead[0][0]} {exit_text(dead[0][1])}" if dead else "a collective failed"
-        return GroupLost(f"tensor-parallel group lost: {why} ({type(exc).__name__}: {exc})")
+        if not dead:
+            return None
+        rank, code = dead[0]
+        return GroupLost(
+            f"tensor-parallel group lost: rank {rank} {exit_text(code)} "
+            f"({type(exc).__name__}: {exc})"
+        )
 
     def _dead(self) -> list[tuple[int, int]]:
         return [(r, p.returncode) for r, p in enumerate(self.ranks, 1) if p.poll() is not None]

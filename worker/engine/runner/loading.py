@@ -162,9 +162,15 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
         heads = (shape.num_heads, shape.num_kv_heads, shape.head_dim)
     max_num_batched_tokens = config.max_num_batched_tokens or (4096 if dev.type == "cuda" else 2048)
     block_size, max_num_seqs = config.block_size, config.max_num_seqs
-    num_kv_blocks, kv_caches = _kv_pool(
-        model, config, torch_dtype, dev, None if group is None else group.collectives
-    )
+    try:  # the group's first collective: a rank that died while loading fails it at once
+        num_kv_blocks, kv_caches = _kv_pool(
+            model, config, torch_dtype, dev, None if group is None else group.collectives
+        )
+    except RuntimeError as exc:
+        died = None if group is None else group.rank_died(exc)
+        if died is None:
+            raise
+        raise died from exc
     eos = eos_token_ids(root, hf.hf, tokenizer)
     if ops.name == "triton":  # compiled now, not in the first steps
         _warm_up(model, kv_caches, block_size, min(max_num_batched_tokens, max_model_len), heads)
