@@ -90,6 +90,13 @@ class CompressedWeight(QuantizedWeight):
             value = value - _spread(zp, k).to(scale.dtype)
         return (value * _spread(scale, k)).float()
 
+    def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.values.dtype != torch.int8 or self.zero_point is not None:
+            return None
+        if self.scale.numel() != 1 and self.scale.shape != (self.out_features, 1):
+            return None
+        return self.values, self.scale.float().reshape(-1)
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         extra = () if self.zero_point is None else (self.zero_point,)
         return (self.values, self.scale, *extra)
@@ -109,6 +116,12 @@ class ActivationArgs:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Each row quantized with its own dynamic scale and dequantized, as
         compressed-tensors' forward does (``compute_dynamic_scales_and_zp``)."""
+        rounded, scale = self.quantize(x)
+        return rounded.to(x.dtype) * scale
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's quantized values (int8 kind: whole numbers in [-128, 127], in x's
+        dtype; float kind: float8_e4m3fn) and its scale, (rows, 1) in x's dtype."""
         q_min, q_max = (-128.0, 127.0) if self.kind == "int" else (-FP8_MAX, FP8_MAX)
         lo = torch.clamp(x.amin(dim=-1, keepdim=True), max=0)
         hi = torch.clamp(x.amax(dim=-1, keepdim=True), min=0)
@@ -116,7 +129,7 @@ class ActivationArgs:
         scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
         scaled = torch.clamp(x / scale, q_min, q_max)
         rounded = torch.round(scaled) if self.kind == "int" else scaled.to(torch.float8_e4m3fn)
-        return rounded.to(x.dtype) * scale
+        return rounded, scale
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,13 @@ dequantize-then-matmul would (a column of an fp32 product does not depend on
 the other columns of its call). Fused projections (q/k/v, gate/up) keep one
 ``QuantizedWeight`` per module, in the checkpoint's layout, and write their
 outputs side by side.
+
+W8A8 int8 (int8 weights with a scale per output channel, int8 activations with a
+dynamic scale per token) skips the dequantizing on the CPU: each row of the input
+is quantized to int8 exactly as the dequantizing path quantizes it, multiplied by
+the stored int8 weights with ``torch._int_mm`` (int32 sums, exact), and each sum
+scaled by its token's and its channel's scale. It equals the dequantizing path up
+to the fp32 rounding of those products (``int8`` says which path a projection runs).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from batchgen.worker.models.quant.compressed_tensors import ActivationArgs
 from batchgen.worker.models.quant.scheme import QuantizedWeight
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear, linear
@@ -37,8 +45,23 @@ class QuantizedLinear(Linear):
     parts: tuple[QuantizedWeight, ...] = field(default=(), repr=False)
     # the input's dynamic quantize-dequantize (W8A8 schemes); None: the input as it is
     quantize_input: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # W8A8 int8: each part's int8 (out, in) weights and fp32 scale, multiplied in int32 on
+    # the CPU; None: the dequantizing product (decided from parts and quantize_input)
+    int8: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        act = self.quantize_input
+        if not (isinstance(act, ActivationArgs) and act.kind == "int"):
+            return
+        rows = [p.int8_rows() for p in self.parts]
+        if self.parts and all(r is not None for r in rows):
+            self.int8 = tuple(r for r in rows if r is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None and x.device.type == "cpu":
+            return self._int8_product(x)
         if self.quantize_input is not None:
             x = self.quantize_input(x)
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
@@ -49,6 +72,23 @@ class QuantizedLinear(Linear):
                 bias = None if self.bias is None else self.bias[column + start : column + stop]
                 out[:, column + start : column + stop] = linear(x, tile, bias)
             column += part.out_features
+        return out
+
+    def _int8_product(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.int8 is not None and isinstance(self.quantize_input, ActivationArgs)
+        rounded, token_scale = self.quantize_input.quantize(x)
+        q = rounded.to(torch.int8)
+        token_scale = token_scale.float()
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        column = 0
+        for weight, channel_scale in self.int8:
+            sums = torch._int_mm(q, weight.t())  # (rows, out) int32
+            part = sums.float().mul_(token_scale).mul_(channel_scale)
+            stop = column + weight.shape[0]
+            if self.bias is not None:
+                part.add_(self.bias[column:stop])
+            out[:, column:stop] = part
+            column = stop
         return out
 
     def dequantized(self) -> torch.Tensor:

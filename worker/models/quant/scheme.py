@@ -41,6 +41,11 @@ class QuantizedWeight(abc.ABC):
     def dequantize(self, start: int, stop: int) -> torch.Tensor:
         """Output features [start, stop) as fp32, (stop - start, in_features)."""
 
+    def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """int8 (out, in) values and an fp32 scale per output channel, (out,), or per
+        tensor, (1,), where the weight is stored so (W8A8 int8); None otherwise."""
+        return None
+
     @abc.abstractmethod
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The stored tensors (what the weight takes in memory)."""
