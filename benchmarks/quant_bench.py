@@ -4,8 +4,9 @@
     python benchmarks/quant_bench.py --size tiny --tokens 16
 
 Writes the toy llama (``batchgen.toy``), then the same weights as block-wise FP8
-(128 x 128, DeepSeek-V3's layout), compressed-tensors W4A16 (group 128, written by
-the compressed-tensors library) and GPTQ (group 128, act-order) with the test
+(128 x 128, DeepSeek-V3's layout), compressed-tensors W4A16 (group 128) and W8A8 int8
+(per channel, dynamic per-token int8 activations; both written by the
+compressed-tensors library) and GPTQ (group 128, act-order) with the test
 suite's writers (``tests/quant_checkpoints.py``), and the fp32 checkpoint quantized
 at load (``quantization="fp8"``, ``--quantization fp8``). For each: the bytes the native
 decoder's weights hold after load (every tensor it keeps, each storage once), the
@@ -124,6 +125,7 @@ def main() -> None:
             "fp32 + --quantization fp8": (plain, {"quantization": "fp8"}),
             "fp8 block 128x128": (quantize_fp8_block(plain, root / "fp8", (128, 128)), {}),
             "compressed-tensors w4a16 g128": (compress(plain, root / "w4", "w4a16-g128"), {}),
+            "compressed-tensors w8a8 int8": (compress(plain, root / "w8a8", "w8a8-int8"), {}),
             "gptq 4-bit g128 act-order": (quantize_gptq(
                 plain, root / "gptq", root / "gptq-plain", group=128, act_order=True
             )[0], {}),
