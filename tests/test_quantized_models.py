@@ -345,12 +345,3 @@ def test_plain_tensors_under_a_quantized_config_are_refused(zoo_model, tmp_path:
     with pytest.raises(UnsupportedModelError) as refused:
         Engine.from_pretrained(path, num_kv_blocks=16)
     assert "lacks tensor 'model.layers.0.self_attn.q_proj.weight_scale_inv'" in str(refused.value)
-
-
-def test_tensor_parallelism_refuses_a_quantized_checkpoint_by_name(
-    zoo_model, tmp_path: Path
-) -> None:
-    # the split slices plain weights; a quantized projection's parts are not split yet
-    path = quantize_fp8_block(zoo_model("llama"), tmp_path / "fp8", (32, 32))
-    with pytest.raises(UnsupportedModelError, match="quantized; tensor parallelism"):
-        Engine.from_pretrained(path, num_kv_blocks=64, tensor_parallel_size=2)
