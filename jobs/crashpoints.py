@@ -17,6 +17,8 @@ spot); a SIGCONT lets it go on from there. Only the fault tests set it. Points:
 - ``after_finalize_commit``: the job is marked finished, its clean-up not done
 - ``after_retry_parts``: a retry wrote the kept rows' parts, the job is untouched
 - ``after_retry_reopen``: a retry re-opened the job, none of its rows is queued
+- ``after_output_claim``: a submit claimed the job's output directory, nothing of
+  the job is in Redis
 - ``after_retry_chunk``: a chunk of a retry's rows is queued (``:N``: the N-th)
 
 With ``BATCHGEN_TEST_CRASH_ONCE=PATH`` the crash happens once across all the

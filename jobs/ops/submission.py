@@ -36,6 +36,7 @@ from typing import Any
 
 import redis
 
+from batchgen.jobs.crashpoints import CrashPlan
 from batchgen.jobs.intake import kept
 from batchgen.jobs.intake.duplicate_ids import DuplicateIds
 from batchgen.jobs.intake.inputs import MAX_LINE_BYTES
@@ -278,6 +279,7 @@ def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> 
     try:
         record.output_token = new_token()
         claim(OutputDir.open(record.output), job_id, record.output_token)
+        CrashPlan.from_env().reached("after_output_claim")
         conn.hsetnx(keys.jobs, job_id, qk.tag)
         conn.hset(keys.queues, qk.tag, record.queue)
         ensure_group(conn, qk)
