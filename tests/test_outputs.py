@@ -99,7 +99,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_anything_is_queued(
                  "--redis", redis_url)  # fmt: skip
     assert result.exit_code == 1 and message in result.output, result.output
     assert "Traceback" not in result.output
-    assert rconn(redis_url).keys() == []
+    assert rconn(redis_url).keys() == [KEYS.identity.encode()]  # this Redis's, no job's
 
 
 def test_run_with_a_shared_redis_needs_the_jobs_output_directory(redis_url, tmp_path, toy_model):

@@ -26,6 +26,7 @@ start. So:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import time
@@ -70,7 +71,7 @@ from batchgen.jobs.schema.errors import (
 from batchgen.jobs.schema.sampling import COMPLETION_MAX_TOKENS
 from batchgen.jobs.storage.names import check_job_id
 from batchgen.jobs.storage.output_store import OutputDir
-from batchgen.jobs.storage.ownership import claim, new_token
+from batchgen.jobs.storage.ownership import claim
 
 
 @dataclass(slots=True)
@@ -277,7 +278,7 @@ def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> 
         return _resume_listed(conn, keys, JobRecord.from_hash(job_id, raw), record)
     tenants.reserve(conn, keys, record, record.est_input_tokens)  # refused: nothing created
     try:
-        record.output_token = new_token()
+        record.output_token = _output_token(conn, keys, job_id)
         claim(OutputDir.open(record.output), job_id, record.output_token)
         CrashPlan.from_env().reached("after_output_claim")
         conn.hsetnx(keys.jobs, job_id, qk.tag)
@@ -298,6 +299,16 @@ def _create(conn: redis.Redis, keys: Keys, qk: QueueKeys, record: JobRecord) -> 
         return False, 0
     existing = JobRecord.from_hash(job_id, conn.hgetall(jk.job))
     return _resume_listed(conn, keys, existing, record)  # lost a race
+
+
+def _output_token(conn: redis.Redis, keys: Keys, job_id: str) -> str:
+    """The token of the job's output marker (ownership.py): the same for every submit of
+    this job id to this Redis, so one interrupted after its claim (Redis refusing
+    writes, the process killed) and re-run finds its own marker; another Redis's
+    (another ``identity``) differs."""
+    conn.set(keys.identity, secrets.token_hex(8), nx=True)
+    identity = text(conn.get(keys.identity))
+    return hashlib.sha256(f"{identity}\0{job_id}".encode()).hexdigest()[:16]
 
 
 def _resume_listed(

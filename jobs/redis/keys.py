@@ -251,6 +251,12 @@ class Keys:
         return f"{self.prefix}:deleted:{job_id}"
 
     @property
+    def identity(self) -> str:
+        """A random id this Redis (and prefix) takes once: a job's output marker is
+        derived from it (submission.py), so another Redis's job of the same id is told apart."""
+        return f"{self.prefix}:identity"
+
+    @property
     def write_probe(self) -> str:
         """Never created: ``batchgen status`` writes nothing to it to ask whether Redis
         takes writes (outage_probe.py)."""

@@ -1,7 +1,8 @@
 """One job per output directory: a marker file claims it, written (and read back) at submit.
 
-``OUTPUT/batchgen-job.json`` names the job that owns the directory and a random
-token kept in the job's record. Submit refuses a directory whose marker names
+``OUTPUT/batchgen-job.json`` names the job that owns the directory and a token
+kept in the job's record (submission.py derives it from the job id and the Redis's
+own random identity: a submit interrupted after its claim finds its marker again). Submit refuses a directory whose marker names
 another job (or the same job id from another Redis: another token), and a
 non-empty directory without a marker (someone's data: finalize would overwrite
 a ``result.parquet`` there). The same job re-submitted finds its own marker:
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import time
 import uuid
 
@@ -31,10 +31,6 @@ from batchgen.jobs.schema.errors import JobConflict, OutputError
 from batchgen.jobs.storage.output_store import TEMP_PREFIX, OutputDir
 
 MARKER = "batchgen-job.json"
-
-
-def new_token() -> str:
-    return secrets.token_hex(8)
 
 
 def claim(out: OutputDir, job_id: str, token: str) -> None:
