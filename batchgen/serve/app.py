@@ -55,7 +55,8 @@ def create_app(config: ServeConfig, conn: redis.Redis, keys: Keys) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        alive = Lease(conn, keys.serve_instance(instance), config.lease_s, owner).__enter__()
+        alive = Lease(conn, keys.serve_instance(instance), config.lease_s, owner, retake=True)
+        alive.__enter__()
         work = (conn, keys, sweep, sampler, config, stop)
         thread = threading.Thread(target=_background, args=work, name="batchgen-serve-sweep",
                                   daemon=True)  # fmt: skip

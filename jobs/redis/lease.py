@@ -4,6 +4,10 @@ A key set with NX and a TTL holds a random token. The holder renews it from a
 thread while it works (so a long step does not lose it) and deletes it when
 done, both only while the token is still its own. A holder that is killed
 stops renewing; the key expires and someone else may take the work over.
+
+A lease that only says "this process is alive" (``retake``: serve's instance lease,
+which keeps other servers off its uploads) is taken back when a renewal finds it
+expired (Redis was out of reach for longer than the TTL) and nobody else holds it.
 """
 
 from __future__ import annotations
@@ -45,10 +49,14 @@ return redis.call('DEL', lease)
 
 
 class Lease:
-    """``with Lease(conn, key, ttl_s, owner):`` holds ``key`` for the block, renewed meanwhile."""
+    """``with Lease(conn, key, ttl_s, owner):`` holds ``key`` for the block, renewed meanwhile;
+    ``retake``: an expired one is taken back (see the module's doc)."""
 
-    def __init__(self, conn: redis.Redis, key: str, ttl_s: float, owner: str) -> None:
+    def __init__(
+        self, conn: redis.Redis, key: str, ttl_s: float, owner: str, *, retake: bool = False
+    ) -> None:
         self.conn = conn
+        self.retake = retake
         self.key = key
         self.ttl_ms = max(int(ttl_s * 1000), 100)
         self.token = f"{owner}/{secrets.token_hex(8)}"
@@ -70,6 +78,12 @@ class Lease:
         while not self._stop.wait(self.ttl_ms / 3000):
             try:
                 if not RENEW(self.conn, lease=self.key, token=self.token, ttl_ms=self.ttl_ms):
+                    if self.retake and self.conn.set(self.key, self.token, nx=True,
+                                                     px=self.ttl_ms):  # fmt: skip
+                        log.warning("lease %s had expired (Redis out of reach past its TTL); "
+                                    "taken back", self.key)  # fmt: skip
+                        outage.up()
+                        continue
                     self.lost = True
                     log.error("lease %s was lost (expired while this process stalled)", self.key)
                     return
