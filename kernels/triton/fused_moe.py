@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.experts import ExpertWeights, Mxfp4ExpertWeights
+from batchgen.kernels.experts import ExpertWeights, Fp8BlockExpertWeights, Mxfp4ExpertWeights
+from batchgen.kernels.quant_reference import dequantize_fp8_block_experts
 from batchgen.kernels.triton import activation, arg_checks
 
 
@@ -163,7 +164,7 @@ def _grouped_gemm_kernel(
 
 def fused_moe(
     x: torch.Tensor,
-    experts: ExpertWeights | Mxfp4ExpertWeights,
+    experts: ExpertWeights | Mxfp4ExpertWeights | Fp8BlockExpertWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
@@ -173,8 +174,15 @@ def fused_moe(
     weights must be contiguous in their last dimension; topk_ids int32/int64
     in [0, num_experts) (the routers' output; not checked on the device).
     ``Mxfp4ExpertWeights`` (gpt-oss's checkpoint tensors) are dequantized to
-    x's dtype tile by tile inside the GEMMs, never whole.
+    x's dtype tile by tile inside the GEMMs, never whole. Block-wise FP8 experts have
+    no kernel here: the loader dequantizes them off the CPU (``worker/models/quant/fp8_experts.py``),
+    and experts given to this function as stored are dequantized whole, for the call.
     """
+    if isinstance(experts, Fp8BlockExpertWeights):
+        plain = dequantize_fp8_block_experts(experts)
+        experts = ExpertWeights(
+            plain.w13.to(x.dtype), plain.w2.to(x.dtype), activation=plain.activation
+        )
     if isinstance(experts, Mxfp4ExpertWeights):
         _check_mxfp4(x, experts, topk_weights, topk_ids)
         gate_up = _Weight(

@@ -2,7 +2,7 @@
 
 The cache holds one row per token, [latent | rope key] (kv_lora_rank +
 qk_rope_head_dim, 512 + 64 in DeepSeek V2/V3), read both as the key of every
-query head and as its value (``latent_attention.py``). The generic decode
+query head and as its value (``worker/models/layers/latent_attention.py``). The generic decode
 kernel would hold a whole 576-wide row per head group in registers and
 needs 165-524 KB of shared memory at these shapes; this one cuts the row at
 a power of two, MAIN_DIM (the latent, 512) and the rest (the rope part, 64),
