@@ -47,8 +47,9 @@ def serve_log(tmp_path: Path) -> str:
 
 def batch_of(c: OpenAI, model: str, tag: str) -> str:
     rows = [{"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"model": model, "prompt": f"{tag} {i}", "max_tokens": 4}}
-            for i in range(3)]  # fmt: skip
+             "body": {"model": model, "prompt": f"{tag} {i}", "max_tokens": 200,
+                      "ignore_eos": True}}
+            for i in range(3)]  # long enough that the test sees it in_progress  # fmt: skip
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
     file = c.files.create(file=("in.jsonl", data), purpose="batch")
     return c.batches.create(input_file_id=file.id, endpoint="/v1/completions",
