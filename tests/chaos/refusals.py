@@ -6,7 +6,7 @@ a replica of a port nobody listens on (it keeps its data). MISCONF: a snapshot f
 (its dir is gone) with snapshots configured (stop-writes-on-bgsave-error). BUSY:
 another client's script loops past ``lua-time-limit`` until SCRIPT KILL. LOADING: the
 server restarts on an AOF whose RDB preamble holds 64 MB that it reads slowly
-(``key-load-delay``, 24 s in all); while loading it answers LOADING each time it looks
+(``key-load-delay``, 48 s in all); while loading it answers LOADING each time it looks
 up from the file (every 2 MB, 0.75 s: a client needs a few of those to connect and be
 told). Every ``allow`` also flushes the script cache, so the next script call meets
 NOSCRIPT (redis-py's Script loads the script again).
@@ -98,10 +98,10 @@ class Refusal:
         wait_until(lambda: _rewritten(conn), 60, "the AOF rewrite")
         server = self.server
         server.kill()
-        server.extra_args = (*server.extra_args, "--key-load-delay", "1500")  # µs a key
+        server.extra_args = (*server.extra_args, "--key-load-delay", "3000")  # µs a key
         starting = threading.Thread(target=server.start, kwargs={"timeout": 120})
         starting.start()
-        wait_until(lambda: _answers_loading(server.url), 30, "the server to answer LOADING")
+        wait_until(lambda: answers_loading(server.url), 30, "the server to answer LOADING")
 
         def loaded() -> None:
             starting.join(120)
@@ -116,7 +116,7 @@ def _rewritten(conn: Any) -> bool:
     return not info["aof_rewrite_in_progress"] and not info["aof_rewrite_scheduled"]
 
 
-def _answers_loading(url: str) -> bool:
+def answers_loading(url: str) -> bool:
     try:
         redis.Redis.from_url(url, socket_timeout=5).get("probe")
     except redis.BusyLoadingError:
