@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 
 from batchgen.jobs.schema.reasoning import parser
 from tests.cli_session import Shell, rows, write_jsonl
-from tests.test_tools import ASK, NAMED, QWEN_TEMPLATE, SCHEMAS, TOOLS
+from tests.tool_models import ASK, NAMED, QWEN_TEMPLATE, SCHEMAS, TOOLS, write_chat_model
 
 ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # Qwen3's, not special
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -32,19 +31,7 @@ CHAT = [{"role": "user", "content": "hello"}]
 def qwen3_model(tmp_path_factory) -> Path:
     """A toy qwen3 whose tokenizer has Qwen3's think and tool-call tags as added (not
     special) tokens inside the embedding table, and Qwen's (hermes) chat template."""
-    from transformers import AutoTokenizer
-
-    from batchgen.toy import write_toy_checkpoint
-    from batchgen.toy.checkpoint import SIZES
-
-    out = tmp_path_factory.mktemp("qwen3-answer")
-    size = replace(SIZES["tiny"], tokenizer_vocab_size=SIZES["tiny"].vocab_size - len(ADDED))
-    write_toy_checkpoint(out, arch="qwen3", size=size)
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
-    tokenizer.add_tokens(ADDED)
-    tokenizer.chat_template = QWEN_TEMPLATE
-    tokenizer.save_pretrained(str(out))
-    return out
+    return write_chat_model(tmp_path_factory.mktemp("qwen3-answer"), "qwen3", ADDED, QWEN_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -4,19 +4,22 @@ as transformers renders them, and the reasoning column through the CLI."""
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from batchgen.jobs.intake.inputs import parse_line
-from batchgen.jobs.intake.lines import LineError
 from batchgen.jobs.schema.errors import ParserError
 from batchgen.jobs.schema.reasoning import Split, ThinkTags, detect, parser
-from batchgen.jobs.schema.sampling import DEFAULTS
 from tests.cli_session import Shell, rows, write_jsonl
+from tests.tool_models import (
+    THINK_TOKENS,
+    batch_line,
+    queue_entry,
+    refusal,
+    serve_batch,
+    write_chat_model,
+)
 
 QWEN3 = "<think>\nThe user greets me.\n</think>\n\nHello! How can I help?"
 R1 = "The user greets me; answer briefly.\n</think>\n\nHello!"  # the template opened <think>
@@ -161,40 +164,25 @@ QWEN3_TEMPLATE = (
 # -- chat_template_kwargs at submit ------------------------------------------------------
 
 
-def _entry(line: dict, defaults: dict | None = None) -> dict:
-    out = parse_line(1, json.dumps(line).encode(), {**DEFAULTS, **(defaults or {})})
-    assert not isinstance(out, LineError), str(out)
-    return json.loads(out)
-
-
-def _refusal(line: dict, defaults: dict | None = None) -> str:
-    out = parse_line(1, json.dumps(line).encode(), {**DEFAULTS, **(defaults or {})})
-    assert isinstance(out, LineError), out
-    return str(out)
-
-
-def _body(**body) -> dict:
-    return {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"messages": MESSAGES, **body}}  # fmt: skip
-
-
 MESSAGES = [{"role": "user", "content": "hi"}]
 JOB = {"chat_template_kwargs": {"enable_thinking": False, "x": 1}}
 
 
 def test_template_variables_reach_the_entry_the_lines_over_the_jobs():
     native = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": True}}
-    assert _entry(native)["ct"] == {"enable_thinking": True}
-    assert _entry(native, JOB)["ct"] == {"enable_thinking": True, "x": 1}
-    assert _entry({"messages": MESSAGES}, JOB)["ct"] == {"enable_thinking": False, "x": 1}
+    assert queue_entry(native)["ct"] == {"enable_thinking": True}
+    assert queue_entry(native, JOB)["ct"] == {"enable_thinking": True, "x": 1}
+    assert queue_entry({"messages": MESSAGES}, JOB)["ct"] == {"enable_thinking": False, "x": 1}
     # the job's variables are not sampling parameters, and a prompt line has none
-    assert "chat_template_kwargs" not in _entry({"messages": MESSAGES}, JOB)["s"]
-    assert "ct" not in _entry({"prompt": "hi"}, JOB)
-    assert "ct" not in _entry({"messages": MESSAGES})
-    assert _entry(_body(chat_template_kwargs={"thinking": True}), JOB)["ct"] == {
+    assert "chat_template_kwargs" not in queue_entry({"messages": MESSAGES}, JOB)["s"]
+    assert "ct" not in queue_entry({"prompt": "hi"}, JOB)
+    assert "ct" not in queue_entry({"messages": MESSAGES})
+    assert queue_entry(batch_line(MESSAGES, chat_template_kwargs={"thinking": True}), JOB)["ct"] == {
         "enable_thinking": False, "x": 1, "thinking": True}  # fmt: skip
     # OpenAI's reasoning_effort is gpt-oss's template variable
-    assert _entry(_body(reasoning_effort="high"))["ct"] == {"reasoning_effort": "high"}
+    assert queue_entry(batch_line(MESSAGES, reasoning_effort="high"))["ct"] == {
+        "reasoning_effort": "high"
+    }
 
 
 @pytest.mark.parametrize(
@@ -210,7 +198,7 @@ def test_template_variables_reach_the_entry_the_lines_over_the_jobs():
          "variable"),
         ({"messages": MESSAGES, "chat_template_kwargs": {"a b": 1}},
          'chat_template_kwargs keys must be template variable names, got "a b"'),
-        (_body(reasoning_effort="max"),
+        (batch_line(MESSAGES, reasoning_effort="max"),
          'reasoning_effort must be one of minimal, low, medium, high, got "max"'),
         ({"custom_id": "c", "method": "POST", "url": "/v1/completions",
           "body": {"prompt": "hi", "reasoning_effort": "low"}},
@@ -218,7 +206,7 @@ def test_template_variables_reach_the_entry_the_lines_over_the_jobs():
     ],
 )  # fmt: skip
 def test_wrong_template_variables_are_refused_by_name(line, message):
-    assert message in _refusal(line)
+    assert message in refusal(line)
 
 
 # -- a Qwen3-shaped toy checkpoint, through the engine and the CLI -----------------------
@@ -226,21 +214,9 @@ def test_wrong_template_variables_are_refused_by_name(line, message):
 
 @pytest.fixture(scope="module")
 def qwen3_model(tmp_path_factory) -> Path:
-    """A toy qwen3 whose tokenizer has Qwen3's think tags as added (not special) tokens,
-    as the release's, inside the embedding table, and Qwen3's chat template."""
-    from transformers import AutoTokenizer
-
-    from batchgen.toy import write_toy_checkpoint
-    from batchgen.toy.checkpoint import SIZES
-
-    out = tmp_path_factory.mktemp("qwen3-think")
-    size = replace(SIZES["tiny"], tokenizer_vocab_size=SIZES["tiny"].vocab_size - 2)
-    write_toy_checkpoint(out, arch="qwen3", size=size)
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
-    tokenizer.add_tokens(["<think>", "</think>"])
-    tokenizer.chat_template = QWEN3_TEMPLATE
-    tokenizer.save_pretrained(str(out))
-    return out
+    """A toy qwen3 with Qwen3's think tags and its chat template."""
+    return write_chat_model(tmp_path_factory.mktemp("qwen3-think"), "qwen3", THINK_TOKENS,
+                            QWEN3_TEMPLATE)  # fmt: skip
 
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
@@ -326,42 +302,20 @@ def test_the_reasoning_column_through_the_cli(qwen3_model, tmp_path, private_red
 
 
 def test_serve_returns_reasoning_content_and_reasoning_tokens(qwen3_model, tmp_path):
-    from openai import OpenAI
     from transformers import AutoTokenizer
-
-    from tests.serve_stack import KEY, private_stack
 
     hf: Any = AutoTokenizer.from_pretrained(str(qwen3_model))
     end_id = hf.convert_tokens_to_ids("</think>")
-    model = str(qwen3_model)
-    requests = [{"custom_id": f"b{bias}", "method": "POST", "url": "/v1/chat/completions",
-                 "body": {"model": model, "messages": CHAT, "max_tokens": 16,
-                          "logit_bias": {str(end_id): bias}}} for bias in (0, 6, 8, 100)]  # fmt: skip
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
-    with private_stack(tmp_path / "stack", qwen3_model) as stack:
-        stack.serve("--api-key", KEY)
-        stack.worker(qwen3_model)
-        client = OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0)
-        with (tmp_path / "in.jsonl").open("rb") as f:
-            file = client.files.create(file=f, purpose="batch")
-        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")  # fmt: skip
-        for _ in range(1500):
-            batch = client.batches.retrieve(batch.id)
-            if batch.status in ("completed", "failed", "cancelled", "expired"):
-                break
-            time.sleep(0.2)
-        assert batch.status == "completed", batch
-        assert batch.output_file_id is not None
-        assert batch.usage is not None
-        reasoned = batch.usage.output_tokens_details.reasoning_tokens
-        out = [json.loads(line) for line in
-               client.files.content(batch.output_file_id).text.splitlines()]  # fmt: skip
+    bodies = {f"b{bias}": {"max_tokens": 16, "logit_bias": {str(end_id): bias}}
+              for bias in (0, 6, 8, 100)}  # fmt: skip
+    out, batch = serve_batch(qwen3_model, tmp_path, CHAT, bodies)
+    assert batch.usage is not None
+    reasoned = batch.usage.output_tokens_details.reasoning_tokens
     assert batch.metadata is not None
     table = rows(Path(batch.metadata["batchgen_result"]))
     token_ids = dict(zip(table["id"], table["token_ids"]))
-    assert sorted(line["custom_id"] for line in out) == ["b0", "b100", "b6", "b8"]
-    for line in out:
+    assert sorted(out) == ["b0", "b100", "b6", "b8"]
+    for line in out.values():
         body = line["response"]["body"]
         ids = token_ids[line["custom_id"]]
         message = body["choices"][0]["message"]
@@ -379,6 +333,6 @@ def test_serve_returns_reasoning_content_and_reasoning_tokens(qwen3_model, tmp_p
         == sum(table["reasoning_tokens"])
         == sum(
             line["response"]["body"]["usage"]["completion_tokens_details"]["reasoning_tokens"]
-            for line in out
+            for line in out.values()
         )
     )

@@ -5,8 +5,6 @@ with its reasoning, and usage counting every sample, as OpenAI's Batch API retur
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +12,16 @@ import jsonschema
 import pytest
 
 from tests.cli_session import rows
-from tests.test_tools import ASK, QWEN_TEMPLATE, QWEN_TOOL_TOKENS, SCHEMAS, TOOLS
+from tests.tool_models import (
+    ASK,
+    QWEN_TEMPLATE,
+    QWEN_TOOL_TOKENS,
+    SCHEMAS,
+    THINK_TOKENS,
+    TOOLS,
+    serve_batch,
+    write_chat_model,
+)
 
 # Qwen2.5's tool template with Qwen3's thinking switch: hermes calls and qwen3 reasoning,
 # both chosen from the template (as Qwen3's own template writes both)
@@ -28,52 +35,10 @@ assert THINKING_TEMPLATE != QWEN_TEMPLATE
 
 @pytest.fixture(scope="module")
 def thinking_tools_model(tmp_path_factory) -> Path:
-    """A toy qwen3 with Qwen's tool and think tokens as added tokens inside the embedding
-    table, and a chat template that renders tools and takes ``enable_thinking``."""
-    from transformers import AutoTokenizer
-
-    from batchgen.toy import write_toy_checkpoint
-    from batchgen.toy.checkpoint import SIZES
-
-    out = tmp_path_factory.mktemp("qwen3-tools")
-    added = [*QWEN_TOOL_TOKENS, "<think>", "</think>"]
-    size = replace(SIZES["tiny"], tokenizer_vocab_size=SIZES["tiny"].vocab_size - len(added))
-    write_toy_checkpoint(out, arch="qwen3", size=size)
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
-    tokenizer.add_tokens(added)
-    tokenizer.chat_template = THINKING_TEMPLATE
-    tokenizer.save_pretrained(str(out))
-    return out
-
-
-def _run_batch(model: Path, tmp_path: Path, bodies: dict[str, dict[str, Any]]) -> tuple:
-    """The bodies as one batch through serve and a CPU worker: (output lines by custom_id,
-    the batch as the client reads it)."""
-    from openai import OpenAI
-
-    from tests.serve_stack import KEY, private_stack
-
-    requests = [{"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-                 "body": {"model": str(model), "messages": ASK, **body}}
-                for cid, body in bodies.items()]  # fmt: skip
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
-    with private_stack(tmp_path / "stack", model) as stack:
-        stack.serve("--api-key", KEY)
-        stack.worker(model)
-        client = OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0)
-        with (tmp_path / "in.jsonl").open("rb") as f:
-            file = client.files.create(file=f, purpose="batch")
-        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")  # fmt: skip
-        for _ in range(1500):
-            batch = client.batches.retrieve(batch.id)
-            if batch.status in ("completed", "failed", "cancelled", "expired"):
-                break
-            time.sleep(0.2)
-        assert batch.status == "completed", batch
-        assert batch.output_file_id is not None
-        text = client.files.content(batch.output_file_id).text
-    return {line["custom_id"]: line for line in map(json.loads, text.splitlines())}, batch
+    """A toy qwen3 with Qwen's tool and think tokens and a chat template that renders tools
+    and takes ``enable_thinking``."""
+    return write_chat_model(tmp_path_factory.mktemp("qwen3-tools"), "qwen3",
+                            [*QWEN_TOOL_TOKENS, *THINK_TOKENS], THINKING_TEMPLATE)  # fmt: skip
 
 
 def test_serve_returns_every_sample_as_a_call_with_its_reasoning(thinking_tools_model, tmp_path):
@@ -88,7 +53,7 @@ def test_serve_returns_every_sample_as_a_call_with_its_reasoning(thinking_tools_
         "plain": {**forced, "n": 3, "seed": 2,
                   "chat_template_kwargs": {"enable_thinking": False}},
     }  # fmt: skip
-    out, batch = _run_batch(thinking_tools_model, tmp_path, bodies)
+    out, batch = serve_batch(thinking_tools_model, tmp_path, ASK, bodies)
     assert sorted(out) == ["plain", "think"]
     assert batch.metadata is not None
     table = rows(Path(batch.metadata["batchgen_result"]))

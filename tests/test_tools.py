@@ -5,21 +5,30 @@ Qwen's tool tokens and its (hermes) chat template."""
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 
-from batchgen.jobs.intake.inputs import parse_line
-from batchgen.jobs.intake.lines import LineError
 from batchgen.jobs.schema import tools
 from batchgen.jobs.schema.errors import ParserError
-from batchgen.jobs.schema.sampling import DEFAULTS
 from batchgen.jobs.schema.tool_parsers import Call, Extracted, detect, parser
 from tests.cli_session import Shell, rows, write_jsonl
+from tests.tool_models import (
+    ASK,
+    NAMED,
+    QWEN_TEMPLATE,
+    QWEN_TOOL_TOKENS,
+    SCHEMAS,
+    TIME_PARAMS,
+    TOOLS,
+    batch_line,
+    queue_entry,
+    refusal,
+    serve_batch,
+    write_chat_model,
+)
 
 # -- parsers on the releases' output shapes ----------------------------------------------
 
@@ -127,54 +136,22 @@ def test_detect_reads_the_chat_template():
 
 # -- tools and tool_choice at submit -----------------------------------------------------
 
-WEATHER_PARAMS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["city", "days"], "additionalProperties": False,
-}  # fmt: skip
-TIME_PARAMS = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
-               "required": ["zone"], "additionalProperties": False}  # fmt: skip
-TOOLS: list[dict[str, Any]] = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather by city",
-                                      "parameters": WEATHER_PARAMS}},
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}},
-]  # fmt: skip
-SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
-NAMED = {"type": "function", "function": {"name": "get_time"}}
-ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
-
-
-def _entry(line: dict) -> dict:
-    out = parse_line(1, json.dumps(line).encode(), dict(DEFAULTS))
-    assert not isinstance(out, LineError), str(out)
-    return json.loads(out)
-
-
-def _refusal(line: dict) -> str:
-    out = parse_line(1, json.dumps(line).encode(), dict(DEFAULTS))
-    assert isinstance(out, LineError), out
-    return str(out)
-
-
-def _body(**body: Any) -> dict[str, Any]:
-    return {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"messages": ASK, **body}}  # fmt: skip
-
 
 def test_tools_reach_the_entry_and_forced_choices_constrain_the_output():
-    auto = _entry({"messages": ASK, "tools": TOOLS})
+    auto = queue_entry({"messages": ASK, "tools": TOOLS})
     assert (auto["tl"], "tc" in auto, "structured_output" in auto["s"]) == (TOOLS, False, False)
-    assert _entry(_body(tools=TOOLS, tool_choice="none"))["tc"] == "none"
-    named = _entry(_body(tools=TOOLS, tool_choice=NAMED))
+    assert queue_entry(batch_line(ASK, tools=TOOLS, tool_choice="none"))["tc"] == "none"
+    named = queue_entry(batch_line(ASK, tools=TOOLS, tool_choice=NAMED))
     assert named["tc"] == NAMED and named["s"]["structured_output"] == {"json": TIME_PARAMS}
-    required = _entry({"messages": ASK, "tools": TOOLS, "tool_choice": "required"})
+    required = queue_entry({"messages": ASK, "tools": TOOLS, "tool_choice": "required"})
     schema = required["s"]["structured_output"]["json"]
     assert schema == tools.forced_constraint(TOOLS, "required")["json"]  # type: ignore[index]
     assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [
         ["get_weather"], ["get_time"]]  # fmt: skip
     assert "maxItems" not in schema
-    one = _entry(_body(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
+    one = queue_entry(
+        batch_line(ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    )
     assert one["s"]["structured_output"]["json"]["maxItems"] == 1
 
 
@@ -184,7 +161,7 @@ def test_multi_turn_messages_keep_tool_calls_and_tool_results():
                  {"id": "call_1", "type": "function",
                   "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
              {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
-    entry = _entry(_body(messages=turns, tools=TOOLS))
+    entry = queue_entry(batch_line(turns, tools=TOOLS))
     assert entry["m"] == [ASK[0], {**turns[1], "content": ""}, turns[2]]
 
 
@@ -218,11 +195,11 @@ def test_multi_turn_messages_keep_tool_calls_and_tool_results():
                                                                           "arguments": {}}}]}]},
          'tool_calls must be a list of {"id", "type": "function", "function": {"name", '
          '"arguments"}} (arguments a JSON string)'),
-        (_body(functions=[]), "body.functions is not supported by batchgen"),
+        (batch_line(ASK, functions=[]), "body.functions is not supported by batchgen"),
     ],
 )  # fmt: skip
 def test_wrong_tools_are_refused_by_name(line, message):
-    assert message in _refusal(line)
+    assert message in refusal(line)
 
 
 def test_forced_calls_read_back_the_constrained_output():
@@ -239,68 +216,12 @@ def test_forced_calls_read_back_the_constrained_output():
 
 # -- a Qwen-shaped toy checkpoint, through the engine, the CLI and serve -----------------
 
-# Qwen2.5's chat template (the hermes tool format) as the release writes it.
-QWEN_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
-    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
-    '{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user '
-    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
-    '\\n<tools>" }}'
-    '{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}'
-    '{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name '
-    'and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": '
-    '<function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}'
-    "{%- else %}"
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
-    "(message.role == 'assistant' and not message.tool_calls) %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-    "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>' + message.role }}"
-    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
-    "{%- for tool_call in message.tool_calls %}"
-    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
-    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
-    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-QWEN_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-
 
 @pytest.fixture(scope="module")
 def qwen_model(tmp_path_factory) -> Path:
-    """A toy qwen2 whose tokenizer has Qwen's tool tokens as added (not special) tokens,
-    as the release's, inside the embedding table, and Qwen2.5's chat template."""
-    from transformers import AutoTokenizer
-
-    from batchgen.toy import write_toy_checkpoint
-    from batchgen.toy.checkpoint import SIZES
-
-    out = tmp_path_factory.mktemp("qwen-tools")
-    size = replace(SIZES["tiny"], tokenizer_vocab_size=SIZES["tiny"].vocab_size - 4)
-    write_toy_checkpoint(out, arch="qwen2", size=size)
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
-    tokenizer.add_tokens(QWEN_TOOL_TOKENS)
-    tokenizer.chat_template = QWEN_TEMPLATE
-    tokenizer.save_pretrained(str(out))
-    return out
+    """A toy qwen2 with Qwen's tool tokens and Qwen2.5's chat template."""
+    return write_chat_model(tmp_path_factory.mktemp("qwen-tools"), "qwen2", QWEN_TOOL_TOKENS,
+                            QWEN_TEMPLATE)  # fmt: skip
 
 
 TURNS: list[dict[str, Any]] = [*ASK,
@@ -317,7 +238,7 @@ def test_tools_and_tool_turns_render_as_transformers_renders_them(qwen_model):
 
     hf: Any = AutoTokenizer.from_pretrained(str(qwen_model))
     engine = Engine.from_pretrained(qwen_model, num_kv_blocks=64, device="cpu")
-    entry = _entry({"messages": TURNS, "tools": TOOLS})
+    entry = queue_entry({"messages": TURNS, "tools": TOOLS})
     rendered = engine.encode(entry["m"], None, entry["tl"])
     # as vLLM passes them: the arguments string is the object templates write with tojson
     as_objects: list[Any] = [*TURNS[:1], {**TURNS[1], "content": "", "tool_calls": [
@@ -413,40 +334,15 @@ def test_every_forced_row_is_a_valid_call_through_the_cli(qwen_model, tmp_path, 
 
 
 def test_serve_returns_openai_tool_calls(qwen_model, tmp_path):
-    from openai import OpenAI
+    from openai.types.chat import ChatCompletion
 
-    from tests.serve_stack import KEY, private_stack
-
-    model = str(qwen_model)
     bodies = {
         "req": {"tools": TOOLS, "tool_choice": "required", "max_tokens": 1000, "seed": 1,
                 "temperature": 1.0},
         "named": {"tools": TOOLS, "tool_choice": NAMED, "max_tokens": 60},
         "prose": {"tools": TOOLS, "max_tokens": 4},
     }  # fmt: skip
-    requests = [{"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-                 "body": {"model": model, "messages": TURNS, **body}}
-                for cid, body in bodies.items()]  # fmt: skip
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
-    with private_stack(tmp_path / "stack", qwen_model) as stack:
-        stack.serve("--api-key", KEY)
-        stack.worker(qwen_model)
-        client = OpenAI(base_url=stack.base + "/v1", api_key=KEY, max_retries=0)
-        with (tmp_path / "in.jsonl").open("rb") as f:
-            file = client.files.create(file=f, purpose="batch")
-        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")  # fmt: skip
-        for _ in range(1500):
-            batch = client.batches.retrieve(batch.id)
-            if batch.status in ("completed", "failed", "cancelled", "expired"):
-                break
-            time.sleep(0.2)
-        assert batch.status == "completed", batch
-        assert batch.output_file_id is not None
-        text = client.files.content(batch.output_file_id).text
-    from openai.types.chat import ChatCompletion
-
-    out = {line["custom_id"]: line for line in map(json.loads, text.splitlines())}
+    out, _ = serve_batch(qwen_model, tmp_path, TURNS, bodies)
     assert sorted(out) == ["named", "prose", "req"]
     for cid in ("req", "named"):
         body = out[cid]["response"]["body"]
