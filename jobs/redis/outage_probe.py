@@ -11,6 +11,7 @@ LOADING) fails status's own reads first: the CLI's one-line "cannot serve now".
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import redis
@@ -40,19 +41,26 @@ def refused_writes(conn: redis.Redis, keys: Keys) -> str | None:
 
 class OutageLog:
     """Says an outage once when it starts and once when it ends, however often the
-    caller retries meanwhile (a loop that logged each retry would flood its log)."""
+    caller retries meanwhile (a loop that logged each retry would flood its log). The
+    threads of one process may share one: the first to meet the outage says it, the
+    first that Redis serves again says it ended."""
 
     def __init__(self, log: logging.Logger, who: str) -> None:
         self.log, self.who = log, who  # what waits: "finalizer", "renewing lease K"
         self.since: float | None = None
+        self._lock = threading.Lock()
 
     def down(self, reason: object) -> None:
-        if self.since is None:
-            self.since = time.monotonic()
-            self.log.warning("%s waits for Redis: %s", self.who, reason)
+        with self._lock:
+            if self.since is None:
+                self.since = time.monotonic()
+                self.log.warning("%s waits for Redis: %s", self.who, reason)
 
     def up(self) -> None:
-        if self.since is not None:
-            waited = time.monotonic() - self.since
-            self.log.warning("%s resumes: Redis serves again after %.0fs", self.who, waited)
-            self.since = None
+        if self.since is None:  # the hot path: no outage, no lock
+            return
+        with self._lock:
+            if self.since is not None:
+                waited = time.monotonic() - self.since
+                self.log.warning("%s resumes: Redis serves again after %.0fs", self.who, waited)
+                self.since = None

@@ -70,6 +70,7 @@ class _Buffer:
 class FlushResult:
     commit: CommitResult | None  # None: nothing to commit, or Redis failed (kept for a retry)
     redis_failed: bool = False
+    redis_error: str = ""  # why, when it failed (the worker's outage log says it once)
     recovered: list[str] = field(default_factory=list)  # jobs whose output works again
     parts: list[PartCommit] = field(default_factory=list)  # committed now (result cache)
 
@@ -181,8 +182,8 @@ class PartSink:
         try:
             result = commit(conn, self.qk, self.written, self.drops)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            log.warning("commit failed (%s); will retry with the same parts", exc)
-            return FlushResult(None, redis_failed=True, recovered=recovered)
+            log.debug("commit failed (%s); will retry with the same parts", exc)
+            return FlushResult(None, redis_failed=True, redis_error=str(exc), recovered=recovered)
         self.crash.reached("after_commit")
         refused = set(result.closed) | set(result.missing)
         for part in self.written:

@@ -34,6 +34,7 @@ import redis
 
 from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.keys import Keys, QueueKeys, text
+from batchgen.jobs.redis.outage_probe import OutageLog
 from batchgen.worker.consumer.queue import refresh
 from batchgen.worker.loop.loop_config import LoopConfig
 
@@ -42,9 +43,11 @@ _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 class Keeper(threading.Thread):
-    def __init__(self, conn: redis.Redis, keys: Keys, qk: QueueKeys, config: LoopConfig) -> None:
+    def __init__(self, conn: redis.Redis, keys: Keys, qk: QueueKeys, config: LoopConfig,
+                 outage: OutageLog) -> None:  # fmt: skip
         super().__init__(name="batchgen-keeper", daemon=True)
         self.conn = conn
+        self.outage = outage  # the worker's: an outage is logged once, whoever meets it
         self.keys = keys
         self.qk = qk
         self.config = config
@@ -114,8 +117,9 @@ class Keeper(threading.Thread):
                         due[i] = time.monotonic() + every
                 # short waits: stop() is answered within a quarter second
                 self._listen(min(max(min(due) - time.monotonic(), 0.01), 0.25))
+                self.outage.up()
             except _REDIS_DOWN as exc:
-                log.warning("keeper: Redis unavailable (%s); retrying", exc)
+                self.outage.down(f"Redis unavailable ({exc})")
                 self._close_pubsub()
                 self._halt.wait(0.2)
             except Exception:  # keep the claims alive whatever happens here

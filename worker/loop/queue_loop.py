@@ -33,6 +33,7 @@ import redis
 from batchgen.jobs.backoff import backoff_delay
 from batchgen.jobs.ops.finalize.finalize_tasks import enqueue_finalize
 from batchgen.jobs.redis.keys import Keys, queue_tag
+from batchgen.jobs.redis.outage_probe import OutageLog
 from batchgen.jobs.redis.stream import ensure_group
 from batchgen.worker.consumer.queue import HandBack, hand_back, read_new
 from batchgen.worker.consumer.sink import PartSink
@@ -87,8 +88,12 @@ class QueueLoop:
                 count,
             ),
         )
-        self.keeper = Keeper(conn, self.keys, self.qk, config)
-        self.upkeep = Upkeep(conn, self.keys, self.qk, config, self.requests, self.keeper, count)
+        # an outage is logged once when it starts and once when it ends, whichever of the
+        # loop, its upkeep and the keeper thread meets it (each retries on its own clock)
+        self.redis_outage = OutageLog(log, "worker")
+        self.keeper = Keeper(conn, self.keys, self.qk, config, self.redis_outage)
+        self.upkeep = Upkeep(conn, self.keys, self.qk, config, self.requests, self.keeper, count,
+                             self.redis_outage)  # fmt: skip
         self.affinity = Affinity(conn, self.keys, self.qk, config.name, config.heartbeat_s)
         self.stopping = False
         self.finished_jobs = False  # the last flush completed a job (``until`` may hold now)
@@ -224,7 +229,7 @@ class QueueLoop:
         for job_id in self.outages.update(self.sink, flushed.recovered):
             self._hand_back_job(job_id)
         if flushed.redis_failed:
-            self._redis_down(RuntimeError("commit failed"))
+            self._redis_down(RuntimeError(f"commit failed: {flushed.redis_error}"))
             return False
         self._redis_ok()
         result = flushed.commit
@@ -289,12 +294,14 @@ class QueueLoop:
     def _redis_down(self, exc: BaseException) -> None:
         self._count("redis_outages")  # the heartbeat says so once Redis takes it again
         delay = backoff_delay(self._redis_failures, 0.1, 5.0)
-        log.warning("Redis unavailable (%s); retrying in %.1fs", exc, delay)
+        self.redis_outage.down(f"Redis unavailable ({exc})")
+        log.debug("Redis unavailable (%s); retrying in %.1fs", exc, delay)
         self._backoff_until = time.monotonic() + delay
         self._redis_failures += 1
 
     def _redis_ok(self) -> None:
         self._redis_failures = 0
+        self.redis_outage.up()
 
     def _install_signals(self) -> None:
         if threading.current_thread() is threading.main_thread():

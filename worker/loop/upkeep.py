@@ -26,6 +26,7 @@ from batchgen.jobs.ops.fair_share import deadlines
 from batchgen.jobs.ops.maintenance import sweep
 from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.keys import Keys, QueueKeys
+from batchgen.jobs.redis.outage_probe import OutageLog
 from batchgen.worker.consumer.queue import reclaim, recreate_group
 from batchgen.worker.loop.keeper import Keeper
 from batchgen.worker.loop.loop_config import LoopConfig
@@ -45,7 +46,9 @@ class Upkeep:
         requests: Requests,
         keeper: Keeper,
         count: Callable[[str, int], None],
+        outage: OutageLog,
     ) -> None:
+        self.outage = outage  # the worker's: an outage is logged once, whoever meets it
         self.conn = conn
         self.keys = keys
         self.qk = qk
@@ -73,8 +76,8 @@ class Upkeep:
                 sweep(self.conn, self.keys, self.qk)
             if self.due("deadlines", c.deadline_check_s):
                 deadlines.check(self.conn, self.keys, self.qk)
-        except _REDIS_DOWN as exc:
-            log.warning("upkeep skipped: Redis unavailable (%s)", exc)
+        except _REDIS_DOWN as exc:  # skipped; the loop's next read or commit says when it ends
+            self.outage.down(f"Redis unavailable ({exc})")
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise

@@ -39,6 +39,7 @@ from batchgen.jobs.ops.usage import model_usage
 from batchgen.jobs.redis import heartbeat
 from batchgen.jobs.redis.heartbeat import live_workers
 from batchgen.jobs.redis.keys import GROUP, Keys, queue_name
+from batchgen.jobs.redis.outage_probe import OutageLog
 from batchgen.jobs.schema.errors import UsageError
 from batchgen.openmp_waits import SPIN_ENV, WAIT_VARIABLES
 from batchgen.parts import child_environ, module_command
@@ -147,6 +148,7 @@ class Supervisor:
         self.qk = self.keys.queue_for_model(base.model)
         self.finalizers = Finalizers(base.redis_url or "", base.prefix, self.qk.tag)
         self.stopping = False
+        self.redis_outage = OutageLog(log, "worker supervisor")  # once as it starts and ends
 
     def _stop(self, *_: object) -> None:
         self.stopping = True
@@ -244,8 +246,9 @@ class Supervisor:
         try:
             heartbeat.announce(self.conn, self.keys, self.id, queue_name(self.base.model),
                                int(ANNOUNCE_S * 3))  # fmt: skip
+            self.redis_outage.up()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            log.warning("could not announce the workers (Redis unavailable: %s)", exc)
+            self.redis_outage.down(f"Redis unavailable ({exc}): the workers are not announced")
 
     def _served(self, child: Child) -> bool:
         """Whether the child's last process got as far as its first heartbeat (a
@@ -266,8 +269,9 @@ class Supervisor:
         try:
             queued = finalize_queue(self.conn, self.keys, self.qk.tag).count > 0
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            log.warning("finalize queue unreadable: Redis unavailable (%s)", exc)
+            self.redis_outage.down(f"Redis unavailable ({exc}): the finalize queue is unread")
             return False
+        self.redis_outage.up()
         self.finalizers.serve(queued)
         return queued
 
