@@ -18,6 +18,8 @@ def _render(s) -> str:
         note = f"  [retry incomplete: `batchgen retry {d['job_id']}` queues the rest]"
     else:
         note = "  [submit incomplete]" if d["submit_incomplete"] else ""
+    if d["refused_now"]:
+        note += "  [refused: no worker holding its weights runs it]"
     lines = [
         f"job        {d['job_id']}  ({d['model']})",
         f"state      {d['state']}" + note,
@@ -67,6 +69,8 @@ def _counts(d: dict) -> list[str]:
 def _eta(d: dict) -> str:
     if d["unserved"]:
         return "- (no live worker serves the model)"
+    if d["refused_now"]:
+        return "- (refused by the live workers: see refused)"
     if d["eta_s"] is None and d["state"] in ("queued", "running"):
         if d["done"] + d["failed"] == 0:
             return "- (no row finished yet)"
@@ -101,7 +105,7 @@ def _table(statuses) -> str:
     for s in statuses:
         r = s.record
         bar = progress_bar(r, 20)
-        eta = "no worker" if s.unserved else duration(s.eta_s)
+        eta = "no worker" if s.unserved else "refused" if s.refused_now else duration(s.eta_s)
         out.append(f"{r.id:<28} {r.state.value:<11} {bar:<44} {s.tokens_per_s:>8.0f} {eta:>7}")
     return "\n".join(out)
 
@@ -117,8 +121,10 @@ def _table(statuses) -> str:
 def status(job_id: str | None, watch: bool, as_json: bool, redis_url: str | None) -> None:
     """Show JOB_ID's state, counts, tokens, speed, ETA and live workers; all jobs without one.
 
-    States: queued, running, finalizing, completed, failed, cancelling, cancelled. While
-    Redis refuses writes (out of memory, a failed snapshot, a replica) an outage line
+    States: queued, running, finalizing, completed, cancelling, cancelled (failed
+    requests are error rows of their job). A job that every live worker refused (it
+    holds other weights under the model's name) reads running  [refused: ...], and
+    its refused line says why. While Redis refuses writes (out of memory, a failed snapshot, a replica) an outage line
     comes first and says why (on stderr with --json).
     """
     from batchgen.jobs.ops.status_report import all_statuses, job_status

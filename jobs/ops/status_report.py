@@ -42,6 +42,14 @@ class JobStatus:
         """Requests wait, and no live worker reads the job's queue: nothing moves."""
         return self.record.state.live and not self.workers
 
+    @property
+    def refused_now(self) -> bool:
+        """Requests wait, the last worker that met the job refused it (it holds other
+        weights under the model's name: worker/loop/job_book.py) and no live worker
+        holds any of its requests: nothing runs it until a worker that holds the
+        weights it was submitted for reads it (that one clears the refusal)."""
+        return self.record.state.live and bool(self.record.refused) and not self.in_flight
+
     now: float = 0.0  # when it was read (the deadline's state is relative to it)
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,6 +86,7 @@ class JobStatus:
             "error": r.error or None,
             "storage_error": r.storage_error or None,
             "refused": r.refused or None,
+            "refused_now": self.refused_now,
             "finalize_attempts": r.finalize_attempts,
             "finalize_retry_at": r.finalize_retry_at or None,
             "submit_incomplete": not r.submitted,

@@ -61,15 +61,18 @@ class JobBook:
         if job_id not in self.jobs:
             jk = self.qk.job(job_id)
             pipe = self.conn.pipeline(transaction=False)
-            pipe.hmget(jk.job, ["output", "cache", "reasoning_parser", "tool_call_parser"])
+            pipe.hmget(jk.job, ["output", "cache", "reasoning_parser", "tool_call_parser",
+                                "refused"])  # fmt: skip
             if self.fingerprint:
                 pipe.hsetnx(jk.job, "model_fingerprint", self.fingerprint)
             pipe.hget(jk.job, "model_fingerprint")
-            (output, cache, parser_name, tool_name), *_, expected = pipe.execute()
+            (output, cache, parser_name, tool_name, other), *_, expected = pipe.execute()
             if output is None:
                 self.jobs[job_id] = None
                 return None
             refused = self._refusal(job_id, text(expected))
+            if other and not refused:  # another worker's refusal: this one runs the job
+                self.conn.hdel(jk.job, "refused")
             name, tool_name = text(parser_name), text(tool_name)
             self.jobs[job_id] = JobInfo(
                 text(output), text(cache), refused, reasoning.parser(name) if name else None,
@@ -79,7 +82,8 @@ class JobBook:
 
     def _refusal(self, job_id: str, expected: str) -> str:
         """Why this worker must not run the job (it holds other weights under the same
-        name), said on the job for status; "" when it may."""
+        name), said on the job for status until a worker that may run it takes it; ""
+        when this one may."""
         if not self.fingerprint or not expected or expected == self.fingerprint:
             return ""
         reason = (

@@ -1,0 +1,106 @@
+"""A job that a worker refuses (it holds other weights under the job's model name) reads
+refused in ``batchgen status`` while nothing runs it, and no more once a worker that
+holds its weights takes it. Real Redis; the workers' JobBook (worker/loop/job_book.py)
+and the dispatch read, as a worker runs them, without an engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from batchgen.cli.status import _render, _table
+from batchgen.jobs.ops.job_record import load_job
+from batchgen.jobs.ops.modelinfo import fingerprint
+from batchgen.jobs.ops.status_report import job_status
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.redis import heartbeat
+from batchgen.jobs.redis.keys import Keys
+from batchgen.jobs.schema.sampling import DEFAULTS
+from batchgen.worker.consumer.queue import HandBack, hand_back, read_new
+from batchgen.worker.loop.job_book import JobBook
+from batchgen.worker.loop.loop_config import LoopConfig
+
+KEYS = Keys("bg")
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture
+def model(toy_model, tmp_path) -> Path:
+    """A copy of a toy checkpoint whose weights the test changes in place."""
+    return Path(shutil.copytree(toy_model("llama"), tmp_path / "model"))
+
+
+def _flip_weights(model: Path) -> None:
+    """One bit of the first tensor's data: other weights, the same header."""
+    data = bytearray((model / WEIGHTS).read_bytes())
+    data[8 + int.from_bytes(data[:8], "little") + 64] ^= 0x01
+    (model / WEIGHTS).write_bytes(bytes(data))
+
+
+def _worker(conn: Any, model: Path, name: str) -> JobBook:
+    """The job book of a live worker of ``model`` (its heartbeat names no request held)."""
+    config = LoopConfig(model=str(model), name=name)
+    qk = KEYS.queue_for_model(str(model))
+    heartbeat.beat(conn, KEYS, name, {"name": name, "tag": qk.tag, "in_flight": {}}, 60)
+    return JobBook(conn, KEYS, qk, config, lambda name, n: None)
+
+
+def test_a_refused_job_reads_refused_until_a_worker_with_its_weights_takes_it(
+    redis_url, tmp_path, model
+):
+    conn: Any = redis.Redis.from_url(redis_url)
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(4)))
+    submit(conn, KEYS, source_path=str(src), model=str(model), output=str(tmp_path / "out"),
+           defaults=dict(DEFAULTS), job_id="fp")  # fmt: skip
+    submitted_for = load_job(conn, KEYS, "fp").model_fingerprint
+    assert submitted_for == fingerprint(str(model)) != ""
+
+    _flip_weights(model)  # a stale host's copy under the same path
+    stale = _worker(conn, model, "stale")
+    qk = KEYS.queue_for_model(str(model))
+    taken = read_new(conn, qk, "stale", 8)
+    assert [d.index for d in taken] == [0, 1, 2, 3]
+    info = stale.job("fp")
+    assert info is not None and info.refused.startswith("worker stale on ")
+    # what Requests._refuse does: every request back, uncharged
+    assert hand_back(conn, qk, "stale", [HandBack(d, [], ran=False) for d in taken]) == 4
+
+    status = job_status(conn, KEYS, "fp")
+    text = _render(status)
+    assert status.record.state.value == "running"  # the lifecycle's: a worker read it
+    assert "state      running  [refused: no worker holding its weights runs it]\n" in text
+    assert "eta        - (refused by the live workers: see refused)\n" in text
+    assert f"refused    {info.refused}" in text
+    assert f"the job was submitted for {submitted_for}" in info.refused
+    assert status.to_dict()["refused_now"] is True
+    assert _table([status]).splitlines()[1].split()[-1] == "refused"
+
+    _flip_weights(model)  # back to the weights it was submitted for
+    good = _worker(conn, model, "good")
+    assert good.fingerprint == submitted_for
+    info = good.job("fp")
+    assert info is not None and info.refused == ""
+    record = load_job(conn, KEYS, "fp")
+    assert record.refused == ""  # it runs: the stale worker's refusal is no longer the job's
+    status = job_status(conn, KEYS, "fp")
+    text = _render(status)
+    assert "\nstate      running\n" in text and "\nrefused    " not in text
+    assert "eta        - (no row finished yet)\n" in text
+    assert status.to_dict()["refused_now"] is False
+
+    # a stale worker meets the job while the good one runs it: its refusal is said, but
+    # the job runs (the good worker's heartbeat holds two of its requests)
+    heartbeat.beat(conn, KEYS, "good", {"name": "good", "tag": qk.tag, "in_flight": {"fp": 2}}, 60)
+    _flip_weights(model)
+    late = _worker(conn, model, "late").job("fp")
+    assert late is not None and late.refused.startswith("worker late on ")
+    status = job_status(conn, KEYS, "fp")
+    text = _render(status)
+    assert "\nstate      running\n" in text and f"\nrefused    {late.refused}" in text
+    assert (status.in_flight, status.to_dict()["refused_now"]) == (2, False)
