@@ -1,7 +1,8 @@
 """A job that a worker refuses (it holds other weights under the job's model name) reads
 refused in ``batchgen status`` while nothing runs it, and no more once a worker that
 holds its weights takes it. Real Redis; the workers' JobBook (worker/loop/job_book.py)
-and the dispatch read, as a worker runs them, without an engine."""
+and the dispatch read, as a worker runs them, without an engine. A model no worker can
+load never gets that far: its jobs wait queued, unserved (real processes)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,27 @@ def test_a_refused_job_reads_refused_until_a_worker_with_its_weights_takes_it(
     text = _render(status)
     assert "\nstate      running\n" in text and f"\nrefused    {late.refused}" in text
     assert (status.in_flight, status.to_dict()["refused_now"]) == (2, False)
+
+
+def test_a_job_for_a_model_no_worker_can_load_waits_queued_and_says_no_worker_serves_it(
+    toy_model, private_redis, tmp_path
+):
+    """The other refusal: a worker that cannot load the model exits (2) before it reads
+    anything, so no job of the model ever reads running; status says nothing serves it."""
+    from tests.cli_session import Shell, write_jsonl
+
+    bert = Path(shutil.copytree(toy_model("llama"), tmp_path / "bert"))
+    config = json.loads((bert / "config.json").read_text())
+    config["architectures"] = ["BertForMaskedLM"]  # its files are all there: submit takes it
+    (bert / "config.json").write_text(json.dumps(config))
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "max_tokens": 2}])
+    shell = Shell(tmp_path, tmp_path / "home", private_redis.url)
+    shell.ok("submit", "p.jsonl", "--model", "bert", "--job-id", "b", "--output",
+             str(tmp_path / "out"))  # fmt: skip
+    worker = shell.run("worker", "--model", "bert", "--device", "cpu", "--burst")
+    assert worker.returncode == 2 and worker.stderr.startswith(
+        "batchgen: error: BertForMaskedLM is not the causal LM transformers builds"
+    ), worker.stderr
+    status = shell.status("b")
+    assert (status["state"], status["unserved"], status["refused"]) == ("queued", True, None)
+    assert "eta        - (no live worker serves the model)\n" in shell.ok("status", "b")
