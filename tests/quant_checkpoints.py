@@ -121,7 +121,33 @@ CT_SCHEMES: dict[str, dict[str, Any]] = {
                         input_activations=dict(num_bits=8, type="float", symmetric=True,
                                                strategy="token", dynamic=True),
                         format="float-quantized"),
+    # static per-tensor FP8 input scales (llm-compressor's FP8 preset), weights per tensor
+    # or per channel
+    **{name: dict(weights=dict(num_bits=8, type="float", symmetric=True, strategy=strategy),
+                  input_activations=dict(num_bits=8, type="float", symmetric=True,
+                                         strategy="tensor", dynamic=False),
+                  format="float-quantized")
+       for name, strategy in (("fp8-static", "tensor"), ("fp8-static-channel", "channel"))},
 }  # fmt: skip
+
+
+def _input_ranges(model: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each projection's input min and max over a short calibration prompt (what a static
+    scale is calibrated from; longer prompts then go past it and clamp)."""
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(module: torch.nn.Module, inputs: tuple[torch.Tensor]) -> None:
+            seen[name] = (inputs[0].amin().reshape(1), inputs[0].amax().reshape(1))
+
+        return record
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(hook(name))
+    with torch.no_grad():
+        model(torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(3)))
+    return seen
 
 
 def compress(src: Path, out: Path, scheme: str, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
@@ -145,18 +171,24 @@ def compress(src: Path, out: Path, scheme: str, ignore: tuple[str, ...] = ("lm_h
         input_activations=None if acts is None else QuantizationArgs(**acts),
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    seen = _input_ranges(model) if acts is not None and not acts["dynamic"] else {}
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": group}, ignore=list(ignore))
     )
     with torch.no_grad():
-        for module in model.modules():
+        for name, module in model.named_modules():
             if getattr(module, "quantization_scheme", None) is None:
                 continue
             module = cast(Any, module)  # a Linear with the scheme's parameters added
             w = module.weight
             if weights.group_size is not None:
                 w = w.unflatten(-1, (-1, weights.group_size))
+            if weights.strategy == "tensor":
+                w = w.reshape(1, -1)
             scale, zero_point = calculate_qparams(w.amin(-1), w.amax(-1), weights)
+            if name in seen:  # static input scale: the calibration inputs' min/max
+                lo, hi = seen[name]
+                module.input_scale.copy_(calculate_qparams(lo, hi, group.input_activations)[0])
             module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape))

@@ -15,9 +15,12 @@ compressed-tensors' ``dequantize`` computes it. Dynamic per-token input
 activations (W8A8, FP8-dynamic) are quantized and dequantized the way
 compressed-tensors' forward does it (scale = amax / (q_range / 2), rounded and
 clamped), so the CPU product equals transformers' decompressed model; the GPU
-kernels run the same math on int8/fp8 operands. Static activation scales,
-output activations, KV-cache schemes, sparsity, transforms and any other
-strategy are refused by name.
+kernels run the same math on int8/fp8 operands. Static FP8 input scales
+(``dynamic: false``, strategy ``tensor``: one ``NAME.input_scale`` per
+projection, llm-compressor's FP8 preset) quantize the input with that scale
+(``StaticFp8Input``), as compressed-tensors' forward does. Static int8 or
+asymmetric input scales, output activations, KV-cache schemes, sparsity,
+transforms and any other strategy are refused by name.
 """
 
 from __future__ import annotations
@@ -132,12 +135,33 @@ class ActivationArgs:
         return rounded, scale
 
 
+# compressed-tensors' FP8 weights with a scale per output channel (FP8-dynamic's, and what
+# --quantization fp8 and fbgemm_fp8 checkpoints store)
+FP8_CHANNEL = WeightArgs(kind="float", bits=8, symmetric=True, group_size=None)
+
+
+@dataclass(frozen=True, slots=True)
+class StaticFp8Input:
+    """One projection's static input scale (``NAME.input_scale``, one value): the input
+    divided by it, clamped to e4m3's range, cast to e4m3 and multiplied back in the
+    scale's dtype, as compressed-tensors' ``_quantize_dequantize`` computes it."""
+
+    scale: float  # the stored value, exactly
+    dtype: torch.dtype  # the stored scale's dtype, which the math runs in
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor([self.scale], dtype=self.dtype, device=x.device)
+        q = torch.clamp(x / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return (q.to(self.dtype) * scale).to(x.dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class Group:
     targets: tuple[str, ...]
     weights: WeightArgs
-    activations: ActivationArgs | None
+    activations: ActivationArgs | None  # dynamic per token
     format: str
+    static_input: bool = False  # a static FP8 scale per projection instead
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +204,18 @@ class CompressedTensorsScheme(Scheme):
             store.refuse(f"{module}.weight_scale", f"{tuple(scale.shape)}, not ({n}, {groups})")
         return CompressedWeight(values, scale, zero_point, args, (n, k), packed)
 
-    def activation(self, module: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    def activation(
+        self, store: TensorStore, module: str
+    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
         group = self._group(module)
-        return None if group is None else group.activations
+        if group is None or not group.static_input:
+            return None if group is None else group.activations
+        scale = store.take_stored(f"{module}.input_scale")
+        if scale.numel() != 1 or not scale.is_floating_point():
+            store.refuse(
+                f"{module}.input_scale", f"{scale.dtype} {tuple(scale.shape)}, not one scale"
+            )
+        return StaticFp8Input(float(scale.reshape(())), scale.dtype)
 
 
 def _matches(module: str, pattern: str) -> bool:
@@ -221,21 +254,27 @@ def _weight_args(raw: dict[str, Any], fmt: str) -> WeightArgs:
     return WeightArgs(kind, bits, bool(symmetric), group)
 
 
-def _activation_args(raw: dict[str, Any] | None) -> ActivationArgs | None:
+def _activation_args(raw: dict[str, Any] | None) -> ActivationArgs | bool | None:
+    """Dynamic per-token args; True for a static FP8 scale per tensor; None: none."""
     if raw is None:
         return None
     o = Options(raw, "compressed-tensors input_activations")
     kind = o.get("type", "int", allowed=["int", "float"])
     o.get("num_bits", 8, allowed=[8])
-    o.get("strategy", allowed=["token"])
-    o.get("dynamic", allowed=[True])
+    dynamic = o.get("dynamic", allowed=[True, False])
+    if dynamic:
+        o.get("strategy", allowed=["token"])
+    else:  # static: one FP8 scale per projection, stored with it
+        o.get("strategy", allowed=["tensor"])
+        if kind != "float":
+            raise o.refuse("type", "static input scales run for FP8 inputs")
     o.get("symmetric", True, allowed=[True])
     o.get("group_size", None, allowed=[None])
     for harmless in ("observer", "observer_kwargs", "actorder", "block_structure",
                      "scale_dtype", "zp_dtype"):  # fmt: skip
         o.get(harmless)
     o.check_all_read()
-    return ActivationArgs(kind)
+    return ActivationArgs(kind) if dynamic else True
 
 
 def read_compressed_tensors(raw: dict[str, Any]) -> CompressedTensorsScheme:
@@ -262,9 +301,12 @@ def read_compressed_tensors(raw: dict[str, Any]) -> CompressedTensorsScheme:
             raise g.refuse("weights", "activation-only quantization")
         weights = _weight_args(g.get("weights"), fmt)
         activations = _activation_args(g.get("input_activations"))
+        if activations is True and weights.kind != "float":
+            raise g.refuse("input_activations", "static FP8 input scales with FP8 weights")
         targets = tuple(g.get("targets") or ())
         g.check_all_read()
-        groups.append(Group(targets, weights, activations, fmt))
+        dynamic = activations if isinstance(activations, ActivationArgs) else None
+        groups.append(Group(targets, weights, dynamic, fmt, static_input=activations is True))
     if not groups:
         raise o.refuse("config_groups", "no quantized group")
     ignore = tuple(o.get("ignore") or ())

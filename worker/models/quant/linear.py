@@ -135,7 +135,7 @@ def read_quantized(
     in_features = {p.in_features for p in parts}
     if len(in_features) != 1:
         raise UnsupportedModelError(f"fused projections {names} differ in input features")
-    activations = {scheme.activation(name) for name in names}
+    activations = {scheme.activation(store, name) for name in names}
     if len(activations) != 1:
         raise UnsupportedModelError(f"fused projections {names} quantize their input differently")
     biases = store.take_all(f"{n}.bias" for n in names) if bias else []

@@ -33,19 +33,18 @@ import torch
 
 from batchgen.worker.models.model_config import ModelConfig
 from batchgen.worker.models.quant.compressed_tensors import (
+    FP8_CHANNEL,
     FP8_MAX,
     ActivationArgs,
     CompressedWeight,
-    WeightArgs,
 )
 from batchgen.worker.models.quant.linear import QuantizedLinear
 from batchgen.worker.models.quant.scheme import QuantizedWeight, Scheme
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.worker_errors import UnsupportedModelError
 
-# compressed-tensors' FP8-dynamic: e4m3 weights with a scale per output channel ...
-FP8_CHANNEL = WeightArgs(kind="float", bits=8, symmetric=True, group_size=None)
-# ... and each token's input quantized to e4m3 with its own scale
+# compressed-tensors' FP8-dynamic: e4m3 weights with a scale per output channel
+# (FP8_CHANNEL), and each token's input quantized to e4m3 with its own scale
 FP8_PER_TOKEN = ActivationArgs(kind="float")
 
 
@@ -75,7 +74,9 @@ class OnlineFp8Scheme(Scheme):
         n, k = values.shape
         return CompressedWeight(values, scale, None, FP8_CHANNEL, (n, k), packed=False)
 
-    def activation(self, module: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    def activation(
+        self, store: TensorStore, module: str
+    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return FP8_PER_TOKEN
 
 

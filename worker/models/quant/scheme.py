@@ -68,9 +68,12 @@ class Scheme(abc.ABC):
     def read(self, store: TensorStore, module: str) -> QuantizedWeight:
         """The module's quantized tensors, taken from the store."""
 
-    def activation(self, module: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """What the module's input goes through first (dynamic quantize-dequantize of
-        W8A8 schemes, as the reference computes it); None: the input as it is."""
+    def activation(
+        self, store: TensorStore, module: str
+    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What the module's input goes through first (the quantize-dequantize of W8A8
+        schemes, as the reference computes it: dynamic, or with a static scale the store
+        holds); None: the input as it is."""
         return None
 
 
