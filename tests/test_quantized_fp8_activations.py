@@ -1,11 +1,13 @@
-"""FP8 checkpoints whose inputs are quantized too: compressed-tensors FP8 with static input
-scales.
+"""FP8 checkpoints whose inputs are quantized too: fbgemm FP8 (dynamic per token, bounded by
+``activation_scale_ub``) and compressed-tensors FP8 with static input scales.
 
-Each checkpoint is tiny and random, written offline in the release layout by the
-compressed-tensors library with scales calibrated on a short prompt
+Each checkpoint is tiny and random, written offline in the release layout:
+fbgemm's by its definition (``tests/fbgemm_checkpoints.py``), compressed-tensors'
+by the compressed-tensors library with scales calibrated on a short prompt
 (``tests/quant_checkpoints.py``), so longer prompts go past them and clamp. The
 reference is transformers' own load of the same checkpoint: compressed-tensors'
-forward with its static scales. Greedy tokens equal, near ties printed
+forward with its static scales; for fbgemm, ``FbgemmFp8Linear`` with fbgemm's two
+CUDA ops written in plain torch. Greedy tokens equal, near ties printed
 (``_check_matches``).
 """
 
@@ -22,9 +24,12 @@ from batchgen import Engine
 from batchgen.worker.models import UnsupportedModelError
 from batchgen.worker.models.quant import QuantizedLinear
 from batchgen.worker.models.quant.compressed_tensors import CompressedWeight, StaticFp8Input
+from batchgen.worker.models.quant.fbgemm_fp8 import RowwiseFp8Input
 from batchgen.worker.models.registry import load_model_config
+from tests.fbgemm_checkpoints import fbgemm_reference, quantize_fbgemm_fp8
 from tests.quant_checkpoints import compress
 from tests.test_quantized_models import (
+    LOGIT_ATOL,
     _check_matches,
     _projections,
     _with_quantization,
@@ -35,6 +40,26 @@ def _quantized_parts(engine: Engine) -> tuple[list[QuantizedLinear], list[Compre
     projections = [p for p in _projections(engine) if isinstance(p, QuantizedLinear)]
     parts = [q for p in projections for q in p.parts if isinstance(q, CompressedWeight)]
     return projections, parts
+
+
+def test_rowwise_input_is_fbgemms_quantize_fp8_per_row() -> None:
+    """Rows past the bound saturate at it; a row below 448 / 229376 keeps the smallest scale
+    fbgemm allows; each row's scale is its own."""
+    act = RowwiseFp8Input(bound=8.0)
+    x = torch.tensor([[16.0, -12.0, 4.0, 1.0], [1e-4, -2e-4, 0.0, 0.0], [0.0] * 4,
+                      [448.0, 3.0, -1.0, 0.5]])  # fmt: skip
+    out = act(x)
+    bounded, floor = torch.tensor(8.0) / 448, torch.tensor(1.0) / (448 * 512)
+    # row 0: amax 16 bounded to 8; 16 and -12 saturate at +-448, 4 -> 224, 1 -> 56
+    assert torch.equal(out[0], torch.tensor([448.0, -448.0, 224.0, 56.0]) * bounded)
+    # row 1: the floor scale: 1e-4 -> 22.94 -> e4m3 22, -2e-4 -> -45.88 -> -44
+    assert torch.equal(out[1], torch.tensor([22.0, -44.0, 0.0, 0.0]) * floor)
+    assert torch.equal(out[2], torch.zeros(4))
+    # row 3: 448 saturates at the bound; 3 -> 168, halfway between e4m3's 160 and 176,
+    # rounds to the even 160; -1 -> -56, 0.5 -> 28
+    assert torch.equal(out[3], torch.tensor([448.0, 160.0, -56.0, 28.0]) * bounded)
+    wide = RowwiseFp8Input(bound=1200.0)(x)
+    assert wide[3].tolist() == [448.0, 3.0, -1.0, 0.5] and wide[0, 0] == 16.0
 
 
 def test_static_input_is_compressed_tensors_quantize_dequantize() -> None:
@@ -48,6 +73,45 @@ def test_static_input_is_compressed_tensors_quantize_dequantize() -> None:
     assert (x.abs() > 448 * scale).any()
     mine = StaticFp8Input(float(scale), torch.float32)(x)
     assert torch.equal(mine, fake_quantize(x, scale, None, args))
+
+
+@pytest.mark.parametrize(
+    ("skip", "bound", "plain"),
+    [
+        (None, None, 0),  # FbgemmFp8Config's defaults: ub 1200, the LM head plain
+        # attention left plain, as Meta's Llama-3.1-405B-FP8 leaves it; a bound rows go past
+        ([r"model.layers.\d+.self_attn", "lm_head"], 1.5, 4),
+    ],
+)
+def test_fbgemm_fp8_checkpoint(
+    zoo_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip: list[str] | None,
+    bound: float | None, plain: int,
+) -> None:  # fmt: skip
+    path = quantize_fbgemm_fp8(zoo_model("llama"), tmp_path / "fbgemm", skip, bound)
+    engine = Engine.from_pretrained(path, num_kv_blocks=64, max_num_batched_tokens=24)
+    kinds = [type(p).__name__ for p in _projections(engine)]
+    assert kinds.count("Linear") == plain and kinds.count("QuantizedLinear") == 8 - plain
+    projections, parts = _quantized_parts(engine)
+    assert len(parts) == (14 if plain == 0 else 6)  # q, k, v, o, gate, up, down per layer
+    assert all(q.values.dtype == torch.float8_e4m3fn for q in parts)
+    assert all(q.scale.dtype == torch.float32 and q.scale.shape == (q.out_features, 1)
+               for q in parts)  # fmt: skip
+    assert {p.quantize_input for p in projections} == {RowwiseFp8Input(bound or 1200.0)}
+    bf16 = sum(2 * q.out_features * q.in_features for q in parts)
+    assert sum(p.nbytes for p in projections) < 0.55 * bf16
+    reference = fbgemm_reference(path, monkeypatch)
+    tops: list[float] = []
+    for module in reference.modules():
+        if type(module).__name__ == "FbgemmFp8Linear":
+            module.register_forward_pre_hook(
+                lambda m, inputs: tops.append(float(inputs[0].abs().amax()))
+            )
+    # fbgemm scales the e4m3 sums, the CPU product the e4m3 values before summing: the
+    # last bit differs, and where it flips one activation's e4m3 rounding downstream a
+    # logit moves further (bound 1.5: 1 of 70 rows, 3.2e-4; the reference with the
+    # scales applied first matches it within 6e-6)
+    _check_matches(engine, reference, atol=1e-3 if bound else LOGIT_ATOL)
+    assert max(tops) > (bound or 0)  # with a bound, some rows' largest input is past it
 
 
 def _static_reference(path: Path) -> tuple[Any, list[int]]:
@@ -117,6 +181,15 @@ def _ct_static(
 @pytest.mark.parametrize(
     ("config", "message"),
     [
+        ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 0},
+         "(fbgemm_fp8): activation_scale_ub=0 is not supported (a positive number)"),
+        ({"quant_method": "fbgemm_fp8", "activation_scale_ub": "1200"},
+         "activation_scale_ub='1200' is not supported"),
+        ({"quant_method": "fbgemm_fp8", "modules_to_not_convert": ["model.layers.0.mlp"]},
+         "modules_to_not_convert=['model.layers.0.mlp'] is not supported (it leaves lm_head "
+         "quantized)"),
+        ({"quant_method": "fbgemm_fp8", "input_scale_ub": 3.0},
+         "(fbgemm_fp8) sets input_scale_ub, which batchgen does not read"),
         (_ct_static({**STATIC, "type": "int"}),
          "type='int' is not supported (static input scales run for FP8 inputs)"),
         (_ct_static({**STATIC, "strategy": "channel"}),

@@ -293,7 +293,7 @@ FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size
     [
         (
             {"quant_method": "bitsandbytes"},
-            "quant_method 'bitsandbytes' is not supported; batchgen runs awq, compressed-tensors, fp8, gptq, mxfp4",
+            "quant_method 'bitsandbytes' is not supported; batchgen runs awq, compressed-tensors, fbgemm_fp8, fp8, gptq, mxfp4",
         ),
         (
             {**FP8, "activation_scheme": "static"},

@@ -7,6 +7,7 @@ from typing import Any
 
 from batchgen.worker.models.quant.awq import read_awq
 from batchgen.worker.models.quant.compressed_tensors import read_compressed_tensors
+from batchgen.worker.models.quant.fbgemm_fp8 import read_fbgemm_fp8
 from batchgen.worker.models.quant.fp8 import read_fp8
 from batchgen.worker.models.quant.gptq import read_gptq
 from batchgen.worker.models.quant.mxfp4 import read_mxfp4
@@ -15,6 +16,7 @@ from batchgen.worker.worker_errors import UnsupportedModelError
 
 METHODS: dict[str, Callable[[dict[str, Any]], Scheme]] = {
     "fp8": read_fp8,
+    "fbgemm_fp8": read_fbgemm_fp8,
     "compressed-tensors": read_compressed_tensors,
     "gptq": read_gptq,
     "awq": read_awq,
