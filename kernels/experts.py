@@ -16,6 +16,7 @@ halves side by side (gate first), the activation turns them into (inter,), and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -88,6 +89,40 @@ class Fp8BlockExpertWeights:
     @property
     def num_experts(self) -> int:
         return self.gate_up.shape[0]
+
+
+class ExpertProjection(Protocol):
+    """One expert's gate, up or down projection as its checkpoint stores it (GPTQ, AWQ,
+    compressed-tensors: ``worker/models/quant/scheme.py``'s ``QuantizedWeight``)."""
+
+    @property
+    def out_features(self) -> int: ...
+
+    def dequantize(self, start: int, stop: int) -> torch.Tensor:
+        """Output features [start, stop) as fp32 (stop - start, in_features)."""
+        ...
+
+
+@dataclass(slots=True)
+class QuantizedExpertWeights:
+    """Routed experts as GPTQ, AWQ and compressed-tensors checkpoints store them: each
+    expert's gate, up and down projection its own packed integers and scales
+    (``model.layers.N.mlp.experts.E.gate_proj.qweight``, ``...weight_packed``), kept in
+    that layout; the CPU product dequantizes one expert with tokens at a time
+    (``quant_reference.dequantize_quantized_expert``)."""
+
+    gate: tuple[ExpertProjection, ...]  # per expert, output-major (inter, hidden)
+    up: tuple[ExpertProjection, ...]
+    down: tuple[ExpertProjection, ...]  # (hidden, inter)
+    activation: ClampedSwiGLU | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate)
+
+
+# every layout the fused-MoE ops take
+RoutedExperts = ExpertWeights | Mxfp4ExpertWeights | Fp8BlockExpertWeights | QuantizedExpertWeights
 
 
 def activate(h: torch.Tensor, activation: ClampedSwiGLU | None) -> torch.Tensor:

@@ -12,6 +12,8 @@ Formats (the tensor names are the checkpoints'):
   entry multiplies its bn x bk block of the weight; activations are quantized
   at run time per token and group of bk columns (``per_token_group_quant_fp8``).
   Routed experts: one such pair per expert and projection (``Fp8BlockExpertWeights``).
+  GPTQ, AWQ and compressed-tensors routed experts (``QuantizedExpertWeights``) keep
+  one of the weights below per expert and projection, each dequantizing itself.
 - GPTQ: ``qweight`` int32 (K/8, N), row k's 4 bits at bit 4*(k%8) of word k//8;
   ``qzeros`` int32 (G, N/8), column n's at bit 4*(n%8), stored minus one (the
   original "gptq" checkpoint format); ``scales`` (G, N); ``g_idx`` (K,) the group
@@ -33,7 +35,12 @@ from collections.abc import Callable
 
 import torch
 
-from batchgen.kernels.experts import ExpertWeights, Fp8BlockExpertWeights, Mxfp4ExpertWeights
+from batchgen.kernels.experts import (
+    ExpertWeights,
+    Fp8BlockExpertWeights,
+    Mxfp4ExpertWeights,
+    QuantizedExpertWeights,
+)
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
 FP8_EPS = 1e-10  # a group of zeros still gets a non-zero scale
@@ -208,9 +215,22 @@ def dequantize_fp8_block_expert(
     return torch.cat((gate, up)), down
 
 
-def dequantize_fp8_block_experts(experts: Fp8BlockExpertWeights) -> ExpertWeights:
+def dequantize_quantized_expert(
+    experts: QuantizedExpertWeights, e: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert e -> fp32, output-major, as ``dequantize_fp8_block_expert``: gate_up
+    (2 * inter, hidden), gate rows first, and down (hidden, inter)."""
+    gate, up, down = experts.gate[e], experts.up[e], experts.down[e]
+    gate_up = torch.cat((gate.dequantize(0, gate.out_features), up.dequantize(0, up.out_features)))
+    return gate_up, down.dequantize(0, down.out_features)
+
+
+def dequantize_experts(experts: Fp8BlockExpertWeights | QuantizedExpertWeights) -> ExpertWeights:
     """Every expert -> fp32 ``ExpertWeights`` (input-major, gate columns then up)."""
-    pairs = [dequantize_fp8_block_expert(experts, e) for e in range(experts.num_experts)]
+    if isinstance(experts, Fp8BlockExpertWeights):
+        pairs = [dequantize_fp8_block_expert(experts, e) for e in range(experts.num_experts)]
+    else:
+        pairs = [dequantize_quantized_expert(experts, e) for e in range(experts.num_experts)]
     return ExpertWeights(
         w13=torch.stack([gate_up.t() for gate_up, _ in pairs]).contiguous(),
         w2=torch.stack([down.t() for _, down in pairs]).contiguous(),

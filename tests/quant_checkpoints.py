@@ -284,12 +284,12 @@ def _int_dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) 
 def _int_checkpoint(
     src: Path, out: Path, reference: Path,
     quantize: Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]],
-    config: dict[str, Any],
+    config: dict[str, Any], projections: re.Pattern[str] = PROJECTION,
 ) -> tuple[Path, Path]:  # fmt: skip
     plain: dict[str, torch.Tensor] = {}
 
     def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        if not PROJECTION.match(name):
+        if not projections.match(name):
             return {name: tensor}
         stored, dequantized_weight = quantize(name.removesuffix(".weight"), tensor.float())
         plain[name] = dequantized_weight
@@ -301,10 +301,12 @@ def _int_checkpoint(
 
 
 def quantize_gptq(
-    src: Path, out: Path, reference: Path, group: int = 32, act_order: bool = False
-) -> tuple[Path, Path]:
+    src: Path, out: Path, reference: Path, group: int = 32, act_order: bool = False,
+    projections: re.Pattern[str] = PROJECTION,
+) -> tuple[Path, Path]:  # fmt: skip
     """A 4-bit symmetric GPTQ checkpoint (v1 ``checkpoint_format: gptq``: zero points stored
-    less one), with act-order's permuted g_idx where asked; and its dequantized twin."""
+    less one), with act-order's permuted g_idx where asked; and its dequantized twin.
+    ``projections``: the weights quantized (an MoE family's experts have other names)."""
     rng = torch.Generator().manual_seed(5)
 
     def quantize(module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -328,11 +330,15 @@ def quantize_gptq(
         "model_file_base_name": None, "quantizer": ["gptqmodel:2.2.0"], "pack_dtype": "int32",
         "lm_head": False, "meta": {"quantizer": ["gptqmodel:2.2.0"]},
     }  # fmt: skip
-    return _int_checkpoint(src, out, reference, quantize, config)
+    return _int_checkpoint(src, out, reference, quantize, config, projections)
 
 
-def quantize_awq(src: Path, out: Path, reference: Path, group: int = 32) -> tuple[Path, Path]:
-    """A 4-bit AWQ GEMM checkpoint (AutoAWQ's interleaved packing), and its dequantized twin."""
+def quantize_awq(
+    src: Path, out: Path, reference: Path, group: int = 32,
+    projections: re.Pattern[str] = PROJECTION, skip: tuple[str, ...] | None = None,
+) -> tuple[Path, Path]:  # fmt: skip
+    """A 4-bit AWQ GEMM checkpoint (AutoAWQ's interleaved packing), and its dequantized twin;
+    ``skip``: its modules_to_not_convert."""
     order = (0, 2, 4, 6, 1, 3, 5, 7)
 
     def quantize(module: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -348,6 +354,6 @@ def quantize_awq(src: Path, out: Path, reference: Path, group: int = 32) -> tupl
 
     config = {
         "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-        "version": "gemm", "modules_to_not_convert": None,
+        "version": "gemm", "modules_to_not_convert": None if skip is None else list(skip),
     }  # fmt: skip
-    return _int_checkpoint(src, out, reference, quantize, config)
+    return _int_checkpoint(src, out, reference, quantize, config, projections)

@@ -69,7 +69,7 @@ def test_fp8_experts_product_equals_dequantize_then_run(inter: int) -> None:
             assert torch.equal(got, want)
     rows = -(-inter // 8)  # gate's rows of blocks, then up's as many
     assert experts.gate_up_scale_inv.shape == (4, 2 * rows, 3)
-    plain = qref.dequantize_fp8_block_experts(experts)
+    plain = qref.dequantize_experts(experts)
     # the format's definition: up's row 1 is stored row inter + 1, scaled by up's first blocks
     q, scale = experts.gate_up[2], experts.gate_up_scale_inv[2]
     assert plain.w13[2, 40, inter + 1] == q[inter + 1, 40].float() * scale[rows, 40 // 16]
@@ -92,7 +92,7 @@ def test_the_triton_op_takes_fp8_experts_as_stored() -> None:
     ids = torch.tensor([[0, 3], [3, 1], [1, 0], [3, 2], [2, 1]])
     weights = torch.rand(5, 2)
     got = TRITON_OPS.fused_moe(x, experts, weights, ids)
-    want = routed_experts.fused_moe(x, qref.dequantize_fp8_block_experts(experts), weights, ids)
+    want = routed_experts.fused_moe(x, qref.dequantize_experts(experts), weights, ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -9,7 +9,10 @@ experts affordable. Same signature and semantics as ``moe_reference.fused_moe``.
 MXFP4 experts (gpt-oss's checkpoint tensors) are dequantized one chosen expert
 at a time (``dequantize_expert``): one table lookup per byte gives its two
 e2m1 values, the power-of-two scale is applied in the compute dtype (exact in
-bf16 and fp32), and gate_up's rows are put gate first while still bytes.
+bf16 and fp32), and gate_up's rows are put gate first while still bytes. Block-wise
+FP8 experts and GPTQ / AWQ / compressed-tensors ones (``QuantizedExpertWeights``)
+are dequantized the same way, one chosen expert at a time, to fp32 and then the
+compute dtype, as transformers' dequantizing loaders round them.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ from batchgen.kernels.experts import (
     ExpertWeights,
     Fp8BlockExpertWeights,
     Mxfp4ExpertWeights,
+    QuantizedExpertWeights,
+    RoutedExperts,
     activate,
 )
 from batchgen.kernels.quant_reference import (
     E2M1_VALUES,
     dequantize_fp8_block,
     dequantize_fp8_block_expert,
+    dequantize_quantized_expert,
 )
 
 # a byte's two e2m1 values, the low nibble first: (256, 2)
@@ -38,7 +44,7 @@ E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.fl
 
 def fused_moe(
     x: torch.Tensor,
-    experts: ExpertWeights | Mxfp4ExpertWeights | Fp8BlockExpertWeights,
+    experts: RoutedExperts,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
@@ -47,7 +53,8 @@ def fused_moe(
     chose, so the extra memory is one expert's weights: exact, as every e2m1 value times
     a power of two is (the Triton kernel dequantizes inside its loop instead).
     Block-wise FP8 experts stay FP8 the same way: each expert with tokens is dequantized
-    on its own, in fp32 then x's dtype as transformers' dequantizing loader rounds it."""
+    on its own, in fp32 then x's dtype as transformers' dequantizing loader rounds it;
+    GPTQ / AWQ / compressed-tensors experts likewise."""
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = flat.argsort(stable=True)  # pairs grouped by expert, tokens ascending within
@@ -82,13 +89,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 Tensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 
 
-def _expert(
-    experts: ExpertWeights | Mxfp4ExpertWeights | Fp8BlockExpertWeights, e: int, dtype: torch.dtype
-) -> Tensors:
-    """Expert e's (w13, b13, w2, b2): views of float experts; MXFP4 and block-FP8 ones
-    dequantized, that expert alone, to ``dtype``."""
-    if isinstance(experts, Fp8BlockExpertWeights):
-        gate_up, down = dequantize_fp8_block_expert(experts, e, _dequantize_fp8_block)
+def _expert(experts: RoutedExperts, e: int, dtype: torch.dtype) -> Tensors:
+    """Expert e's (w13, b13, w2, b2): views of float experts; quantized ones dequantized,
+    that expert alone, to ``dtype``."""
+    if isinstance(experts, (Fp8BlockExpertWeights, QuantizedExpertWeights)):
+        if isinstance(experts, Fp8BlockExpertWeights):
+            gate_up, down = dequantize_fp8_block_expert(experts, e, _dequantize_fp8_block)
+        else:
+            gate_up, down = dequantize_quantized_expert(experts, e)
         return gate_up.to(dtype).t(), None, down.to(dtype).t(), None
     if isinstance(experts, Mxfp4ExpertWeights):
         experts, e = dequantize_expert(experts, e, dtype), 0

@@ -25,8 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from batchgen.kernels.experts import ExpertWeights, Fp8BlockExpertWeights, Mxfp4ExpertWeights
-from batchgen.kernels.quant_reference import dequantize_fp8_block_experts
+from batchgen.kernels.experts import (
+    ExpertWeights,
+    Fp8BlockExpertWeights,
+    Mxfp4ExpertWeights,
+    QuantizedExpertWeights,
+    RoutedExperts,
+)
+from batchgen.kernels.quant_reference import dequantize_experts
 from batchgen.kernels.triton import activation, arg_checks
 
 
@@ -164,7 +170,7 @@ def _grouped_gemm_kernel(
 
 def fused_moe(
     x: torch.Tensor,
-    experts: ExpertWeights | Mxfp4ExpertWeights | Fp8BlockExpertWeights,
+    experts: RoutedExperts,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
@@ -174,12 +180,13 @@ def fused_moe(
     weights must be contiguous in their last dimension; topk_ids int32/int64
     in [0, num_experts) (the routers' output; not checked on the device).
     ``Mxfp4ExpertWeights`` (gpt-oss's checkpoint tensors) are dequantized to
-    x's dtype tile by tile inside the GEMMs, never whole. Block-wise FP8 experts have
-    no kernel here: the loader dequantizes them off the CPU (``worker/models/quant/fp8_experts.py``),
-    and experts given to this function as stored are dequantized whole, for the call.
+    x's dtype tile by tile inside the GEMMs, never whole. Block-wise FP8 and GPTQ / AWQ /
+    compressed-tensors experts have no kernel here: the loader dequantizes them off the CPU
+    (``worker/models/quant/quantized_experts.py``), and experts given to this function as stored are
+    dequantized whole, for the call.
     """
-    if isinstance(experts, Fp8BlockExpertWeights):
-        plain = dequantize_fp8_block_experts(experts)
+    if isinstance(experts, (Fp8BlockExpertWeights, QuantizedExpertWeights)):
+        plain = dequantize_experts(experts)
         experts = ExpertWeights(
             plain.w13.to(x.dtype), plain.w2.to(x.dtype), activation=plain.activation
         )

@@ -6,7 +6,10 @@ Mixtral, Qwen-MoE and DeepSeek), or, for gpt-oss, hold all experts in two
 stacked tensors with gate and up interleaved column by column. Either way the
 experts become ``ExpertWeights`` (``kernels/experts.py``): input-major, gate
 half then up half. gpt-oss's MXFP4 checkpoints keep their experts as stored
-(``Mxfp4ExpertWeights``, read by ``quant/mxfp4.py``).
+(``Mxfp4ExpertWeights``, read by ``quant/mxfp4.py``), as do block-FP8, GPTQ, AWQ and
+compressed-tensors ones (``quant/quantized_experts.py``). The router is read plain: a
+checkpoint whose quantization covers it (not in its ignore list or
+``modules_to_not_convert``) and stores it quantized is refused by name.
 """
 
 from __future__ import annotations
@@ -18,18 +21,19 @@ import torch
 from batchgen.kernels.experts import (
     ClampedSwiGLU,
     ExpertWeights,
-    Fp8BlockExpertWeights,
     Mxfp4ExpertWeights,
+    RoutedExperts,
 )
 from batchgen.worker.models.dense_weights import BlockReader, CheckpointLayout
 from batchgen.worker.models.layers.mlp import DenseMlp
 from batchgen.worker.models.layers.sparse_moe import Router, SparseMoe, route_fn
 from batchgen.worker.models.model_config import MlpSpec, ModelConfig, MoeSpec, RouterKind
 from batchgen.worker.models.quant import read_quantized
-from batchgen.worker.models.quant.fp8_experts import read_quantized_experts
 from batchgen.worker.models.quant.mxfp4 import read_mxfp4_experts
+from batchgen.worker.models.quant.quantized_experts import read_quantized_experts
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear, fuse
+from batchgen.worker.worker_errors import UnsupportedModelError
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,7 @@ def read_moe(store: TensorStore, config: ModelConfig, layout: MoeLayout, p: str)
     assert spec is not None
     b = f"{p}{layout.block}."
     in_fp32 = spec.router is RouterKind.GROUPED_TOPK  # DeepSeek's router runs in fp32
+    _check_router_plain(store, f"{b}{layout.router}")
     router_weight = store.take(f"{b}{layout.router}.weight", float32=in_fp32).t().contiguous()
     router_bias = store.take_if(spec.router_bias, f"{b}{layout.router}.bias")
     correction = None
@@ -85,6 +90,16 @@ def read_moe(store: TensorStore, config: ModelConfig, layout: MoeLayout, p: str)
     return moe
 
 
+def _check_router_plain(store: TensorStore, router: str) -> None:
+    scheme = store.quantization
+    if scheme is not None and scheme.quantizes(router) and not store.has(f"{router}.weight"):
+        raise UnsupportedModelError(
+            f"quantization_config ({scheme.method}) quantizes the MoE router {router}; "
+            "batchgen reads routers plain (as the releases store them, listed in "
+            "ignore / modules_to_not_convert)"
+        )
+
+
 def _projection(store: TensorStore, names: list[str]) -> Linear:
     """The modules ``names`` fused in that order: quantized where the checkpoint is."""
     quantized = read_quantized(store, names, False, CheckpointLayout())
@@ -95,7 +110,7 @@ def _projection(store: TensorStore, names: list[str]) -> Linear:
 
 def _expert_by_expert(
     store: TensorStore, num_experts: int, b: str, layout: MoeLayout
-) -> ExpertWeights | Fp8BlockExpertWeights:
+) -> RoutedExperts:
     names = [
         (f"{b}experts.{e}.{layout.gate}", f"{b}experts.{e}.{layout.up}",
          f"{b}experts.{e}.{layout.down}")

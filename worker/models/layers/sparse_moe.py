@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.kernels.experts import ExpertWeights, Fp8BlockExpertWeights, Mxfp4ExpertWeights
+from batchgen.kernels.experts import RoutedExperts
 from batchgen.kernels.ops import KernelOps
 from batchgen.kernels.routing import GroupedTopK, softmax_topk, topk_softmax
 from batchgen.worker.models.layers.mlp import MlpBlock
@@ -54,7 +54,7 @@ class Router:
 @dataclass(slots=True)
 class SparseMoe:
     router: Router
-    experts: ExpertWeights | Mxfp4ExpertWeights | Fp8BlockExpertWeights  # as stored: MXFP4, FP8
+    experts: RoutedExperts  # quantized ones as stored: MXFP4, FP8, GPTQ, AWQ, compressed-tensors
     shared: MlpBlock | None = None  # runs on every token
     shared_gate: Linear | None = None  # (hidden, 1): sigmoid(x @ gate) scales shared's output
 
