@@ -18,6 +18,7 @@ computes each group's scale from its min/max (``calculate_qparams``), packs
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -28,7 +29,9 @@ from safetensors.torch import load_file, save_file
 
 from tests.quant_checkpoints import CT_SCHEMES
 
-LINEAR = re.compile(r"(lm_head|model\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?\w+)\.weight$")
+LINEAR = re.compile(
+    r"(lm_head|model\.layers\.\d+\.(self_attn|mlp|block_sparse_moe)\.(experts\.\d+\.)?\w+)\.weight$"
+)
 SCHEMES: dict[str, dict[str, Any]] = {
     **CT_SCHEMES,
     "w8a16": dict(weights=dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
@@ -113,3 +116,33 @@ def moe_reference(path: Path) -> Any:
         quantization_config=CompressedTensorsConfig(dequantize=True),
     )  # fmt: skip
     return model.eval()
+
+
+def ct_dequantized(src: Path, out: Path) -> Path:
+    """The pack-quantized 4-bit checkpoint ``src`` as plain fp32, by the format's definition in
+    plain torch (``kernels/quant_reference.py``'s ``dequantize_pack_quantized``: each group's
+    ``(q - zero_point) * scale``): the reference where transformers cannot decompress it
+    (asymmetric experts: its MoE decompression drops the zero points and refuses)."""
+    from batchgen.kernels.quant_reference import dequantize_pack_quantized
+
+    tensors = load_file(str(src / "model.safetensors"))
+    plain: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        module, _, field = name.rpartition(".")
+        if field == "weight_packed":
+            zero_point = tensors.get(f"{module}.weight_zero_point")
+            weight = dequantize_pack_quantized(
+                tensor, tensors[f"{module}.weight_scale"], zero_point
+            )
+            plain[f"{module}.weight"] = weight.t().contiguous()
+        elif field not in ("weight_scale", "weight_zero_point", "weight_shape"):
+            plain[name] = tensor
+    out.mkdir(parents=True, exist_ok=True)
+    for file in src.iterdir():
+        if file.suffix != ".safetensors" and file.name != "config.json":
+            shutil.copy(file, out / file.name)
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(plain, str(out / "model.safetensors"))
+    return out

@@ -7,12 +7,15 @@ hidden 64, inter 32; layers 0 and 2 dense) written offline in each format's
 on-disk layout, each expert's projections named as the releases name them
 (``model.layers.1.mlp.experts.3.gate_proj.weight_packed``, ``.qweight``...):
 
-- compressed-tensors W4A16 / W8A16, written by the compressed-tensors library
-  (``tests/quant_moe_checkpoints.py``), the router left plain by the ignore list as
+- compressed-tensors W4A16 / W8A16 (qwen3_moe; and Mixtral, zoo ``mixtral``: 4 experts of
+  inter 96, ``block_sparse_moe.experts.E.w1/w3/w2``), written by the compressed-tensors
+  library (``tests/quant_moe_checkpoints.py``), the router left plain by the ignore list as
   llm-compressor's MoE recipes leave it. Reference: transformers in fp32 with
   ``CompressedTensorsConfig(dequantize=True)``, which decompresses each expert with the
   library and fuses them (and whose expert weights equal batchgen's dequantized ones
-  exactly, checked).
+  exactly, checked). Asymmetric W4A16 experts transformers refuses ("Asymmetric quant
+  requires zero-point values": its MoE decompression drops them), so there the
+  reference is the format's definition in plain torch (``ct_dequantized``).
 - GPTQ (v1, act-order) and AWQ GEMM: no GPTQ/AWQ library installs here, so transformers
   cannot load them; the reference is the format's definition in plain torch
   (``tests/quant_checkpoints.py``: each weight ``(q - zero) * scale`` in fp16) written as a
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from batchgen import Engine
 from batchgen.kernels.experts import QuantizedExpertWeights
@@ -40,7 +44,7 @@ from batchgen.worker.models.quant.compressed_tensors import CompressedWeight
 from batchgen.worker.models.quant.gptq import GptqWeight
 from batchgen.worker.models.weights import Linear
 from tests.quant_checkpoints import quantize_awq, quantize_gptq
-from tests.quant_moe_checkpoints import compress_moe, moe_reference
+from tests.quant_moe_checkpoints import compress_moe, ct_dequantized, moe_reference
 from tests.test_quantized_models import _check_matches
 
 # the releases' quantized projections: attention, dense MLP, each routed expert's (not the router)
@@ -48,14 +52,17 @@ PROJECTIONS = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)
 ROUTER_IGNORED = ("lm_head", "re:.*mlp.gate$")  # RedHatAI's MoE releases' ignore list
 
 
-def _experts(engine: Engine) -> QuantizedExpertWeights:
+def _experts(engine: Engine, num: int = 8) -> QuantizedExpertWeights:
+    """Layer 1's routed experts, kept quantized; its router plain; attention (and qwen3_moe's
+    dense layer 0 MLP) quantized too."""
     layers = engine.runner.model.weights.layers  # type: ignore[attr-defined]
     moe = layers[1].mlp
     assert type(moe.router.gate) is Linear and moe.router.gate.weight.dtype == torch.float32
-    assert isinstance(layers[0].mlp.up, QuantizedLinear)  # the dense layers' MLP too
     assert isinstance(layers[1].attention.qkv, QuantizedLinear)
+    if num == 8:  # qwen3_moe: layer 0 is dense
+        assert isinstance(layers[0].mlp.up, QuantizedLinear)
     experts = moe.experts
-    assert isinstance(experts, QuantizedExpertWeights) and experts.num_experts == 8
+    assert isinstance(experts, QuantizedExpertWeights) and experts.num_experts == num
     return experts
 
 
@@ -63,30 +70,52 @@ def _resident(experts: QuantizedExpertWeights) -> int:
     return sum(p.nbytes for ps in (experts.gate, experts.up, experts.down) for p in ps)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(("scheme", "bits"), [("w4a16", 4), ("w8a16", 8)])
+def _stored(path: Path, layer: str) -> int:
+    """Bytes the checkpoint stores for ``layer``'s experts (their ``weight_shape`` aside)."""
+    tensors = load_file(str(path / "model.safetensors"))
+    return sum(t.nbytes for n, t in tensors.items() if n.startswith(layer) and "shape" not in n)
+
+
+@pytest.mark.parametrize(
+    ("zoo", "scheme", "reference"),
+    [
+        ("qwen3_moe", "w4a16", "transformers"),  # int4, groups of 32, symmetric
+        ("qwen3_moe", "w8a16", "transformers"),  # int8, a scale per row
+        ("mixtral", "w4a16", "transformers"),  # block_sparse_moe.experts.E.w1/w3/w2
+        # transformers' MoE decompression drops zero points (and refuses): the definition
+        ("qwen3_moe", "w4a16-asym", "definition"),
+    ],
+)
 def test_compressed_tensors_moe_checkpoint(
-    zoo_model, tmp_path: Path, scheme: str, bits: int
+    zoo_model, tmp_path: Path, zoo: str, scheme: str, reference: str
 ) -> None:
-    path = compress_moe(zoo_model("qwen3_moe"), tmp_path / scheme, scheme, ROUTER_IGNORED)
+    block = "mlp" if zoo == "qwen3_moe" else "block_sparse_moe"
+    ignore = ("lm_head", f"re:.*{block}.gate$")
+    path = compress_moe(zoo_model(zoo), tmp_path / scheme, scheme, ignore)
     engine = Engine.from_pretrained(path, num_kv_blocks=64, max_num_batched_tokens=24)
-    experts = _experts(engine)
-    gate = experts.gate[5]
+    experts = _experts(engine, 8 if zoo == "qwen3_moe" else 4)
+    gate = experts.gate[3]
+    bits = 8 if scheme == "w8a16" else 4
     assert isinstance(gate, CompressedWeight) and gate.packed and gate.args.bits == bits
-    assert gate.values.dtype == torch.int32 and gate.values.shape == (32, 64 * bits // 32)
-    reference = moe_reference(path)
-    # the reference's experts are the library's decompression: batchgen's, exactly
-    fused = reference.model.layers[1].mlp.experts
-    for e in range(8):
-        gate_up = torch.cat([p.dequantize(0, 32) for p in (experts.gate[e], experts.up[e])])
-        assert torch.equal(gate_up, fused.gate_up_proj[e].detach())
-        assert torch.equal(experts.down[e].dequantize(0, 64), fused.down_proj[e].detach())
-    ties = _check_matches(engine, reference)
-    print(f"compressed-tensors {scheme} MoE near ties: {ties or 'none'}")
-    # resident: the packed values and the fp32 scales (w4a16: a group of 32; w8a16: a row)
-    numel, rows = 8 * 3 * 32 * 64, 8 * (32 + 32 + 64)
-    scales = numel // 32 if bits == 4 else rows
-    assert _resident(experts) == numel * bits // 8 + 4 * scales
-    print(f"{scheme} layer 1 experts: {_resident(experts)} bytes resident, {2 * numel} in bf16")
+    assert gate.values.dtype == torch.int32
+    assert _resident(experts) == _stored(path, f"model.layers.1.{block}.experts.")
+    if reference == "transformers":
+        model = moe_reference(path)
+        # the reference's experts are the library's decompression: batchgen's, exactly
+        fused = model.model.layers[1].mlp.experts
+        for e in range(experts.num_experts):
+            parts = (experts.gate[e], experts.up[e], experts.down[e])
+            gate_up, down = (torch.cat([p.dequantize(0, p.out_features) for p in ps])
+                             for ps in (parts[:2], parts[2:]))  # fmt: skip
+            assert torch.equal(gate_up, fused.gate_up_proj[e].detach())
+            assert torch.equal(down, fused.down_proj[e].detach())
+    else:
+        model = _plain_reference(ct_dequantized(path, tmp_path / "plain"))
+    ties = _check_matches(engine, model)
+    print(f"compressed-tensors {scheme} {zoo} near ties: {ties or 'none'}")
+    stored = _resident(experts)
+    numel = experts.num_experts * 3 * gate.out_features * gate.in_features
+    print(f"{scheme} {zoo} layer 1 experts: {stored} bytes resident, {2 * numel} in bf16")
 
 
 def test_gptq_moe_checkpoint(zoo_model, tmp_path: Path) -> None:
@@ -140,3 +169,25 @@ def test_w8a8_experts_refused(zoo_model, tmp_path: Path) -> None:
     path = compress_moe(zoo_model("qwen3_moe"), tmp_path / "ct", "w8a8-int8", ROUTER_IGNORED)
     with pytest.raises(UnsupportedModelError, match="quantizes the routed experts' inputs"):
         Engine.from_pretrained(path, num_kv_blocks=64)
+
+
+def test_the_ops_take_quantized_experts_as_stored(zoo_model, tmp_path: Path) -> None:
+    """The CPU product (one expert dequantized at a time) and the Triton fused_moe (under the
+    interpreter: dequantized whole for the call) both run W4A16 experts as stored as their
+    dequantized weights: the ops keep one signature."""
+    pytest.importorskip("triton")
+    from batchgen.kernels import quant_reference as qref
+    from batchgen.kernels.cpu import routed_experts
+    from batchgen.kernels.triton.op_set import TRITON_OPS
+
+    path = compress_moe(zoo_model("qwen3_moe"), tmp_path / "ct", "w4a16", ROUTER_IGNORED)
+    experts = _experts(Engine.from_pretrained(path, num_kv_blocks=64))
+    plain = qref.dequantize_experts(experts)
+    torch.manual_seed(0)
+    x, weights = torch.randn(6, 64), torch.rand(6, 2)
+    ids = torch.tensor([[0, 7], [7, 1], [1, 0], [3, 2], [2, 5], [5, 7]])
+    want = routed_experts.fused_moe(x, plain, weights, ids)
+    got = routed_experts.fused_moe(x, experts, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    triton = TRITON_OPS.fused_moe(x, experts, weights, ids)
+    torch.testing.assert_close(triton, want, rtol=1e-4, atol=1e-4)
