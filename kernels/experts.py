@@ -98,6 +98,14 @@ class ExpertProjection(Protocol):
     @property
     def out_features(self) -> int: ...
 
+    @property
+    def in_features(self) -> int: ...
+
+    @property
+    def column_step(self) -> int:
+        """dequantize's start and stop are multiples of this (rows sharing packed words)."""
+        ...
+
     def dequantize(self, start: int, stop: int) -> torch.Tensor:
         """Output features [start, stop) as fp32 (stop - start, in_features)."""
         ...
@@ -108,8 +116,8 @@ class QuantizedExpertWeights:
     """Routed experts as GPTQ, AWQ and compressed-tensors checkpoints store them: each
     expert's gate, up and down projection its own packed integers and scales
     (``model.layers.N.mlp.experts.E.gate_proj.qweight``, ``...weight_packed``), kept in
-    that layout; the CPU product dequantizes one expert with tokens at a time
-    (``quant_reference.dequantize_quantized_expert``)."""
+    that layout; the CPU product dequantizes the experts with tokens, one tile of output
+    features at a time (``cpu/routed_experts.py``)."""
 
     gate: tuple[ExpertProjection, ...]  # per expert, output-major (inter, hidden)
     up: tuple[ExpertProjection, ...]

@@ -171,23 +171,42 @@ def test_w8a8_experts_refused(zoo_model, tmp_path: Path) -> None:
         Engine.from_pretrained(path, num_kv_blocks=64)
 
 
-def test_the_ops_take_quantized_experts_as_stored(zoo_model, tmp_path: Path) -> None:
-    """The CPU product (one expert dequantized at a time) and the Triton fused_moe (under the
-    interpreter: dequantized whole for the call) both run W4A16 experts as stored as their
-    dequantized weights: the ops keep one signature."""
+def test_the_ops_take_quantized_experts_as_stored(
+    zoo_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU product and the Triton fused_moe (under the interpreter: dequantized whole
+    for the call) both run W4A16 experts as stored (asymmetric: zero points packed eight
+    rows a word) as their dequantized weights: the ops keep one signature. The CPU product
+    dequantizes a tile of output features at a time: with tiles of 8 rows (4 over gate and
+    up's 32, 8 over down's 64, each aligned to the packed zero points' words) it gives the
+    same values as with the whole expert in one tile."""
     pytest.importorskip("triton")
     from batchgen.kernels import quant_reference as qref
     from batchgen.kernels.cpu import routed_experts
     from batchgen.kernels.triton.op_set import TRITON_OPS
 
-    path = compress_moe(zoo_model("qwen3_moe"), tmp_path / "ct", "w4a16", ROUTER_IGNORED)
+    path = compress_moe(zoo_model("qwen3_moe"), tmp_path / "ct", "w4a16-asym", ROUTER_IGNORED)
     experts = _experts(Engine.from_pretrained(path, num_kv_blocks=64))
     plain = qref.dequantize_experts(experts)
     torch.manual_seed(0)
     x, weights = torch.randn(6, 64), torch.rand(6, 2)
     ids = torch.tensor([[0, 7], [7, 1], [1, 0], [3, 2], [2, 5], [5, 7]])
     want = routed_experts.fused_moe(x, plain, weights, ids)
-    got = routed_experts.fused_moe(x, experts, weights, ids)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    whole = routed_experts.fused_moe(x, experts, weights, ids)
+    torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5)
+    tiles: list[tuple[int, int]] = []
+    tiling = routed_experts._tiles
+    monkeypatch.setattr(routed_experts, "TILE_BYTES", 8 * 4 * 32)  # 8 rows of down's 32 inputs
+
+    def spy(rows: int, columns: int, step: int) -> list[tuple[int, int]]:
+        tiles.extend(tiling(rows, columns, step))
+        return tiling(rows, columns, step)
+
+    monkeypatch.setattr(routed_experts, "_tiles", spy)
+    tiled = routed_experts.fused_moe(x, experts, weights, ids)
+    assert tiles[:12] == [(0, 8), (8, 16), (16, 24), (24, 32)] + [
+        (i, i + 8) for i in range(0, 64, 8)
+    ]
+    torch.testing.assert_close(tiled, whole, rtol=1e-6, atol=1e-6)
     triton = TRITON_OPS.fused_moe(x, experts, weights, ids)
     torch.testing.assert_close(triton, want, rtol=1e-4, atol=1e-4)

@@ -11,11 +11,15 @@ at a time (``dequantize_expert``): one table lookup per byte gives its two
 e2m1 values, the power-of-two scale is applied in the compute dtype (exact in
 bf16 and fp32), and gate_up's rows are put gate first while still bytes. Block-wise
 FP8 experts and GPTQ / AWQ / compressed-tensors ones (``QuantizedExpertWeights``)
-are dequantized the same way, one chosen expert at a time, to fp32 and then the
-compute dtype, as transformers' dequantizing loaders round them.
+are dequantized to fp32 and then the compute dtype, as transformers' dequantizing
+loaders round them, only the chosen experts: FP8 one whole expert at a time, GPTQ /
+AWQ / compressed-tensors one tile of output features (at most 4 MiB of fp32) at a
+time, as their dense projections are (a Mixtral-8x7B expert is 704 MB in fp32).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,7 +35,6 @@ from batchgen.kernels.quant_reference import (
     E2M1_VALUES,
     dequantize_fp8_block,
     dequantize_fp8_block_expert,
-    dequantize_quantized_expert,
 )
 
 # a byte's two e2m1 values, the low nibble first: (256, 2)
@@ -39,6 +42,7 @@ _BYTE_VALUES = torch.stack(
     (torch.tensor(E2M1_VALUES).repeat(16), torch.tensor(E2M1_VALUES).repeat_interleave(16)), -1
 )
 # each e4m3 byte's value: a lookup takes about half the time of torch's fp8 cast on the CPU
+TILE_BYTES = 4 << 20  # one dequantized tile of a GPTQ / AWQ / compressed-tensors expert, fp32
 E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
@@ -54,7 +58,7 @@ def fused_moe(
     a power of two is (the Triton kernel dequantizes inside its loop instead).
     Block-wise FP8 experts stay FP8 the same way: each expert with tokens is dequantized
     on its own, in fp32 then x's dtype as transformers' dequantizing loader rounds it;
-    GPTQ / AWQ / compressed-tensors experts likewise."""
+    GPTQ / AWQ / compressed-tensors experts likewise, a tile at a time (``_quantized_expert``)."""
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = flat.argsort(stable=True)  # pairs grouped by expert, tokens ascending within
@@ -66,9 +70,13 @@ def fused_moe(
     for e, n in enumerate(counts):
         if n == 0:
             continue
+        target = out_rows[start : start + n]
+        if isinstance(experts, QuantizedExpertWeights):
+            _quantized_expert(rows[start : start + n], experts, e, target)
+            start += n
+            continue
         w13, b13, w2, b2 = _expert(experts, e, x.dtype)
         h = activate(_linear(rows[start : start + n], w13, b13), experts.activation)
-        target = out_rows[start : start + n]
         if b2 is None:
             torch.mm(h, w2, out=target)
         else:
@@ -89,14 +97,35 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 Tensors = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 
 
+def _quantized_expert(
+    x: torch.Tensor, experts: QuantizedExpertWeights, e: int, out: torch.Tensor
+) -> None:
+    """Expert e on its rows x into out, its weights dequantized (fp32, then x's dtype) one
+    tile of at most ``TILE_BYTES`` at a time, never whole: gate and up over the same run of
+    intermediate features, activated into h, then down over runs of hidden features. A
+    tile's columns are the same columns of dequantize-then-matmul."""
+    gate, up, down = experts.gate[e], experts.up[e], experts.down[e]
+    h = torch.empty(x.shape[0], gate.out_features, dtype=x.dtype, device=x.device)
+    step = math.lcm(gate.column_step, up.column_step)
+    for a, b in _tiles(gate.out_features, gate.in_features, step):
+        g = torch.mm(x, gate.dequantize(a, b).to(x.dtype).t())
+        u = torch.mm(x, up.dequantize(a, b).to(x.dtype).t())
+        h[:, a:b] = activate(torch.cat((g, u), dim=1), experts.activation)
+    for a, b in _tiles(down.out_features, down.in_features, down.column_step):
+        out[:, a:b] = torch.mm(h, down.dequantize(a, b).to(x.dtype).t())
+
+
+def _tiles(rows: int, columns: int, step: int) -> list[tuple[int, int]]:
+    per_tile = max(step, TILE_BYTES // (4 * columns) // step * step)
+    return [(a, min(a + per_tile, rows)) for a in range(0, rows, per_tile)]
+
+
 def _expert(experts: RoutedExperts, e: int, dtype: torch.dtype) -> Tensors:
-    """Expert e's (w13, b13, w2, b2): views of float experts; quantized ones dequantized,
-    that expert alone, to ``dtype``."""
-    if isinstance(experts, (Fp8BlockExpertWeights, QuantizedExpertWeights)):
-        if isinstance(experts, Fp8BlockExpertWeights):
-            gate_up, down = dequantize_fp8_block_expert(experts, e, _dequantize_fp8_block)
-        else:
-            gate_up, down = dequantize_quantized_expert(experts, e)
+    """Expert e's (w13, b13, w2, b2): views of float experts; MXFP4 and block-FP8 ones
+    dequantized, that expert alone, to ``dtype``."""
+    assert not isinstance(experts, QuantizedExpertWeights)  # _quantized_expert runs those
+    if isinstance(experts, Fp8BlockExpertWeights):
+        gate_up, down = dequantize_fp8_block_expert(experts, e, _dequantize_fp8_block)
         return gate_up.to(dtype).t(), None, down.to(dtype).t(), None
     if isinstance(experts, Mxfp4ExpertWeights):
         experts, e = dequantize_expert(experts, e, dtype), 0
