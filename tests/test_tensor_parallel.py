@@ -3,7 +3,7 @@
 Two gloo ranks (this process and one it starts) run the split model
 (worker/models/tensor_parallel.py); greedy tokens must equal one rank's. A
 token where they part must be a near tie in HF's own logits (it never was in
-these runs), and the test says so.
+these runs), and the test says so. Quantized checkpoints: tests/test_tensor_parallel_quant.py.
 """
 
 from __future__ import annotations
@@ -185,54 +185,3 @@ def test_closing_stops_the_ranks(toy_model):
     engine.close()
     assert rank.returncode == 0
     assert torch.distributed.is_initialized() is False  # a group of its own, not the default
-
-
-@pytest.mark.parametrize("kind", ["fp8-block", "w4a16"])
-def test_quantized_weights_split_on_their_groups(zoo_model, tmp_path, kind):
-    """Zoo Llama (4 heads, 2 KV heads of 16, MLP 128) on 2 ranks: every cut (16 into k/v,
-    32 into q and o's input, 64 into gate/up and down's input) on FP8 blocks of (16, 32)
-    or compressed-tensors' W4A16 groups of 32; the weights stay quantized."""
-    from batchgen.worker.models.quant.linear import QuantizedLinear
-    from tests.model_zoo import VOCAB
-    from tests.quant_checkpoints import compress, quantize_fp8_block
-
-    src, out = zoo_model("llama"), tmp_path / kind
-    path = (
-        quantize_fp8_block(src, out, (16, 32))
-        if kind == "fp8-block"
-        else compress(src, out, "w4a16")
-    )
-    two = Engine.from_pretrained(path, **SETTINGS, tensor_parallel_size=2)
-    try:
-        layer = two.runner.model.weights.layers[0]  # type: ignore[attr-defined]
-        qkv, down = layer.attention.block.qkv, layer.mlp.block.down
-        assert isinstance(qkv, QuantizedLinear) and isinstance(down, QuantizedLinear)
-        assert [(p.out_features, p.in_features) for p in qkv.parts] == [
-            (32, 64),
-            (16, 64),
-            (16, 64),
-        ]
-        assert [(p.out_features, p.in_features) for p in down.parts] == [(64, 64)]
-        got = _greedy(two, VOCAB)
-    finally:
-        two.close()
-    expected = _greedy(Engine.from_pretrained(path, **SETTINGS), VOCAB)
-    _same_or_tie(path, VOCAB, expected, got)
-
-
-def test_a_cut_inside_a_quantization_group_is_refused(zoo_model, tmp_path):
-    from tests.quant_checkpoints import quantize_fp8_block
-
-    path = quantize_fp8_block(zoo_model("llama"), tmp_path / "fp8", (32, 32))
-    with pytest.raises(UnsupportedModelError, match=r"Fp8BlockWeight's output features at "
-                       r"\[0, 16\) of 32, inside its groups of 32"):  # fmt: skip
-        Engine.from_pretrained(path, **SETTINGS, tensor_parallel_size=2)
-
-
-def test_a_format_the_split_does_not_cut_is_refused_by_name(zoo_model, tmp_path):
-    from tests.quant_checkpoints import quantize_gptq
-
-    path, _ = quantize_gptq(zoo_model("llama"), tmp_path / "gptq", tmp_path / "plain")
-    with pytest.raises(UnsupportedModelError, match="gptq-quantized; tensor parallelism splits "
-                       "fp8 and compressed-tensors weights only"):  # fmt: skip
-        Engine.from_pretrained(path, **SETTINGS, tensor_parallel_size=2)

@@ -100,6 +100,6 @@ def check_shardable(config: ModelConfig, world: int) -> None:
     if method is not None and method not in SPLIT_METHODS and world > 1:
         raise UnsupportedModelError(
             f"this {config.family} checkpoint is {method}-quantized; tensor parallelism splits "
-            f"{' and '.join(SPLIT_METHODS)} weights only (run it with tensor_parallel_size 1)"
+            f"{', '.join(SPLIT_METHODS)} weights only (run it with tensor_parallel_size 1)"
         )
     split_heads(a.num_heads, a.num_kv_heads, Shard(0, world), config.family)

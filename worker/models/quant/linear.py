@@ -43,6 +43,7 @@ class QuantizedLinear(Linear):
     """``weight`` is a meta tensor of the (in, out) shape; ``parts`` hold the data."""
 
     parts: tuple[QuantizedWeight, ...] = field(default=(), repr=False)
+    names: tuple[str, ...] = ()  # each part's module, as the checkpoint names it (refusals)
     # the input's dynamic quantize-dequantize (W8A8 schemes); None: the input as it is
     quantize_input: Callable[[torch.Tensor], torch.Tensor] | None = None
     # W8A8 int8: each part's int8 (out, in) weights and fp32 scale, multiplied in int32 on
@@ -143,5 +144,5 @@ def read_quantized(
     shape = torch.empty(in_features.pop(), out, device="meta")
     return QuantizedLinear(
         shape, torch.cat(biases) if biases else None, decided=True, parts=parts,
-        quantize_input=activations.pop(),
+        quantize_input=activations.pop(), names=tuple(names),
     )  # fmt: skip

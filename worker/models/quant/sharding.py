@@ -7,36 +7,49 @@ and every kept value keeps its own scale, so a cut must fall on the format's
 boundaries: FP8 block-wise (``Fp8BlockWeight``) on its (bn, bk) blocks;
 compressed-tensors (``CompressedWeight``: W4A16/W8A16 packed, W8A8, FP8) on
 its scale groups along the input, on whole int32 words of packed values, and
-on whole words of a packed zero point down the outputs. Other formats (GPTQ,
-AWQ, ...) and a cut inside a group are refused by name.
+on whole words of a packed zero point down the outputs; AWQ (``AwqWeight``) on
+whole words of eight outputs and on its groups along the input; GPTQ
+(``GptqWeight``) on whole words of outputs (its zero points) and of inputs (its
+values). GPTQ names each input's group (``g_idx``), so its input cut needs no
+group boundary: a shard keeps the groups its inputs read (with act-order,
+``desc_act``, that is most of them, as vLLM keeps them all) and its inputs'
+``g_idx`` renumbered into them. A cut inside a group or a word is refused,
+naming the module and the sizes.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from batchgen.worker.models.quant.awq import AwqWeight
 from batchgen.worker.models.quant.compressed_tensors import CompressedWeight
 from batchgen.worker.models.quant.fp8 import Fp8BlockWeight
+from batchgen.worker.models.quant.gptq import GptqWeight
 from batchgen.worker.models.quant.linear import QuantizedLinear
 from batchgen.worker.models.quant.scheme import QuantizedWeight
 from batchgen.worker.worker_errors import UnsupportedModelError
 
-SPLIT_METHODS = ("fp8", "compressed-tensors")  # the quant_methods whose weights are cut here
+SPLIT_METHODS = (
+    "fp8",
+    "compressed-tensors",
+    "gptq",
+    "awq",
+)  # the quant_methods whose weights are cut here
 
 
 def column_shard(layer: QuantizedLinear, index: torch.Tensor) -> QuantizedLinear:
     """The output features ``index`` (increasing; one run within each fused part)."""
     parts, offset = [], 0
-    for part in layer.parts:
+    for i, part in enumerate(layer.parts):
         n = part.out_features
         mine = index[(index >= offset) & (index < offset + n)] - offset
         if mine.numel():
             start, stop = int(mine[0]), int(mine[-1]) + 1
             assert stop - start == mine.numel(), "a column shard keeps one run of each part"
-            parts.append(_outputs(part, start, stop))
+            parts.append(_outputs(_Cut(_name(layer, i), part, start, stop, n, "output")))
         offset += n
     bias = None if layer.bias is None else layer.bias.index_select(0, index).contiguous()
     shape = torch.empty(layer.weight.shape[0], index.numel(), device="meta")
@@ -46,70 +59,109 @@ def column_shard(layer: QuantizedLinear, index: torch.Tensor) -> QuantizedLinear
 def row_shard(layer: QuantizedLinear, start: int, stop: int, keep_bias: bool) -> QuantizedLinear:
     """The input features [start, stop); the bias only where ``keep_bias`` (added once)."""
     shape = torch.empty(stop - start, layer.weight.shape[1], device="meta")
-    parts = tuple(_inputs(part, start, stop) for part in layer.parts)
+    parts = tuple(
+        _inputs(_Cut(_name(layer, i), part, start, stop, part.in_features, "input"))
+        for i, part in enumerate(layer.parts)
+    )
     return replace(layer, weight=shape, bias=layer.bias if keep_bias else None, parts=parts)
 
 
-def _on(step: int, start: int, stop: int, size: int, what: str, part: QuantizedWeight) -> None:
-    if start % step or (stop % step and stop != size):
-        raise UnsupportedModelError(
-            f"tensor parallelism would cut a {type(part).__name__}'s {what} features at "
-            f"[{start}, {stop}) of {size}, inside its groups of {step}; use a "
-            "tensor_parallel_size whose shards hold whole groups"
-        )
+def _name(layer: QuantizedLinear, i: int) -> str:
+    return layer.names[i] if i < len(layer.names) else "a projection"
 
 
-def _outputs(part: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    n = part.out_features
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    """One part's features [start, stop) of ``size``, along its ``axis`` (output or input)."""
+
+    name: str  # the module (model.layers.0.self_attn.o_proj)
+    part: QuantizedWeight
+    start: int
+    stop: int
+    size: int
+    axis: str
+
+    def on(self, step: int, unit: str) -> None:
+        """Refuse a cut inside the part's ``unit`` (of ``step`` features each)."""
+        if self.start % step or (self.stop % step and self.stop != self.size):
+            raise UnsupportedModelError(
+                f"tensor parallelism would cut {self.name} ({type(self.part).__name__}) at "
+                f"{self.axis} features [{self.start}, {self.stop}) of {self.size}, inside its "
+                f"{unit}; use a tensor_parallel_size whose shards hold whole ones"
+            )
+
+    def words(self, bits: int) -> slice:
+        """The int32 words that pack this cut's features ``bits`` wide (whole words only)."""
+        per_word = 32 // bits
+        self.on(per_word, f"int32 words of {per_word} packed values")
+        return slice(self.start // per_word, math.ceil(self.stop / per_word))
+
+    def groups(self, group: int) -> slice:
+        """The groups of ``group`` features this cut holds (whole groups only)."""
+        self.on(group, f"groups of {group}")
+        return slice(self.start // group, math.ceil(self.stop / group))
+
+
+def _outputs(cut: _Cut) -> QuantizedWeight:
+    part, start, stop = cut.part, cut.start, cut.stop
     if isinstance(part, Fp8BlockWeight):
-        bn = part.block[0]
-        _on(bn, start, stop, n, "output", part)
-        scale = part.scale_inv[start // bn : math.ceil(stop / bn)]
+        scale = part.scale_inv[cut.groups(part.block[0])]
         return replace(part, weight=part.weight[start:stop].contiguous(),
                        scale_inv=scale.contiguous())  # fmt: skip
     if isinstance(part, CompressedWeight):
         zero = part.zero_point
         if zero is not None and part.packed:  # packed down the rows: whole words
-            per_word = 32 // part.args.bits
-            _on(per_word, start, stop, n, "output", part)
-            zero = zero[start // per_word : math.ceil(stop / per_word)].contiguous()
+            zero = zero[cut.words(part.args.bits)].contiguous()
         elif zero is not None:
             zero = zero[start:stop].contiguous()
         scale = part.scale if part.scale.numel() == 1 else part.scale[start:stop].contiguous()
         return replace(part, values=part.values[start:stop].contiguous(), scale=scale,
                        zero_point=zero, shape=(stop - start, part.in_features))  # fmt: skip
+    if isinstance(part, GptqWeight):  # zero points packed along the outputs
+        zeros = part.qzeros[:, cut.words(part.bits)]
+        return replace(part, qweight=part.qweight[:, start:stop].contiguous(),
+                       qzeros=zeros.contiguous(), scales=part.scales[:, start:stop].contiguous())  # fmt: skip
+    if isinstance(part, AwqWeight):  # values and zero points packed along the outputs
+        words = cut.words(4)
+        return replace(part, qweight=part.qweight[:, words].contiguous(),
+                       qzeros=part.qzeros[:, words].contiguous(),
+                       scales=part.scales[:, start:stop].contiguous())  # fmt: skip
     raise _refused(part)
 
 
-def _inputs(part: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
-    k = part.in_features
+def _inputs(cut: _Cut) -> QuantizedWeight:
+    part, start, stop = cut.part, cut.start, cut.stop
     if isinstance(part, Fp8BlockWeight):
-        bk = part.block[1]
-        _on(bk, start, stop, k, "input", part)
-        scale = part.scale_inv[:, start // bk : math.ceil(stop / bk)]
+        scale = part.scale_inv[:, cut.groups(part.block[1])]
         return replace(part, weight=part.weight[:, start:stop].contiguous(),
                        scale_inv=scale.contiguous())  # fmt: skip
     if isinstance(part, CompressedWeight):
         scale, zero = part.scale, part.zero_point
         if scale.dim() == 2 and scale.shape[1] > 1:  # groups along the input
-            group = k // scale.shape[1]
-            _on(group, start, stop, k, "input", part)
-            scale = scale[:, start // group : stop // group].contiguous()
-            zero = None if zero is None else zero[:, start // group : stop // group].contiguous()
+            groups = cut.groups(part.in_features // scale.shape[1])
+            scale = scale[:, groups].contiguous()
+            zero = None if zero is None else zero[:, groups].contiguous()
         values = part.values
-        if part.packed:
-            per_word = 32 // part.args.bits
-            _on(per_word, start, stop, k, "input", part)
-            values = values[:, start // per_word : math.ceil(stop / per_word)]
-        else:
-            values = values[:, start:stop]
+        values = values[:, cut.words(part.args.bits)] if part.packed else values[:, start:stop]
         return replace(part, values=values.contiguous(), scale=scale, zero_point=zero,
                        shape=(part.out_features, stop - start))  # fmt: skip
+    if isinstance(part, GptqWeight):  # values packed along the inputs; g_idx names each group
+        g_idx = part.g_idx[start:stop]
+        first, last = int(g_idx.min()), int(g_idx.max()) + 1
+        return replace(part, qweight=part.qweight[cut.words(part.bits)].contiguous(),
+                       qzeros=part.qzeros[first:last].contiguous(),
+                       scales=part.scales[first:last].contiguous(),
+                       g_idx=(g_idx - first).to(part.g_idx.dtype).contiguous())  # fmt: skip
+    if isinstance(part, AwqWeight):
+        groups = cut.groups(part.group_size)
+        return replace(part, qweight=part.qweight[start:stop].contiguous(),
+                       qzeros=part.qzeros[groups].contiguous(),
+                       scales=part.scales[groups].contiguous())  # fmt: skip
     raise _refused(part)
 
 
 def _refused(part: QuantizedWeight) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"tensor parallelism does not split {type(part).__name__} weights yet (it splits "
-        f"{' and '.join(SPLIT_METHODS)}); run it with tensor_parallel_size 1"
+        f"{', '.join(SPLIT_METHODS)} weights); run it with tensor_parallel_size 1"
     )
