@@ -185,3 +185,43 @@ def test_closing_stops_the_ranks(toy_model):
     engine.close()
     assert rank.returncode == 0
     assert torch.distributed.is_initialized() is False  # a group of its own, not the default
+
+
+def test_a_rank_cuts_each_layer_before_it_reads_the_next(toy_model, monkeypatch):
+    """A rank reads each tensor when a reader takes it and cuts each layer as soon as it is
+    read, so it holds one whole layer at most (worker/models/loader.py,
+    worker/models/tensor_parallel.py); before, the whole checkpoint was read first."""
+    import re
+
+    from batchgen.kernels.ops import select_ops
+    from batchgen.worker.models import loader, tensor_parallel
+    from batchgen.worker.models.registry import load_model_config
+
+    events: list[tuple[str, int]] = []
+    read, cut = loader._read, tensor_parallel._shard_layer
+
+    def reading(file, name):
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        events.append(("read", -1 if layer is None else int(layer[1])))
+        return read(file, name)
+
+    def cutting(layer, **kwargs):
+        events.append(("cut", sum(kind == "cut" for kind, _ in events)))
+        return cut(layer, **kwargs)
+
+    monkeypatch.setattr(loader, "_read", reading)
+    monkeypatch.setattr(tensor_parallel, "_shard_layer", cutting)
+    path = toy_model("llama")
+    config = load_model_config(path)
+    cpu = torch.device("cpu")
+    tensor_parallel.build_sharded_model(path, config, cpu, torch.float32, select_ops(cpu), 64,
+                                        Shard(1, 2))  # fmt: skip
+    layers = config.num_layers
+    assert [i for kind, i in events if kind == "cut"] == list(range(layers))
+    cuts = 0
+    for kind, i in events:  # every read of layer i's tensors: after layer i - 1's cut
+        if kind == "cut":
+            cuts += 1
+        elif i >= 0:
+            assert cuts == i, (i, cuts)
+    assert sum(kind == "read" and i >= 0 for kind, i in events) == layers * 9  # llama's 9

@@ -21,7 +21,7 @@ from batchgen.worker.models.quant.awq import AwqWeight
 from batchgen.worker.models.quant.gptq import GptqWeight
 from batchgen.worker.models.quant.linear import QuantizedLinear
 from batchgen.worker.models.quant.sharding import column_shard, row_shard
-from batchgen.worker.models.tensor_parallel import shard_decoder
+from batchgen.worker.models.tensor_parallel import build_sharded_model
 from batchgen.worker.models.tensor_shard import Shard
 from tests.model_zoo import VOCAB
 from tests.quant_checkpoints import compress, quantize_awq, quantize_fp8_block, quantize_gptq
@@ -50,11 +50,12 @@ def _span(start: int, width: int, rank: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_shard_dequantizes_to_its_slice_of_the_whole(zoo_model, tmp_path, kind):
-    engine = Engine.from_pretrained(_checkpoint(zoo_model, tmp_path, kind), **SETTINGS)
-    model: Any = engine.runner.model
-    for rank in range(2):
-        _, local, _, _ = shard_decoder(model.config, model.weights, Shard(rank, 2))
-        for whole_layer, layer in zip(model.weights.layers, local.layers):
+    path = _checkpoint(zoo_model, tmp_path, kind)
+    model: Any = Engine.from_pretrained(path, **SETTINGS).runner.model
+    for rank in range(2):  # each rank's model as it builds it, its layers cut as they are read
+        local = build_sharded_model(path, model.config, torch.device("cpu"), torch.float32,
+                                    model.ops, 64, Shard(rank, 2)).weights  # fmt: skip
+        for whole_layer, layer in zip(model.weights.layers, local.layers, strict=True):
             whole, mine = _projections(whole_layer), _projections(layer)
             columns = {
                 "qkv": torch.cat((_span(0, 32, rank), _span(64, 16, rank), _span(96, 16, rank))),

@@ -81,8 +81,10 @@ def read_dense(
     """Every tensor of the layout; ``mlp`` builds the MLP of each layer whose
     ``LayerSpec.mlp`` is not dense, ``attention`` every layer's attention."""
     reader = _Reader(store, config, layout, mlp, attention)
+    cut = store.cut_layer or (lambda layer: layer)
     layers = [
-        reader.layer(f"{layout.prefix}{layout.layers}.{i}.", i) for i in range(config.num_layers)
+        cut(reader.layer(f"{layout.prefix}{layout.layers}.{i}.", i))
+        for i in range(config.num_layers)
     ]
     embed = store.take(f"{layout.prefix}{layout.embed}.weight")
     position_embed = None

@@ -172,37 +172,39 @@ def build_sharded_model(
     max_positions: int,
     shard: Shard,
 ) -> ShardedDecoder:
-    """``registry.build_model`` for one rank: the whole checkpoint read on the CPU, this
-    rank's shard cut from it, and only the shard moved to ``device``."""
+    """``registry.build_model`` for one rank: the checkpoint read on the CPU a layer at a
+    time, each layer cut to this rank's shard as soon as it is read (so the rank holds
+    one whole layer at most), and only the shard moved to ``device``."""
     from batchgen.worker.models.registry import BY_NAME
 
     family = BY_NAME[config.family]
     check_shardable(config, shard.world)
     store = read_checkpoint(Path(path), torch.device("cpu"), dtype)
     store.quantization = config.quantization
+    a = config.attention
+    heads = split_heads(a.num_heads, a.num_kv_heads, shard, config.family)
+    store.cut_layer = functools.partial(_shard_layer, config=config, heads=heads, shard=shard)
     weights = family.read_weights(store, config)
     store.check_all_taken(family.name)
-    local_config, local, vocab, vocab_per_rank = shard_decoder(config, weights, shard)
+    local_config, local, vocab, vocab_per_rank = _shard_vocab(config, weights, shard, heads)
     local = _to_device(local, device)
     return ShardedDecoder(local_config, local, ops, max_positions, device, shard, vocab,
                           vocab_per_rank)  # fmt: skip
 
 
-def shard_decoder(
-    config: ModelConfig, weights: DecoderWeights, shard: Shard
+def _shard_vocab(
+    config: ModelConfig, weights: DecoderWeights, shard: Shard, heads: HeadSplit
 ) -> tuple[ModelConfig, DecoderWeights, tuple[int, int], int]:
-    """This rank's config (its heads and KV heads), weights, vocabulary span and the
-    widest span's size."""
+    """This rank's config (its heads and KV heads), weights (the layers already cut),
+    vocabulary span and the widest span's size."""
     a = config.attention
-    heads = split_heads(a.num_heads, a.num_kv_heads, shard, config.family)
-    layers = [_shard_layer(layer, config, heads, shard) for layer in weights.layers]
     per_rank = -(-config.vocab_size // shard.world)
     vocab = (min(shard.rank * per_rank, config.vocab_size),
              min((shard.rank + 1) * per_rank, config.vocab_size))  # fmt: skip
     lm_head = _column_linear(weights.lm_head, torch.arange(*vocab))
     local = DecoderWeights(
         embed=_rows(weights.embed, *vocab),
-        layers=layers,
+        layers=weights.layers,
         final_norm=weights.final_norm,
         lm_head=lm_head,
         position_embed=weights.position_embed,

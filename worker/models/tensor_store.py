@@ -1,5 +1,11 @@
 """A checkpoint's tensors, handed out by name; every one must be taken.
 
+Tensors are read from their files when taken (``Lazy``), so a load holds the
+model it builds, not the checkpoint besides. A tensor-parallel rank's store
+also carries ``cut_layer``: the readers (worker/models/dense_weights.py) hand
+each layer to it as soon as it is read, so a rank holds its shard of the
+layers before and one whole layer at a time.
+
 A family's weight mapping takes the tensors it uses; whatever is left when
 the model is built is a tensor the model would ignore (an o_proj bias, a norm
 the code never applies), and the load is refused naming it
@@ -9,9 +15,9 @@ the code never applies), and the load is refused naming it
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,10 +31,13 @@ if TYPE_CHECKING:
 IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 
 
+Lazy = Callable[[], torch.Tensor]  # reads one tensor from its file when called
+
+
 class TensorStore:
     def __init__(
         self,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, torch.Tensor | Lazy],
         path: Path,
         device: torch.device,
         dtype: torch.dtype,
@@ -39,6 +48,13 @@ class TensorStore:
         self.device = device
         self.dtype = dtype
         self.quantization = quantization  # how the checkpoint's quantized projections are stored
+        self.cut_layer: Callable[[Any], Any] | None = None  # a rank's cut of each layer read
+
+    def _pop(self, name: str) -> torch.Tensor:
+        tensor = self._tensors.pop(name, None)
+        if tensor is None:
+            raise UnsupportedModelError(f"checkpoint {self.path} lacks tensor {name!r}")
+        return tensor if isinstance(tensor, torch.Tensor) else tensor()
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -46,18 +62,13 @@ class TensorStore:
     def take(self, name: str, *, float32: bool = False) -> torch.Tensor:
         """The tensor, on the model's device and dtype (fp32 if asked, to compute with
         before rounding); it counts as used."""
-        tensor = self._tensors.pop(name, None)
-        if tensor is None:
-            raise UnsupportedModelError(f"checkpoint {self.path} lacks tensor {name!r}")
+        tensor = self._pop(name)
         return tensor.to(device=self.device, dtype=torch.float32 if float32 else self.dtype)
 
     def take_stored(self, name: str) -> torch.Tensor:
         """The tensor on the model's device in the dtype the checkpoint stores it in
         (quantized weights and their scales); it counts as used."""
-        tensor = self._tensors.pop(name, None)
-        if tensor is None:
-            raise UnsupportedModelError(f"checkpoint {self.path} lacks tensor {name!r}")
-        return tensor.to(device=self.device)
+        return self._pop(name).to(device=self.device)
 
     def take_all(self, names: Iterable[str]) -> list[torch.Tensor]:
         return [self.take(name) for name in names]
