@@ -22,6 +22,22 @@ from batchgen.kernels.cpu import routed_experts as cpu_routed_experts
 
 
 @dataclass(frozen=True, slots=True)
+class QuantGemms:
+    """The GEMMs that read a quantized checkpoint's weights as stored, dequantizing a tile at a
+    time on chip (``kernels/triton/fp8_gemm.py``, ``kernels/triton/w4a16_gemm.py``); each
+    takes x (..., K) and the format's tensors and returns (..., N) in x's dtype."""
+
+    # (x, weight, weight_scale_inv, block_size): block FP8, x quantized per token-group
+    fp8_block: Callable[..., torch.Tensor]
+    # (x, qweight, qzeros, scales, g_idx, zero_offset=1): 4-bit GPTQ
+    gptq: Callable[..., torch.Tensor]
+    # (x, qweight, qzeros, scales): 4-bit AWQ, GEMM packing
+    awq: Callable[..., torch.Tensor]
+    # (x, weight_packed, weight_scale, weight_zero_point): compressed-tensors 4-bit
+    pack_quantized: Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
 class KernelOps:
     name: str
     rms_norm: Callable[..., torch.Tensor]
@@ -39,6 +55,9 @@ class KernelOps:
     # take that shape, or None: checked when a model loads, not at its first step;
     # kv_shared: K and V are one tensor (MLA's latent cache)
     attention_limits: Callable[..., str | None]
+    # quantized projections' products; None: they dequantize a tile at a time in torch
+    # (``worker/models/quant/linear.py``), as the CPU path does
+    quant_gemms: QuantGemms | None = None
 
 
 CPU_OPS = KernelOps(

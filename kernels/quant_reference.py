@@ -21,6 +21,8 @@ Formats (the tensor names are the checkpoints'):
 - AWQ (GEMM packing): ``qweight`` int32 (K, N/8) and ``qzeros`` (G, N/8), eight
   columns to a word in the order 0, 2, 4, 6, 1, 3, 5, 7 (column 8j+c at bit
   4*AWQ_SHIFT_SLOT[c]); ``scales`` (G, N); w = (q - z) * s.
+- The 4-bit formats form (q - z) * s in the scales' dtype (fp16 as GPTQ and AWQ
+  save them; their kernels' arithmetic), one rounding of an exact product.
 - compressed-tensors pack-quantized (W4A16): ``weight_packed`` int32 (N, K/8),
   column k's at bit 4*(k%8), the signed value plus 8; ``weight_scale`` (N, G);
   ``weight_zero_point`` int32 (ceil(N/8), G), packed along N the same way, when
@@ -145,7 +147,7 @@ def dequantize_gptq(
         if g_idx is not None
         else torch.arange(k, device=q.device) // (k // scales.shape[0])
     )
-    return (q - zeros[groups]).float() * scales.float()[groups]
+    return ((q - zeros[groups]).to(scales.dtype) * scales[groups]).float()
 
 
 def dequantize_awq(
@@ -155,7 +157,7 @@ def dequantize_awq(
     q = unpack_int4(qweight, dim=1, awq_order=True)  # (K, N)
     zeros = unpack_int4(qzeros, dim=1, awq_order=True)  # (G, N)
     groups = torch.arange(q.shape[0], device=q.device) // (q.shape[0] // scales.shape[0])
-    return (q - zeros[groups]).float() * scales.float()[groups]
+    return ((q - zeros[groups]).to(scales.dtype) * scales[groups]).float()
 
 
 def dequantize_pack_quantized(
@@ -171,7 +173,7 @@ def dequantize_pack_quantized(
     else:
         zeros = unpack_int4(weight_zero_point, dim=0)[:n]  # (N, G), zero point + 8
     groups = torch.arange(k, device=q.device) // (k // weight_scale.shape[1])
-    return ((q - zeros[:, groups]).float() * weight_scale.float()[:, groups]).T
+    return ((q - zeros[:, groups]).to(weight_scale.dtype) * weight_scale[:, groups]).float().T
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

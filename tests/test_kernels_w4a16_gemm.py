@@ -65,7 +65,7 @@ def gptq_tensors(k: int, n: int, group: int, act_order: bool, seed: int = 0):
     qweight = pack_rows(q.T.contiguous()).T.contiguous()  # packed along K
     qzeros = pack_rows(zeros)  # what the checkpoint stores: the zero minus one
     zeros = zeros + 1
-    w = (q - zeros[g_idx]).float() * scales.half().float()[g_idx]
+    w = ((q - zeros[g_idx]).half() * scales.half()[g_idx]).float()  # in the scales' fp16
     return qweight, qzeros, scales.half(), (g_idx.int() if act_order else None), w
 
 
@@ -104,7 +104,7 @@ def test_awq(m, k, n, group, dtype):
     qweight, qzeros = pack_rows(q, AWQ_PACK_ORDER), pack_rows(zeros, AWQ_PACK_ORDER)
     assert qweight.shape == (k, n // 8) and qzeros.shape == (k // group, n // 8)
     groups = torch.arange(k) // group
-    w = (q - zeros[groups]).float() * scales.half().float()[groups]
+    w = ((q - zeros[groups]).half() * scales.half()[groups]).float()
     assert torch.equal(qref.dequantize_awq(qweight, qzeros, scales.half()), w)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
     out = awq_linear(x.to(DEVICE), qweight.to(DEVICE), qzeros.to(DEVICE), scales.half().to(DEVICE))
@@ -139,7 +139,7 @@ def test_compressed_tensors_pack_quantized(m, k, n, group, symmetric, dtype):
         padded[:n] = zero + 8
         zp = pack_rows(padded.T.contiguous()).T.contiguous()  # packed along N: (ceil(N/8), G)
     groups = torch.arange(k) // group
-    w = ((signed - zero[:, groups]).float() * scales.float()[:, groups]).T
+    w = ((signed - zero[:, groups]).to(scales.dtype) * scales[:, groups]).float().T
     assert torch.equal(qref.dequantize_pack_quantized(weight_packed, scales, zp), w)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
     out = pack_quantized_linear(

@@ -6,16 +6,18 @@ through the Triton interpreter, set TRITON_INTERPRET=1 before that import.
 
 from __future__ import annotations
 
-from batchgen.kernels.ops import KernelOps
+from batchgen.kernels.ops import KernelOps, QuantGemms
 from batchgen.kernels.triton import (
     activation,
     decode_attention,
+    fp8_gemm,
     fused_moe,
     norm,
     prefill_attention,
     rotary,
     step,
     store_kv,
+    w4a16_gemm,
 )
 
 TRITON_OPS = KernelOps(
@@ -30,6 +32,12 @@ TRITON_OPS = KernelOps(
     attention=step.TritonAttention,
     fused_moe=fused_moe.fused_moe,
     attention_limits=step.attention_limits,
+    quant_gemms=QuantGemms(
+        fp8_block=fp8_gemm.w8a8_block_fp8_linear,
+        gptq=w4a16_gemm.gptq_linear,
+        awq=w4a16_gemm.awq_linear,
+        pack_quantized=w4a16_gemm.pack_quantized_linear,
+    ),
 )
 
 __all__ = ["TRITON_OPS"]

@@ -4,7 +4,7 @@ One kernel serves the three packings the checkpoints use (see
 ``quant_reference.py`` for each format's definition):
 
 - GPTQ: ``gptq_linear(x, qweight, qzeros, scales, g_idx)``; qweight int32
-  (K/8, N) packed along K, qzeros (G, N/8) stored minus one, optional g_idx
+  (K/8, N) packed along K, qzeros (G, N/8) stored minus one (v2: as is), optional g_idx
   (act-order: row k's group is g_idx[k]).
 - AWQ (GEMM): ``awq_linear(x, qweight, qzeros, scales)``; qweight int32
   (K, N/8) and qzeros (G, N/8) packed along N in AWQ's 0,2,4,6,1,3,5,7 order.
@@ -18,9 +18,11 @@ it loads the int32 words holding its BLOCK_K x BLOCK_N nibbles (each word
 once, as a tile contiguous along the packed tensor's rows, unpacked by eight
 broadcast shifts: a tile of words repeated 8 times per nibble would be laid
 out across K, and Triton 3.6 then reads the scales one 16-bit value at a
-time), each row's group scale and zero, forms (q - z) * s in x's dtype and feeds it to tl.dot
-with fp32 accumulation; the weight is never dequantized whole. Output in x's
-dtype (bf16, fp16 or fp32).
+time), each row's group scale and zero, forms (q - z) * s in the scales' dtype
+(the formats' fp16 arithmetic, as ``worker/models/quant/gptq.py`` and ``awq.py``
+define the weight), casts it to x's dtype and feeds it to tl.dot with fp32
+accumulation; the weight is never dequantized whole. Output in x's dtype
+(bf16, fp16 or fp32).
 """
 
 from __future__ import annotations
@@ -129,7 +131,15 @@ def _w4a16_kernel(
                 zero_words = tl.load(z_ptrs, mask=k_mask[:, None] & wn_mask[None, :], other=0)
                 zeros = (zero_words[:, :, None] >> col_shift[None, None, :]) & 0xF
                 zeros = tl.reshape(zeros, (BLOCK_K, BLOCK_N)) + ZERO_OFFSET
-        w = ((q - zeros).to(tl.float32) * scales.to(tl.float32)).to(x.dtype)
+        # rounded to the scales' dtype, as the formats define the weight (fp16 for GPTQ and
+        # AWQ): the fp32 product of a small integer and the scale is exact, so this is the
+        # one rounding of a product in that dtype
+        w = (q - zeros).to(tl.float32) * scales.to(tl.float32)
+        if scales.dtype == tl.bfloat16:  # to nearest even here: the interpreter's cast truncates
+            bits = w.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            w = bits.to(tl.float32, bitcast=True)
+        w = w.to(scales.dtype).to(x.dtype)
         if DOT_FP32:
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
@@ -205,8 +215,12 @@ def gptq_linear(
     qzeros: torch.Tensor,
     scales: torch.Tensor,
     g_idx: torch.Tensor | None = None,
+    zero_offset: int = 1,
 ) -> torch.Tensor:
-    """x (..., K) @ a GPTQ 4-bit weight -> (..., N); qweight (K/8, N), qzeros (G, N/8), scales (G, N)."""
+    """x (..., K) @ a GPTQ 4-bit weight -> (..., N); qweight (K/8, N), qzeros (G, N/8), scales (G, N).
+
+    zero_offset: added to each stored zero point (1: ``checkpoint_format: gptq``, which
+    stores them less one; 0: ``gptq_v2``)."""
     arg_checks.check_dim("qweight", qweight, 2, "(K/8, N)")
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     groups = scales.shape[0]
@@ -217,7 +231,7 @@ def gptq_linear(
     return _run(x, _Layout(
         qweight, (qweight.stride(0), qweight.stride(1)), scales, (scales.stride(0), scales.stride(1)),
         qzeros, (qzeros.stride(0), qzeros.stride(1)), g_idx, k, n, groups,
-        packed_along_k=True, awq_order=False, zero_offset=1,
+        packed_along_k=True, awq_order=False, zero_offset=zero_offset,
     ))  # fmt: skip
 
 

@@ -92,6 +92,7 @@ def build_model(
     family = BY_NAME[config.family]
     store = read_checkpoint(Path(path), device, dtype)
     store.quantization = config.quantization
+    store.gemms = ops.quant_gemms
     weights = family.read_weights(store, config)
     store.check_all_taken(family.name)
     return Decoder(config, weights, ops, max_positions, device)

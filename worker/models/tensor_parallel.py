@@ -184,6 +184,7 @@ def build_sharded_model(
     a = config.attention
     heads = split_heads(a.num_heads, a.num_kv_heads, shard, config.family)
     store.cut_layer = functools.partial(_shard_layer, config=config, heads=heads, shard=shard)
+    store.gemms = ops.quant_gemms
     weights = family.read_weights(store, config)
     store.check_all_taken(family.name)
     local_config, local, vocab, vocab_per_rank = _shard_vocab(config, weights, shard, heads)

@@ -24,6 +24,7 @@ import torch
 from batchgen.worker.worker_errors import UnsupportedModelError
 
 if TYPE_CHECKING:
+    from batchgen.kernels.ops import QuantGemms
     from batchgen.worker.models.quant import Scheme
 
 # Buffers older checkpoints carry that transformers itself skips on load
@@ -55,6 +56,8 @@ class TensorStore:
         if tensor is None:
             raise UnsupportedModelError(f"checkpoint {self.path} lacks tensor {name!r}")
         return tensor if isinstance(tensor, torch.Tensor) else tensor()
+        # the op set's GEMMs for quantized projections (the Triton ops); None: the CPU path's
+        self.gemms: QuantGemms | None = None
 
     def has(self, name: str) -> bool:
         return name in self._tensors

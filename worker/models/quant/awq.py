@@ -9,14 +9,19 @@ row's group, computed in the scale's dtype as AutoAWQ's dequantization does.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from batchgen.worker.models.quant.packing import unpack
 from batchgen.worker.models.quant.scheme import Options, QuantizedWeight, Scheme, transformers_skips
 from batchgen.worker.models.tensor_store import TensorStore
+
+if TYPE_CHECKING:
+    from batchgen.kernels.ops import QuantGemms
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # word field i holds column AWQ_ORDER[i]
 _COLUMN_FIELD = [AWQ_ORDER.index(c) for c in range(8)]  # column c sits in this field
@@ -55,6 +60,11 @@ class AwqWeight(QuantizedWeight):
         zeros = zeros.repeat_interleave(self.group_size, 0)
         scales = scales.repeat_interleave(self.group_size, 0)
         return ((q - zeros).to(scales.dtype) * scales).float().t()
+
+    def kernel(self, gemms: QuantGemms) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return functools.partial(
+            gemms.awq, qweight=self.qweight, qzeros=self.qzeros, scales=self.scales
+        )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.qweight, self.qzeros, self.scales)

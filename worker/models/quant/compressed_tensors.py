@@ -25,11 +25,12 @@ transforms and any other strategy are refused by name.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +38,9 @@ from batchgen.worker.models.quant.packing import unpack
 from batchgen.worker.models.quant.scheme import Options, QuantizedWeight, Scheme
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.worker_errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from batchgen.kernels.ops import QuantGemms
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
 FP8_MAX = 448.0
@@ -99,6 +103,18 @@ class CompressedWeight(QuantizedWeight):
         if self.scale.numel() != 1 and self.scale.shape != (self.out_features, 1):
             return None
         return self.values, self.scale.float().reshape(-1)
+
+    def kernel(self, gemms: QuantGemms) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """4-bit pack-quantized with a scale per channel or group: the W4A16 GEMM."""
+        k = self.in_features
+        if not (self.packed and self.args.bits == 4 and self.scale.dim() == 2):
+            return None
+        if self.values.shape[1] * 8 != k or k % self.scale.shape[1]:
+            return None
+        return functools.partial(
+            gemms.pack_quantized, weight_packed=self.values, weight_scale=self.scale,
+            weight_zero_point=self.zero_point,
+        )  # fmt: skip
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         extra = () if self.zero_point is None else (self.zero_point,)

@@ -8,23 +8,29 @@ the weight is ``fp8 * scale_inv`` of its block, computed in fp32 as
 transformers' ``FineGrainedFP8Config(dequantize=True)`` does. With no
 ``weight_block_size`` one scale covers the whole tensor.
 
-``activation_scheme: dynamic`` quantizes each token's activations on the GPU
-(DeepSeek-V3's per-token-group w8a8); on the CPU the activations stay in the
-model's dtype, as transformers' dequantized model runs them. ``static``
+``activation_scheme: dynamic`` quantizes each token's activations on the Triton
+ops (DeepSeek-V3's per-token-group w8a8, ``kernels/triton/fp8_gemm.py``, for
+blocks whose bk is a power of two >= 16); on the CPU path the activations stay
+in the model's dtype, as transformers' dequantized model runs them. ``static``
 activation scales, ``ue8m0`` scales, FP4 experts and quantized embeddings
 (``modules_to_convert``) are refused by name.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from batchgen.worker.models.quant.scheme import Options, QuantizedWeight, Scheme, transformers_skips
 from batchgen.worker.models.tensor_store import TensorStore
+
+if TYPE_CHECKING:
+    from batchgen.kernels.ops import QuantGemms
 
 
 @dataclass(slots=True)
@@ -50,6 +56,15 @@ class Fp8BlockWeight(QuantizedWeight):
         scale = self.scale_inv[start // bn : math.ceil(stop / bn)].float()
         scale = scale.repeat_interleave(bn, 0)[: stop - start].repeat_interleave(bk, 1)
         return self.weight[start:stop].float() * scale[:, : self.in_features]
+
+    def kernel(self, gemms: QuantGemms) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        bk = self.block[1]
+        if bk < 16 or bk & (bk - 1):  # the GEMM steps along K in powers of two within a block
+            return None
+        return functools.partial(
+            gemms.fp8_block, weight=self.weight.contiguous(),
+            weight_scale_inv=self.scale_inv.contiguous(), block_size=self.block,
+        )  # fmt: skip
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.weight, self.scale_inv)

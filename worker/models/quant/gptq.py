@@ -12,14 +12,19 @@ less one (v1, the original packing) and ``gptq_v2`` as it is.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from batchgen.worker.models.quant.packing import unpack
 from batchgen.worker.models.quant.scheme import Options, QuantizedWeight, Scheme, transformers_skips
 from batchgen.worker.models.tensor_store import TensorStore
+
+if TYPE_CHECKING:
+    from batchgen.kernels.ops import QuantGemms
 
 # settings of the calibration run and of transformers' loading (which kernel, batch
 # sizes): the stored tensors carry their outcome
@@ -63,6 +68,19 @@ class GptqWeight(QuantizedWeight):
         groups = self.g_idx.long()
         weight = (q - zeros[groups]).to(scales.dtype) * scales[groups]
         return weight.float().t()
+
+    def kernel(self, gemms: QuantGemms) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        k, n, groups = self.in_features, self.out_features, self.scales.shape[0]
+        if self.bits != 4 or n % 8:  # the GEMM reads 4-bit words of eight zero points
+            return None
+        g_idx: torch.Tensor | None = self.g_idx
+        in_order = torch.arange(k, device=self.g_idx.device) // max(k // groups, 1)
+        if k % groups == 0 and torch.equal(self.g_idx.long(), in_order):
+            g_idx = None  # rows in group order: each K step reads its group's scales once
+        return functools.partial(
+            gemms.gptq, qweight=self.qweight, qzeros=self.qzeros, scales=self.scales,
+            g_idx=g_idx, zero_offset=self.zero_offset,
+        )  # fmt: skip
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.qweight, self.qzeros, self.scales, self.g_idx)

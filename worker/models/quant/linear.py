@@ -16,6 +16,14 @@ is quantized to int8 exactly as the dequantizing path quantizes it, multiplied b
 the stored int8 weights with ``torch._int_mm`` (int32 sums, exact), and each sum
 scaled by its token's and its channel's scale. It equals the dequantizing path up
 to the fp32 rounding of those products (``int8`` says which path a projection runs).
+
+On the Triton ops (``kernels/ops.py``'s ``QuantGemms``, given at load) a projection
+whose every part has a GEMM for its format (``QuantizedWeight.kernel``: block FP8,
+4-bit GPTQ, AWQ and compressed-tensors pack-quantized) runs those GEMMs on the
+stored tensors instead (``kernels`` says so), its bias added after: the weights
+stay as stored on the device and no tile is dequantized in torch. Block FP8 then
+quantizes the input per token and group of bk columns (w8a8, as DeepSeek-V3 runs
+it); the 4-bit GEMMs form (q - z) * s in fp32 rather than in the scales' fp16.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from batchgen.worker.models.weights import Linear, linear
 from batchgen.worker.worker_errors import UnsupportedModelError
 
 if TYPE_CHECKING:
+    from batchgen.kernels.ops import QuantGemms
     from batchgen.worker.models.dense_weights import CheckpointLayout
 
 TILE_BYTES = 4 << 20  # one dequantized tile, fp32
@@ -51,8 +60,19 @@ class QuantizedLinear(Linear):
     int8: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    # the op set's GEMMs for quantized weights (the Triton ops); None: the CPU path's products
+    gemms: QuantGemms | None = field(default=None, repr=False, compare=False)
+    # each part's GEMM, bound to its stored tensors, where every part has one and the input
+    # goes in as it is; None: the products above (decided from parts and gemms)
+    kernels: tuple[Callable[[torch.Tensor], torch.Tensor], ...] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
+        if self.gemms is not None and self.quantize_input is None:
+            found = [p.kernel(self.gemms) for p in self.parts]
+            if self.parts and all(k is not None for k in found):
+                self.kernels = tuple(k for k in found if k is not None)
         act = self.quantize_input
         if not (isinstance(act, ActivationArgs) and act.kind == "int"):
             return
@@ -61,6 +81,10 @@ class QuantizedLinear(Linear):
             self.int8 = tuple(r for r in rows if r is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            outs = [product(x) for product in self.kernels]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            return out if self.bias is None else out.add_(self.bias)
         if self.int8 is not None and x.device.type == "cpu":
             return self._int8_product(x)
         if self.quantize_input is not None:
@@ -144,5 +168,5 @@ def read_quantized(
     shape = torch.empty(in_features.pop(), out, device="meta")
     return QuantizedLinear(
         shape, torch.cat(biases) if biases else None, decided=True, parts=parts,
-        quantize_input=activations.pop(), names=tuple(names),
+        quantize_input=activations.pop(), names=tuple(names), gemms=store.gemms,
     )  # fmt: skip

@@ -5,7 +5,7 @@ it quantizes (``quantizes``) and how to take one module's tensors from the
 store (``read``). A ``QuantizedWeight`` is one projection's tensors exactly as
 the checkpoint stores them, and the rule that turns a run of its output
 features back into floats (``dequantize``); the CPU product and the GPU
-kernels read the same objects.
+kernels read the same objects (``kernel``: the op set's GEMM bound to them).
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ from __future__ import annotations
 import abc
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.worker_errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from batchgen.kernels.ops import QuantGemms
 
 
 class QuantizedWeight(abc.ABC):
@@ -44,6 +47,11 @@ class QuantizedWeight(abc.ABC):
     def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """int8 (out, in) values and an fp32 scale per output channel, (out,), or per
         tensor, (1,), where the weight is stored so (W8A8 int8); None otherwise."""
+        return None
+
+    def kernel(self, gemms: QuantGemms) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """x (rows, in_features) -> x @ this weight, (rows, out_features), by the op set's GEMM
+        for the format, reading the stored tensors; None where none takes them as stored."""
         return None
 
     @abc.abstractmethod
