@@ -23,7 +23,8 @@ whose every part has a GEMM for its format (``QuantizedWeight.kernel``: block FP
 stored tensors instead (``kernels`` says so), its bias added after: the weights
 stay as stored on the device and no tile is dequantized in torch. Block FP8 then
 quantizes the input per token and group of bk columns (w8a8, as DeepSeek-V3 runs
-it); the 4-bit GEMMs form (q - z) * s in fp32 rather than in the scales' fp16.
+it); the 4-bit GEMMs form the weights ``dequantize`` forms, (q - z) * s in the
+scales' dtype, so only the order of their sums differs from the CPU path.
 """
 
 from __future__ import annotations
