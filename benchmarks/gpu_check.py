@@ -34,7 +34,8 @@ progress line goes to stdout. The exit code is 1 if any section failed. Sections
    against dequantize-then-matmul, and their TFLOP/s at Llama-3-70B layer
    shapes against the device's FP8/BF16 peak (gpu_quant.py).
 5. engine: output tok/s of batchgen's engine against HF transformers'
-   continuous batching on a random Llama-3.2-1B-shaped bf16 checkpoint.
+   continuous batching on a random Llama-3.2-1B-shaped bf16 checkpoint; and the
+   engine's on that checkpoint stored as block FP8, its projections on the FP8 GEMM.
 
 A section is ok when it ran to its end and its checks (``all_pass``) hold;
 performance targets (``target_met``) are reported, not failed on.
@@ -73,7 +74,7 @@ SECTIONS = {  # cheapest first
     "bandwidth": Section("benchmarks.gpu_kernels", 90, 120),
     "moe": Section("benchmarks.gpu_moe", 150, 120),
     "quant_gemm": Section("benchmarks.gpu_quant", 150, 120),
-    "engine": Section("benchmarks.gpu_engine", 210, 180),
+    "engine": Section("benchmarks.gpu_engine", 270, 240),
 }
 
 
@@ -119,6 +120,13 @@ def section_lines(name: str, result: dict[str, Any]) -> list[str]:
             f"HF continuous batching {hf['output_tok_s']:.0f}: {result['speedup']:.2f}x; "
             f"CUDA-graph replays {ours['cuda_graph_replays']} of {ours['steps']} steps"
         )
+        fp8 = result.get("engine_fp8_block")
+        if isinstance(fp8, dict):
+            lines.append(
+                f"  engine, block FP8 checkpoint: {fp8['output_tok_s']:.0f} output tok/s "
+                f"({fp8['ops']} ops), {fp8['on_quant_gemms']} of {fp8['quantized_projections']} "
+                f"quantized projections on the FP8 GEMM, {fp8['quantized_mib']:.1f} MiB"
+            )
     return lines
 
 

@@ -163,11 +163,17 @@ def test_dry_run_from_a_plain_checkout_writes_every_sections_result(machine, tmp
     assert ours["ops"] == "cpu" and ours["cuda_graphs"] is False  # CPU dry run
     assert ours["cuda_graph_replays"] == 0 and ours["steps"] > 0
     assert engine["speedup"] == ours["output_tok_s"] / hf["output_tok_s"]
+    # the same checkpoint stored as block FP8, on the Triton ops (the interpreter here): its
+    # 8 projections (qkv, o, gate/up, down of 2 layers) held in FP8, each on the FP8 GEMM
+    fp8 = engine["engine_fp8_block"]
+    assert fp8["ops"] == "triton" and fp8["output_tokens"] == 16
+    assert fp8["quantized_projections"] == fp8["on_quant_gemms"] == 8
 
     # each section's table, printed as it ended
     assert "copy bandwidth" in proc.stdout and "moe tiny_gpt_oss" in proc.stdout
     assert "checks: fp8_block pass" in proc.stdout
     assert f"CUDA-graph replays 0 of {ours['steps']} steps" in proc.stdout
+    assert "8 of 8 quantized projections on the FP8 GEMM" in proc.stdout
 
 
 def test_sections_that_run_out_of_time_are_recorded_and_the_next_still_runs(machine, tmp_path):
