@@ -110,7 +110,7 @@ def compile_launch(fn: Any, args: tuple, kwargs: dict, capability: int) -> dict[
     ptx = kernel.asm["ptx"]
     shown = (
         "HEAD_DIM", "MAIN_DIM", "REST_DIM", "GROUP", "GROUP_PAD", "BLOCK_M", "BLOCK_N", "BLOCK_K", "TILE_N", "NUM_SPLITS", "BLOCK",
-        "HAS_RESIDUAL", "SOFTCAP", "HAS_SINKS", "MXFP4", "HAS_BIAS", "GROUP_N", "GROUP_K",
+        "HAS_RESIDUAL", "SOFTCAP", "HAS_SINKS", "MXFP4", "FP8_BLOCK", "HAS_BIAS", "GROUP_N", "GROUP_K",
         "PACKED_ALONG_K", "AWQ_ORDER", "HAS_ZEROS", "ZERO_OFFSET", "HAS_G_IDX", "ONE_GROUP_PER_STEP",
     )  # fmt: skip
     return {
@@ -163,7 +163,12 @@ def hopper_calls() -> None:
     """What the GPU machines (H100/H200) run beyond ``realistic_calls``, at real shapes."""
     import torch
 
-    from batchgen.kernels.experts import ClampedSwiGLU, ExpertWeights, Mxfp4ExpertWeights
+    from batchgen.kernels.experts import (
+        ClampedSwiGLU,
+        ExpertWeights,
+        Fp8BlockExpertWeights,
+        Mxfp4ExpertWeights,
+    )
     from batchgen.kernels.triton import fp8_gemm, w4a16_gemm
     from batchgen.kernels.triton.decode_attention import decode_attention
     from batchgen.kernels.triton.latent_decode import latent_decode_attention
@@ -221,6 +226,15 @@ def hopper_calls() -> None:
         for tokens in (5, 512):
             ids = torch.arange(2 * tokens).remainder(2).view(tokens, 2)
             ops.fused_moe(empty(tokens, 2880, dtype=dtype), mxfp4, empty(tokens, 2, dtype=dtype), ids)  # fmt: skip
+        # block-FP8 experts: DeepSeek-V3's (hidden 7168, inter 2048, 128 x 128 blocks)
+        f8, f32 = torch.float8_e4m3fn, torch.float32
+        fp8_experts = Fp8BlockExpertWeights(
+            empty(2, 4096, 7168, dtype=f8), empty(2, 32, 56, dtype=f32),
+            empty(2, 7168, 2048, dtype=f8), empty(2, 56, 16, dtype=f32), (128, 128),
+        )  # fmt: skip
+        for tokens in (5, 512):
+            ids = torch.arange(2 * tokens).remainder(2).view(tokens, 2)
+            ops.fused_moe(empty(tokens, 7168, dtype=dtype), fp8_experts, empty(tokens, 2, dtype=dtype), ids)  # fmt: skip
         # Llama-3-70B's linears: hidden 8192, intermediate 28672 (down_proj's K)
         for m in (1, 32, 64, 256):  # each a BLOCK_M of its own
             for k in (8192, 28672):

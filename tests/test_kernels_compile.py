@@ -90,6 +90,8 @@ def test_sm90_compiles_the_moe_and_quantized_gemms_on_tensor_cores(results):
     assert {(r["dtype"], r["constexprs"]["MXFP4"]) for r in moe} == {
         (t, mx) for t in ("fp16", "bf16") for mx in (False, True)
     }
+    # block-FP8 experts (DeepSeek-V3's shape) read as e4m3 and scales inside the same GEMMs
+    assert {r["dtype"] for r in moe if r["constexprs"]["FP8_BLOCK"]} == {"fp16", "bf16"}
     fp8 = [r for r in hopper if r["kernel"] == "_w8a8_block_fp8_kernel"]
     assert {r["constexprs"]["BLOCK_M"] for r in fp8} == {16, 32, 64, 128}
     assert all(r["dtype"] == "fp8e4nv" for r in fp8)

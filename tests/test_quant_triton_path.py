@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from batchgen import Engine, SamplingParams
 from batchgen.kernels import quant_reference
+from batchgen.kernels.experts import Fp8BlockExpertWeights
 from batchgen.worker.models.quant import QuantizedLinear, QuantizedWeight
 from batchgen.worker.models.quant.fp8 import Fp8BlockWeight
 from tests.family_parity import engine_prompt_logits, random_prompts
@@ -21,6 +23,7 @@ from tests.model_zoo import VOCAB
 from tests.quant_checkpoints import compress, quantize_awq, quantize_fp8_block, quantize_gptq
 
 pytest.importorskip("triton")
+DENSE_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # not an expert's: kept plain
 
 
 class Launches:
@@ -161,6 +164,55 @@ def test_formats_without_a_gemm_keep_the_tiled_product(zoo_model, tmp_path: Path
     assert all(p.kernels is None and p.int8 is not None for p in _projections(triton))
     prompts = random_prompts(VOCAB, (3, 9), seed=14)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
+    assert [o.token_ids for o in triton.generate(prompts, params)] == [
+        o.token_ids for o in cpu.generate(prompts, params)
+    ]
+
+
+def test_fp8_experts_stay_fp8_in_the_fused_moe(
+    zoo_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Block-FP8 routed experts (gate's last block of rows partial: 32 rows in blocks of 24)
+    are kept as stored on the Triton ops too, and the fused-MoE GEMMs read them as e4m3
+    and block scales (two launches a step: gate/up, down); tokens equal the CPU path's."""
+    from batchgen.kernels.triton import fused_moe
+
+    experts_only = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj\.weight$")
+    plain = ("lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate", *DENSE_MLP)
+    path = quantize_fp8_block(
+        zoo_model("qwen3_moe"), tmp_path / "fp8", (24, 32), plain, experts_only
+    )
+    triton, cpu = (
+        Engine.from_pretrained(path, num_kv_blocks=16, use_triton=use, max_num_batched_tokens=12)
+        for use in (True, False)
+    )
+    for engine in (triton, cpu):
+        experts = engine.runner.model.weights.layers[1].mlp.experts  # type: ignore[attr-defined]
+        assert isinstance(experts, Fp8BlockExpertWeights)
+        assert experts.gate_up.dtype == torch.float8_e4m3fn and experts.gate_up.shape == (8, 64, 64)
+    fp8_launches: list[bool] = []
+    kernel = fused_moe._grouped_gemm_kernel
+
+    class Spy:
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                fp8_launches.append(kwargs["FP8_BLOCK"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(fused_moe, "_grouped_gemm_kernel", Spy())
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    triton.add_request("one", list(range(40, 47)), params)
+    triton.step()
+    assert fp8_launches == [True, True]
+
+    (tokens,) = random_prompts(VOCAB, (20,), seed=13)
+    got, _ = engine_prompt_logits(triton, tokens)
+    expected, _ = engine_prompt_logits(cpu, tokens)
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=0)
+    prompts = random_prompts(VOCAB, (3, 9), seed=14)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
     assert [o.token_ids for o in triton.generate(prompts, params)] == [
         o.token_ids for o in cpu.generate(prompts, params)
     ]

@@ -81,19 +81,22 @@ def test_fp8_experts_product_equals_dequantize_then_run(inter: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_the_triton_op_takes_fp8_experts_as_stored() -> None:
-    """The Triton fused_moe (under the interpreter) given block-FP8 experts as stored runs
-    them as their dequantized weights, as the CPU op does: the ops keep one signature."""
+@pytest.mark.parametrize("inter", [16, 20])
+def test_the_triton_op_takes_fp8_experts_as_stored(inter: int) -> None:
+    """The Triton fused_moe (under the interpreter) given block-FP8 experts as stored
+    dequantizes them inside its GEMMs, up's rows on up's own scale grid where gate's last
+    block is partial (inter 20), and equals the dequantized experts' product."""
     pytest.importorskip("triton")
     from batchgen.kernels.triton.op_set import TRITON_OPS
 
-    experts = _fp8_experts(num=4, hidden=48, inter=16, block=(8, 16))
+    experts = _fp8_experts(num=4, hidden=48, inter=inter, block=(8, 16))
     x = torch.randn(5, 48)
     ids = torch.tensor([[0, 3], [3, 1], [1, 0], [3, 2], [2, 1]])
     weights = torch.rand(5, 2)
     got = TRITON_OPS.fused_moe(x, experts, weights, ids)
     want = routed_experts.fused_moe(x, qref.dequantize_experts(experts), weights, ids)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # outputs of ~30: fp32 sums in another order
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def _fp8_reference(path: Path) -> Any:

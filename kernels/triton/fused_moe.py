@@ -15,6 +15,8 @@ MXFP4 experts (gpt-oss's ``*_blocks``/``*_scales``, ``Mxfp4ExpertWeights``) run
 through the same kernel: each weight tile is read as its e2m1 bytes and e8m0
 scales and turned into x's dtype in registers (exact: an e2m1 value times a
 power of two fits bf16), gate_up's interleaved rows read in gate-then-up order.
+Block-wise FP8 experts (``Fp8BlockExpertWeights``) too: e4m3 bytes times their
+block's fp32 scale, rounded to x's dtype, up's rows on up's own scale grid.
 """
 
 from __future__ import annotations
@@ -88,8 +90,8 @@ def _e2m1_times_e8m0(nibbles, scale_bits):
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr,  # (num_a_rows, K); pair p reads row p // A_ROW_DIV
-    w_ptr,  # (num_experts, K, N); MXFP4: uint8 (num_experts, N', K / 2) e2m1 pairs
-    w_scales_ptr,  # MXFP4: uint8 (num_experts, N', K / 32) e8m0
+    w_ptr,  # (num_experts, K, N); MXFP4: uint8 (num_experts, N', K / 2) e2m1 pairs; FP8_BLOCK: e4m3 (num_experts, N, K)
+    w_scales_ptr,  # MXFP4: uint8 (num_experts, N', K / 32) e8m0; FP8_BLOCK: fp32 block grid
     bias_ptr,  # (num_experts, N') when HAS_BIAS
     out_ptr,  # (num_pairs, N)
     sorted_pairs_ptr,  # (num_blocks * BLOCK_M,)
@@ -106,11 +108,16 @@ def _grouped_gemm_kernel(
     w_scales_stride_n,
     bias_stride_e,
     out_stride,
+    split_n,  # FP8_BLOCK: rows from split_n on (up's) take scale rows from split_rows on
+    split_rows,
     A_ROW_DIV: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     MXFP4: tl.constexpr,  # the weight as gpt-oss stores it, dequantized tile by tile
     INTERLEAVED_N: tl.constexpr,  # output column n < N/2 is stored row 2n, else row 2(n - N/2) + 1
+    FP8_BLOCK: tl.constexpr,  # e4m3 weights, output-major, each GROUP_N x GROUP_K block scaled
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -151,6 +158,18 @@ def _grouped_gemm_kernel(
                 tl.int32
             )
             w = _e2m1_times_e8m0(nibbles, scale_bits).to(a.dtype)
+        elif FP8_BLOCK:  # fp8 x its block's scale in fp32, then a's dtype: the CPU path's values
+            ks = k0 + offs_k
+            row_ptrs = w_ptr + expert * w_stride_e + offs_n[None, :].to(tl.int64) * w_stride_k
+            w8 = tl.load(row_ptrs + ks[:, None], mask=w_mask, other=0.0).to(tl.float32)
+            scale_rows = tl.where(
+                offs_n < split_n, offs_n // GROUP_N, split_rows + (offs_n - split_n) // GROUP_N
+            )
+            scales_ptrs = (
+                w_scales_ptr + expert * w_scales_stride_e + scale_rows[None, :] * w_scales_stride_n
+            )
+            scale = tl.load(scales_ptrs + (ks // GROUP_K)[:, None], mask=w_mask, other=0.0)
+            w = (w8 * scale).to(a.dtype)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if DOT_FP32:
@@ -179,18 +198,25 @@ def fused_moe(
     x and float expert weights share one float dtype (fp32 accumulation); the
     weights must be contiguous in their last dimension; topk_ids int32/int64
     in [0, num_experts) (the routers' output; not checked on the device).
-    ``Mxfp4ExpertWeights`` (gpt-oss's checkpoint tensors) are dequantized to
-    x's dtype tile by tile inside the GEMMs, never whole. Block-wise FP8 and GPTQ / AWQ /
-    compressed-tensors experts have no kernel here: the loader dequantizes them off the CPU
-    (``worker/models/quant/quantized_experts.py``), and experts given to this function as stored are
-    dequantized whole, for the call.
+    ``Mxfp4ExpertWeights`` (gpt-oss's checkpoint tensors) and ``Fp8BlockExpertWeights``
+    (e4m3 and a block's fp32 scale, the CPU path's values: fp32 products rounded to x's
+    dtype) are dequantized to x's dtype tile by tile inside the GEMMs, never whole. GPTQ /
+    AWQ / compressed-tensors experts have no kernel here: the loader dequantizes them off
+    the CPU (``worker/models/quant/quantized_experts.py``), and experts given to this
+    function as stored are dequantized whole, for the call.
     """
-    if isinstance(experts, (Fp8BlockExpertWeights, QuantizedExpertWeights)):
+    if isinstance(experts, QuantizedExpertWeights):
         plain = dequantize_experts(experts)
         experts = ExpertWeights(
             plain.w13.to(x.dtype), plain.w2.to(x.dtype), activation=plain.activation
         )
-    if isinstance(experts, Mxfp4ExpertWeights):
+    if isinstance(experts, Fp8BlockExpertWeights):
+        _check_fp8(x, experts, topk_weights, topk_ids)
+        inter, bn = experts.gate_up.shape[1] // 2, experts.block[0]
+        gate_up = _Weight(experts.gate_up, experts.gate_up_scale_inv, None, False,
+                          experts.block, (inter, -(-inter // bn)))  # fmt: skip
+        down = _Weight(experts.down, experts.down_scale_inv, None, False, experts.block)
+    elif isinstance(experts, Mxfp4ExpertWeights):
         _check_mxfp4(x, experts, topk_weights, topk_ids)
         gate_up = _Weight(
             experts.gate_up_blocks, experts.gate_up_scales, experts.gate_up_bias, True
@@ -228,6 +254,8 @@ class _Weight:
     scales: torch.Tensor | None  # MXFP4's (E, N, K/32) e8m0; None: w is float
     bias: torch.Tensor | None  # (E, N)
     interleaved: bool  # MXFP4 gate_up: rows alternate gate and up
+    block: tuple[int, int] | None = None  # FP8 (bn, bk): w is e4m3 (E, N, K), scales its grid
+    split: tuple[int, int] | None = None  # FP8 gate_up: (gate's rows, gate's rows of scales)
 
     @property
     def n(self) -> int:
@@ -235,6 +263,8 @@ class _Weight:
 
     @property
     def k(self) -> int:
+        if self.block is not None:
+            return self.w.shape[2]
         return self.w.shape[2] * 32 if self.scales is not None else self.w.shape[1]
 
 
@@ -249,6 +279,7 @@ def _grouped_gemm(
 ) -> None:
     w, scales, bias = weight.w, weight.scales, weight.bias
     num_experts, n, k = w.shape[0], weight.n, weight.k
+    block, split = weight.block or (1, 1), weight.split or (n, 0)
     block_n = min(64, arg_checks.pow2(n, 16))
     block_k = min(64 if a.dtype != torch.float32 else 32, arg_checks.pow2(k, 16))
     grid = (order.block_experts.shape[0], triton.cdiv(n, block_n))
@@ -258,9 +289,10 @@ def _grouped_gemm(
         num_pairs, num_experts, n, k,
         a.stride(0), w.stride(0), w.stride(1),
         scales.stride(0) if scales is not None else 0, scales.stride(1) if scales is not None else 0,
-        bias.stride(0) if bias is not None else 0, out.stride(0),
+        bias.stride(0) if bias is not None else 0, out.stride(0), *split,
         A_ROW_DIV=a_row_div, HAS_BIAS=bias is not None, MUL_WEIGHT=weights is not None,
-        MXFP4=scales is not None, INTERLEAVED_N=weight.interleaved,
+        MXFP4=scales is not None and weight.block is None, INTERLEAVED_N=weight.interleaved,
+        FP8_BLOCK=weight.block is not None, GROUP_N=block[0], GROUP_K=block[1],
         BLOCK_M=order.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_FP32=arg_checks.dot_in_fp32(a.dtype),
         num_warps=4,
@@ -336,3 +368,28 @@ def _check_mxfp4(
     blocks = {name: t for name, (t, _) in shapes.items()}
     arg_checks.check_device(x=x, **blocks, **biases, topk_weights=topk_weights, topk_ids=topk_ids)
     arg_checks.check_last_dim_contiguous(x=x, **biases)
+
+
+def _check_fp8(
+    x: torch.Tensor, experts: Fp8BlockExpertWeights, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:  # fmt: skip
+    _check_routing(x, topk_weights, topk_ids)
+    arg_checks.check_dim("gate_up", experts.gate_up, 3, "(num_experts, 2 * inter, hidden)")
+    num_experts, inter2, hidden = experts.gate_up.shape
+    (bn, bk), inter = experts.block, inter2 // 2
+    grid = (num_experts, 2 * -(-inter // bn), -(-hidden // bk))
+    shapes = {
+        "gate_up": (experts.gate_up, (num_experts, inter2, hidden), (torch.float8_e4m3fn,)),
+        "gate_up_scale_inv": (experts.gate_up_scale_inv, grid, (torch.float32,)),
+        "down": (experts.down, (num_experts, hidden, inter), (torch.float8_e4m3fn,)),
+        "down_scale_inv": (experts.down_scale_inv,
+                           (num_experts, -(-hidden // bn), -(-inter // bk)), (torch.float32,)),
+    }  # fmt: skip
+    for name, (t, shape, dtypes) in shapes.items():
+        arg_checks.check_shape(name, t, shape)
+        arg_checks.check_dtype(name, t, dtypes)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (stride {t.stride()})")
+    arg_checks.check_device(x=x, **{n: t for n, (t, _, _) in shapes.items()},
+                            topk_weights=topk_weights, topk_ids=topk_ids)  # fmt: skip

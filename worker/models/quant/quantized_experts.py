@@ -5,7 +5,8 @@ gate, up and down projection as they do a dense one (``fp8.py``): each
 ``{block}.experts.{e}.{gate,up,down}_proj`` has its ``weight`` (e4m3) and
 ``weight_scale_inv``. They are stacked as stored into ``Fp8BlockExpertWeights``
 (``kernels/experts.py``), which the CPU routed-experts product dequantizes one
-expert at a time.
+expert at a time and the Triton fused-MoE kernel a tile at a time inside its
+GEMMs (``kernels/triton/fused_moe.py``): they stay FP8 on every device.
 
 GPTQ, AWQ and compressed-tensors MoE releases (Qwen3-30B-A3B-GPTQ-Int4, -AWQ,
 RedHatAI's W4A16 and W8A16) quantize each expert's projections in their own
@@ -16,9 +17,9 @@ one expert with tokens at a time. Experts whose inputs the scheme quantizes too
 (W8A8, FP8-dynamic) are refused by name: the expert product runs no activation
 quantization.
 
-The Triton fused-MoE kernel reads plain and MXFP4 experts only, so off the CPU the
-experts are dequantized once here, to the model's dtype (the memory of a plain
-checkpoint; the tokens are the same).
+The Triton fused-MoE kernel has no GEMM for those, so off the CPU they are
+dequantized once here, to the model's dtype (the memory of a plain checkpoint; the
+tokens are the same).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def read_quantized_experts(
             f"quantization_config ({scheme.method}) stores the routed experts in more than "
             "one format; batchgen reads them in one"
         )
-    if store.device.type == "cpu":
+    if store.device.type == "cpu" or isinstance(stored, Fp8BlockExpertWeights):
         return stored
     plain = dequantize_experts(stored)
     return ExpertWeights(plain.w13.to(store.dtype), plain.w2.to(store.dtype))
@@ -108,6 +109,6 @@ def _fp8_experts(scheme: Scheme, parts: list[tuple[QuantizedWeight, ...]]) -> Fp
             "per expert projection is not supported (block-wise scales are)"
         )
     return Fp8BlockExpertWeights(
-        torch.stack(gate_up), torch.stack(gate_up_scale), torch.stack(down),
-        torch.stack(down_scale), blocks.pop(),
+        torch.stack(gate_up), torch.stack(gate_up_scale).contiguous(),
+        torch.stack(down), torch.stack(down_scale).contiguous(), blocks.pop(),
     )  # fmt: skip
