@@ -163,7 +163,7 @@ def _dequantize_fp8_block(
     """``quant_reference.dequantize_fp8_block``'s values (the same fp32 products), faster:
     the bytes looked up, each whole block scaled in place."""
     (n, k), (bn, bk) = weight.shape, block
-    if n % bn or k % bk:
+    if n % bn or k % bk or weight.device != E4M3_VALUES.device:  # CPU ops on CUDA weights
         return dequantize_fp8_block(weight, scale_inv, block)
     values = E4M3_VALUES.index_select(0, weight.view(torch.uint8).flatten().int())
     blocks = values.view(n // bn, bn, k // bk, bk)
