@@ -112,7 +112,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def test_refusals(zoo_model, tmp_path: Path) -> None:
-    with pytest.raises(InvalidEngineConfig, match=r"quantization must be one of fp8 .*'int4'"):
+    with pytest.raises(
+        InvalidEngineConfig, match=r"quantization must be one of fp8, int8 .*'int4'"
+    ):
         Engine.from_pretrained(zoo_model("llama"), quantization="int4")
     with pytest.raises(InvalidEngineConfig, match="tensor parallelism does not split quantized"):
         Engine.from_pretrained(zoo_model("llama"), quantization="fp8", tensor_parallel_size=2)
@@ -164,7 +166,7 @@ def test_cli_refuses_an_unknown_quantization(command: str, tmp_path: Path) -> No
     )
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [
-        "batchgen: error: quantization must be one of fp8 (or unset: the checkpoint as "
+        "batchgen: error: quantization must be one of fp8, int8 (or unset: the checkpoint as "
         "stored), got 'int4'"
     ]
     assert result.exception is None or isinstance(result.exception, SystemExit)

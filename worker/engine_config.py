@@ -19,8 +19,8 @@ from batchgen.worker.worker_errors import InvalidEngineConfig
 DTYPES = ("float32", "bfloat16", "float16")
 # auto: batchgen's own code when it has the architecture, else transformers' modules
 MODEL_IMPLS = ("auto", "native", "transformers")
-# quantized at load from an unquantized checkpoint (worker/models/quant/online_fp8.py)
-QUANTIZATIONS = ("fp8",)
+# quantized at load from an unquantized checkpoint (worker/models/quant/online.py)
+QUANTIZATIONS = ("fp8", "int8")
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 
 
@@ -50,7 +50,8 @@ class EngineConfig:
     waits longer than ``tensor_parallel_timeout_s`` takes the group down.
     ``quantization``: "fp8" quantizes a bf16/fp16/fp32 checkpoint's decoder
     projections to FP8 e4m3 as they load (per-channel weight scales, dynamic
-    per-token activations; ``worker/models/quant/online_fp8.py``); None runs the
+    per-token activations; ``worker/models/quant/online.py``), "int8" to int8
+    the same way, multiplied in int8 on the CPU (CPU only); None runs the
     checkpoint as stored (a quantized checkpoint in its own format)."""
 
     device: str | None = None

@@ -44,7 +44,8 @@ def quantization_option(func: Callable[..., Any]) -> Callable[..., Any]:
         "--quantization", metavar="|".join(QUANTIZATIONS), default=None,
         help="fp8: quantize an unquantized (bf16/fp16/fp32) checkpoint's decoder projections to "
         "FP8 e4m3 as it loads (per-channel weight scales, dynamic per-token activations; about "
-        "half their bf16 memory, not exact: docs/models.md). Default: the checkpoint as stored.",
+        "half their bf16 memory, not exact: docs/models.md). int8: the same in int8, multiplied "
+        "in int8 (W8A8; CPU only). Default: the checkpoint as stored.",
     )(func)  # fmt: skip
 
 
