@@ -7,6 +7,8 @@
     python benchmarks/engine_bench.py --sizes small --requests 16   # fewer requests, same mix
     make bench-peers && python benchmarks/engine_bench.py --arch qwen2 --sizes tiny,small,0.5b \
         --peers batchgen,vllm,llama.cpp,llama.cpp:q8_0,ct2,ct2:int8,hf-continuous --dtype bfloat16
+    make bench-peers && python benchmarks/engine_bench.py --sizes tiny \
+        --peers batchgen,batchgen:int8,llama.cpp:q8_0,ct2:int8   # the int8 systems
 
 Workload "mixed" (seeded): prompts uniform 16..256 tokens, outputs 70% uniform
 16..64 and 30% uniform 256..512, random token ids, greedy, EOS off. Peers: HF
@@ -29,7 +31,9 @@ Sizes: tiny (~6M parameters), small (~100M) and 0.5b, Qwen2.5-0.5B's shape
 (896 hidden, 24 layers, 14 heads / 2 KV heads, 4864 intermediate, 151936
 vocab, tied; always the qwen2 architecture), all random weights written
 offline. ``--dtype`` (float32, bfloat16) is every peer's precision; a peer
-named ``peer:precision`` runs at its own (``llama.cpp:q8_0``, ``ct2:int8``).
+named ``peer:precision`` runs at its own (``llama.cpp:q8_0``, ``ct2:int8``, and
+``batchgen:int8`` or ``batchgen:fp8``: batchgen's ``--quantization`` at load, its
+activations in ``--dtype``).
 
 Other engines (``benchmarks/peer_engines.py``): ``vllm`` (vLLM's CPU build),
 ``llama.cpp`` (llama-cpp-python on a GGUF conversion of the same checkpoint)
@@ -69,6 +73,7 @@ sys.path.insert(0, str(REPO))
 # is imported here (batchgen sets GOMP_SPINCOUNT for its own process)
 CHILD_ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 HOG = "while True: pass"
+BATCHGEN = ("batchgen", "batchgen-transformers")  # run here; the others in their own venvs
 
 SIZES = {"tiny": 64, "small": 32, "0.5b": 16}  # requests per size
 ROUND_KEYS = ("output_tok_s", "batchgen_speedup", "floor_share", "matmul_floor_tok_s")
@@ -145,12 +150,16 @@ def run_child(
     model: Path, peer: str, workload: str, n: int, vocab: int, dtype: str, **engine: Any
 ) -> dict:
     """One system on one workload in a process of its own; ``peer`` may name its own
-    precision (``ct2:int8``). Its result keeps the generated ids (``token_ids``)."""
+    precision (``ct2:int8``; ``batchgen:int8`` is ``quantization="int8"`` on ``dtype``'s
+    floats). Its result keeps the generated ids (``token_ids``)."""
     from benchmarks.peer_venvs import PEER_VENVS, peer_command
 
     name, _, precision = peer.partition(":")
+    run_dtype = precision or dtype
+    if name in BATCHGEN and precision:  # batchgen's own: --dtype's floats, quantized at load
+        engine, run_dtype = {**engine, "quantization": precision}, dtype
     common = ["--model", str(model), "--workload", workload, "--num-requests", str(n),
-              "--vocab", str(vocab), "--dtype", precision or dtype]  # fmt: skip
+              "--vocab", str(vocab), "--dtype", run_dtype]  # fmt: skip
     env = CHILD_ENV
     if name in PEER_VENVS:
         cmd, env = peer_command(name, common, CHILD_ENV)
