@@ -2,13 +2,14 @@
 
     python benchmarks/quant_bench.py                     # the "small" toy llama (~100M)
     python benchmarks/quant_bench.py --size tiny --tokens 16
+    python benchmarks/quant_bench.py --tokens 16 --only int8   # fp32 and the rows named *int8*
 
 Writes the toy llama (``batchgen.toy``), then the same weights as block-wise FP8
 (128 x 128, DeepSeek-V3's layout), compressed-tensors W4A16 (group 128) and W8A8 int8
 (per channel, dynamic per-token int8 activations; both written by the
 compressed-tensors library) and GPTQ (group 128, act-order) with the test
 suite's writers (``tests/quant_checkpoints.py``), and the fp32 checkpoint quantized
-at load (``quantization="fp8"``, ``--quantization fp8``). For each: the bytes the native
+at load (``quantization="fp8"`` or ``"int8"``, ``--quantization``). For each: the bytes the native
 decoder's weights hold after load (every tensor it keeps, each storage once), the
 bytes of its decoder projections against the same projections in bf16, and greedy
 decode throughput of ``--prompts`` prompts of 16 tokens for ``--tokens`` new tokens
@@ -26,6 +27,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +114,9 @@ def main() -> None:
     parser.add_argument("--size", default="small", help="a batchgen.toy size (tiny, small)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument(
+        "--only", help="comma-separated parts of the rows' names to measure (fp32 always is)"
+    )
     args = parser.parse_args()
 
     from batchgen.toy import write_toy_checkpoint
@@ -120,19 +125,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         plain = write_toy_checkpoint(root / "fp32", "llama", args.size)
-        checkpoints: dict[str, tuple[Path, dict[str, Any]]] = {
-            "fp32": (plain, {}),
-            "fp32 + --quantization fp8": (plain, {"quantization": "fp8"}),
-            "fp8 block 128x128": (quantize_fp8_block(plain, root / "fp8", (128, 128)), {}),
-            "compressed-tensors w4a16 g128": (compress(plain, root / "w4", "w4a16-g128"), {}),
-            "compressed-tensors w8a8 int8": (compress(plain, root / "w8a8", "w8a8-int8"), {}),
-            "gptq 4-bit g128 act-order": (quantize_gptq(
+        # each written only when measured
+        checkpoints: dict[str, tuple[Callable[[], Path], dict[str, Any]]] = {
+            "fp32": (lambda: plain, {}),
+            "fp32 + --quantization fp8": (lambda: plain, {"quantization": "fp8"}),
+            "fp32 + --quantization int8": (lambda: plain, {"quantization": "int8"}),
+            "fp8 block 128x128": (lambda: quantize_fp8_block(plain, root / "fp8", (128, 128)), {}),
+            "compressed-tensors w4a16 g128": (lambda: compress(plain, root / "w4", "w4a16-g128"), {}),
+            "compressed-tensors w8a8 int8": (lambda: compress(plain, root / "w8a8", "w8a8-int8"), {}),
+            "gptq 4-bit g128 act-order": (lambda: quantize_gptq(
                 plain, root / "gptq", root / "gptq-plain", group=128, act_order=True
             )[0], {}),
         }  # fmt: skip
+        only = [w for w in (args.only or "").split(",") if w]
         measured = [
-            measure(n, p, args.prompts, args.tokens, **settings)
-            for n, (p, settings) in checkpoints.items()
+            measure(n, write(), args.prompts, args.tokens, **settings)
+            for n, (write, settings) in checkpoints.items()
+            if n == "fp32" or not only or any(w in n for w in only)
         ]
         results = [measured[0][0]] + [against(*m, measured[0]) for m in measured[1:]]
     print(json.dumps(results, indent=1))
