@@ -1,4 +1,5 @@
-"""``quantization="fp8"`` / ``--quantization fp8``: an unquantized checkpoint quantized at load.
+"""``quantization="fp8"`` / ``--quantization fp8``: an unquantized checkpoint quantized at load
+(and the CLI and worker test for int8 too: tests/test_online_int8.py has int8's own).
 
 Not exact, so measured: the logit error against the same checkpoint unquantized
 and the greedy agreement over a small workload, on two families, within bounds
@@ -135,24 +136,29 @@ LINES: list[dict[str, Any]] = [{"prompt": f"Line {i}: tell me about item {i * 7 
          for i in range(6)]  # fmt: skip
 
 
-def test_cli_run_and_worker(toy_model, env, workers, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("quantization", "held"), [("fp8", "FP8 e4m3"), ("int8", "int8")])
+def test_cli_run_and_worker(toy_model, env, workers, tmp_path: Path, quantization: str,
+                            held: str) -> None:  # fmt: skip
     model = toy_model("llama")
-    engine = Engine.from_pretrained(model, device="cpu", quantization="fp8")
+    engine = Engine.from_pretrained(model, device="cpu", quantization=quantization)
     params = [SamplingParams(max_tokens=line["max_tokens"]) for line in LINES]
     expected = [o.token_ids for o in engine.generate([line["prompt"] for line in LINES], params)]
+    plain = Engine.from_pretrained(model, device="cpu")
+    assert expected != [o.token_ids for o in plain.generate([x["prompt"] for x in LINES], params)]
     prompts = write_jsonl(tmp_path / "p.jsonl", LINES)
     out = batchgen(env, "run", str(prompts), "--model", str(model), "-o", str(tmp_path / "r.pq"),
-                   "--device", "cpu", "--quantization", "fp8", "--job-output", str(tmp_path / "j"))  # fmt: skip
+                   "--device", "cpu", "--quantization", quantization,
+                   "--job-output", str(tmp_path / "j"))  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert pq.read_table(tmp_path / "r.pq").to_pydict()["token_ids"] == expected
 
     # a worker's engine process gets it through its config, and says so in its log
     submit(env, model, prompts, "w", tmp_path)
-    proc = workers(model, "--burst", "--quantization", "fp8")
+    proc = workers(model, "--burst", "--quantization", quantization)
     log = tmp_path / "worker-0.log"
     assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     assert download(env, "w", tmp_path)["token_ids"] == expected
-    assert "quantization fp8: 16 projections held in FP8 e4m3" in log.read_text()
+    assert f"quantization {quantization}: 16 projections held in {held}" in log.read_text()
 
 
 @pytest.mark.parametrize("command", ["run", "worker"])

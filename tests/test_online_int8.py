@@ -8,7 +8,8 @@ W8A8 quantization of the same checkpoint; each projection's output equals, bit
 for bit, the same math written here in plain torch from the original weights,
 and the greedy tokens equal those of transformers' model running that math.
 Not exact against the unquantized model, so its error is measured and bounded
-as tests/test_online_fp8.py does for FP8. CUDA, which has no int8 product, refuses it.
+as tests/test_online_fp8.py does for FP8 (which also runs ``batchgen run`` and a worker with
+``--quantization int8``). CUDA, which has no int8 product, refuses it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -26,9 +26,7 @@ from batchgen.worker.models.quant.online import check_device
 from tests.family_parity import engine_prompt_logits, random_prompts
 from tests.model_zoo import VOCAB
 from tests.quant_checkpoints import compress
-from tests.test_online_fp8 import LINES, SETTINGS, _common_prefix, _parts
-from tests.test_pipeline_e2e import batchgen, write_jsonl
-from tests.test_pipeline_e2e import env as env  # fixture
+from tests.test_online_fp8 import SETTINGS, _common_prefix, _parts
 from tests.test_quantized_models import _model_bytes, _projections, _reference_greedy
 
 # the engine's fused projections, by the checkpoint's module names (of layer i)
@@ -210,19 +208,3 @@ def test_refusals(zoo_model, tmp_path: Path, monkeypatch) -> None:
         r"for a family whose projections are reordered or transposed at load$",
     ):
         Engine.from_pretrained(zoo_model("gpt2"), quantization="int8", num_kv_blocks=8)
-
-
-def test_cli_run(toy_model, env, tmp_path: Path) -> None:
-    """``batchgen run --quantization int8`` gives the engine's int8 tokens (the worker takes the
-    flag through the same config: tests/test_online_fp8.py runs it with fp8)."""
-    model = toy_model("llama")
-    engine = Engine.from_pretrained(model, device="cpu", quantization="int8")
-    params = [SamplingParams(max_tokens=line["max_tokens"]) for line in LINES]
-    expected = [o.token_ids for o in engine.generate([line["prompt"] for line in LINES], params)]
-    plain = Engine.from_pretrained(model, device="cpu")
-    assert expected != [o.token_ids for o in plain.generate([x["prompt"] for x in LINES], params)]
-    prompts = write_jsonl(tmp_path / "p.jsonl", LINES)
-    out = batchgen(env, "run", str(prompts), "--model", str(model), "-o", str(tmp_path / "r.pq"),
-                   "--device", "cpu", "--quantization", "int8", "--job-output", str(tmp_path / "j"))  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert pq.read_table(tmp_path / "r.pq").to_pydict()["token_ids"] == expected
