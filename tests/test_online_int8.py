@@ -14,15 +14,18 @@ as tests/test_online_fp8.py does for FP8 (which also runs ``batchgen run`` and a
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from batchgen import Engine, SamplingParams
+from batchgen.worker.engine_config import EngineConfig
 from batchgen.worker.models import UnsupportedModelError
-from batchgen.worker.models.quant.online import check_device
+from batchgen.worker.worker_errors import InvalidEngineConfig
 from tests.family_parity import engine_prompt_logits, random_prompts
 from tests.model_zoo import VOCAB
 from tests.quant_checkpoints import compress
@@ -180,23 +183,26 @@ def test_error_against_the_unquantized_model(zoo_model, zoo: str) -> None:
     assert top1 >= least_top1 and agreement >= least_agreement
 
 
+ON_CUDA = (
+    "quantization int8 runs on the CPU only (int8 x int8 products through torch._int_mm); "
+    "batchgen has no CUDA int8 product yet: run it with --device cpu, or use --quantization "
+    "fp8 or no --quantization on the GPU"
+)
+
+
 def test_refusals(zoo_model, tmp_path: Path, monkeypatch) -> None:
-    on_cuda = (
-        r"^quantization int8 runs on the CPU only \(int8 x int8 products through "
-        r"torch\._int_mm\); batchgen has no CUDA int8 product yet: run it with --device cpu, "
-        r"or use --quantization fp8 or no --quantization on the GPU$"
-    )
-    with pytest.raises(UnsupportedModelError, match=on_cuda):
-        check_device("int8", torch.device("cuda", 0))
-    # an engine on CUDA (asked for, or the default where there is one) refuses it at once,
-    # before anything is placed on the device (none here: its presence is pretended)
+    on_cuda = f"^{re.escape(ON_CUDA)}$"
+    for device in ("cuda", "cuda:1"):  # asked for: refused with the settings
+        with pytest.raises(InvalidEngineConfig, match=on_cuda):
+            EngineConfig(device=device, quantization="int8")
+    EngineConfig(device="cpu", quantization="int8")
+    EngineConfig(device="cuda", quantization="fp8")  # fp8 runs its dequantizing product there
+    # CUDA by default where there is one: refused once the device is known, before anything
+    # is placed on it (no GPU here: its presence is pretended)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for device in ("cuda", None):
-        with pytest.raises(UnsupportedModelError, match=on_cuda):
-            Engine.from_pretrained(zoo_model("llama"), quantization="int8", device=device)
+    with pytest.raises(InvalidEngineConfig, match=on_cuda):
+        Engine.from_pretrained(zoo_model("llama"), quantization="int8")
     monkeypatch.undo()
-    check_device("int8", torch.device("cpu"))
-    check_device("fp8", torch.device("cuda", 0))  # fp8 runs its dequantizing product there
     stored = compress(zoo_model("llama"), tmp_path / "w8a8", "w8a8-int8")
     with pytest.raises(
         UnsupportedModelError, match=r"already quantized \(quant_method compressed-tensors\)"
@@ -208,3 +214,13 @@ def test_refusals(zoo_model, tmp_path: Path, monkeypatch) -> None:
         r"for a family whose projections are reordered or transposed at load$",
     ):
         Engine.from_pretrained(zoo_model("gpt2"), quantization="int8", num_kv_blocks=8)
+
+
+def test_cli_refuses_int8_on_cuda(tmp_path: Path) -> None:
+    """One line and exit 2, before any model, queue or Redis is touched."""
+    from batchgen.cli import main
+
+    result = CliRunner().invoke(main, ["run", "p.jsonl", "-o", str(tmp_path / "x.pq"), "--model",
+                                       str(tmp_path), "--device", "cuda", "--quantization", "int8"])  # fmt: skip
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [f"batchgen: error: {ON_CUDA}"]

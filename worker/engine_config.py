@@ -21,6 +21,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 MODEL_IMPLS = ("auto", "native", "transformers")
 # quantized at load from an unquantized checkpoint (worker/models/quant/online.py)
 QUANTIZATIONS = ("fp8", "int8")
+CPU_ONLY_QUANTIZATIONS = ("int8",)  # no GPU product for them yet: CUDA refuses them
 _DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 
 
@@ -51,7 +52,7 @@ class EngineConfig:
     ``quantization``: "fp8" quantizes a bf16/fp16/fp32 checkpoint's decoder
     projections to FP8 e4m3 as they load (per-channel weight scales, dynamic
     per-token activations; ``worker/models/quant/online.py``), "int8" to int8
-    the same way, multiplied in int8 on the CPU (CPU only); None runs the
+    the same way, multiplied in int8 (CPU only: refused on CUDA); None runs the
     checkpoint as stored (a quantized checkpoint in its own format)."""
 
     device: str | None = None
@@ -114,6 +115,8 @@ class EngineConfig:
                 f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset: the "
                 f"checkpoint as stored), got {self.quantization!r}"
             )
+        if self.device is not None and self.device.startswith("cuda"):
+            self.check_quantization_device("cuda")
         if self.quantization is not None and self.tensor_parallel_size > 1:
             raise InvalidEngineConfig(
                 f"quantization {self.quantization} with tensor_parallel_size "
@@ -133,6 +136,17 @@ class EngineConfig:
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 1 << 63):
             raise InvalidEngineConfig(
                 f"seed must be an integer from 0 to 2**63 - 1, got {self.seed!r}"
+            )
+
+    def check_quantization_device(self, device_type: str) -> None:
+        """Refuses a quantization that has no product on the device the engine runs on
+        (asked for, or CUDA by default where there is one)."""
+        if self.quantization in CPU_ONLY_QUANTIZATIONS and device_type != "cpu":
+            raise InvalidEngineConfig(
+                f"quantization {self.quantization} runs on the CPU only (int8 x int8 products "
+                f"through torch._int_mm); batchgen has no {device_type.upper()} int8 product "
+                "yet: run it with --device cpu, or use --quantization fp8 or no --quantization "
+                "on the GPU"
             )
 
     def check_visible_gpus(self, visible: int) -> None:

@@ -30,7 +30,7 @@ from batchgen.worker.models import CausalLM, ModelConfig, UnsupportedModelError,
 from batchgen.worker.models.hf_backend import HfCausalLM
 from batchgen.worker.models.hf_config import HFConfig, read_hf_config
 from batchgen.worker.models.implementation import Implementation, choose_implementation
-from batchgen.worker.models.quant.online import check_device, quantized_at_load, summary
+from batchgen.worker.models.quant.online import quantized_at_load, summary
 from batchgen.worker.models.tensor_parallel import ShardedDecoder, build_sharded_model
 from batchgen.worker.models.tensor_shard import check_shardable
 
@@ -133,8 +133,7 @@ def build_engine(path: str | os.PathLike[str], config: EngineConfig) -> LoadedEn
     root, hf, impl = _read_config(path, config)
     max_model_len = _context(root, impl, config)
     dev = pick_device(config.device)
-    if config.quantization is not None:
-        check_device(config.quantization, dev)
+    config.check_quantization_device(dev.type)
     group, native = None, impl.native
     if config.tensor_parallel_size > 1:
         native = _tensor_parallel_native(impl, root, config)

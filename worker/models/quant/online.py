@@ -18,7 +18,7 @@ one fp32 scale per output channel and is kept quantized:
   ``linear.QuantizedLinear``. That is compressed-tensors' W8A8 int8
   (``int-quantized``, strategy channel, dynamic per-token int8 activations, as
   llm-compressor writes it: its scale is amax / (255 / 2)). CPU only: batchgen
-  has no GPU int8 product, so CUDA refuses it (``check_device``).
+  has no GPU int8 product, so CUDA refuses it (worker/engine_config.py).
 
 Either way the weights are that compressed-tensors format's ``CompressedWeight``
 and the activations its ``ActivationArgs``: one math for a checkpoint stored in
@@ -91,7 +91,6 @@ class OnlineScheme(Scheme):
     weights: WeightArgs
     activations: ActivationArgs
     quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    cpu_only: bool  # no GPU product for it: CUDA refuses it
 
     def quantizes(self, module: str) -> bool:
         return True
@@ -113,9 +112,9 @@ class OnlineScheme(Scheme):
 # the values of --quantization (worker/engine_config.py's QUANTIZATIONS names them)
 ONLINE: dict[str, OnlineScheme] = {
     "fp8": OnlineScheme("online fp8", "FP8 e4m3", FP8_CHANNEL, FP8_PER_TOKEN,
-                        quantize_per_channel, cpu_only=False),
+                        quantize_per_channel),
     "int8": OnlineScheme("online int8", "int8", INT8_CHANNEL, INT8_PER_TOKEN,
-                         quantize_int8_per_channel, cpu_only=True),
+                         quantize_int8_per_channel),
 }  # fmt: skip
 
 
@@ -129,16 +128,6 @@ def quantized_at_load(config: ModelConfig, quantization: str) -> ModelConfig:
             "without --quantization, which quantizes bf16/fp16/fp32 checkpoints"
         )
     return replace(config, quantization=ONLINE[quantization])
-
-
-def check_device(quantization: str, device: torch.device) -> None:
-    """Refuses a quantization that has no product on ``device`` (int8 off the CPU)."""
-    if ONLINE[quantization].cpu_only and device.type != "cpu":
-        raise UnsupportedModelError(
-            f"quantization {quantization} runs on the CPU only (int8 x int8 products through "
-            f"torch._int_mm); batchgen has no {device.type.upper()} int8 product yet: run it "
-            "with --device cpu, or use --quantization fp8 or no --quantization on the GPU"
-        )
 
 
 def summary(model: object, quantization: str) -> str:
