@@ -17,9 +17,9 @@ what the interpreter cannot: tl.dot shape limits, constexpr misuse, type errors
 in lowering, shared memory beyond the device's limit, loads that do not vectorise.
 Must run without TRITON_INTERPRET (the kernels must be JIT functions).
 
-The GPU machines have Triton 3.6; to compile under it here:
-``pip install --no-deps --target DIR triton==3.6.0`` and
-``PYTHONPATH=DIR python tests/kernel_aot.py``.
+Each object names the Triton release that compiled it. The GPU machines have an
+older Triton (3.6) than the one pip gives .venv: ``make test-gpu-triton`` (part of
+``make test``) runs tests/test_kernels_compile.py under it, in .venv-gpu-triton.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def compile_launch(fn: Any, args: tuple, kwargs: dict, capability: int) -> dict[
     )  # fmt: skip
     return {
         "kernel": fn.__name__,
+        "triton": triton.__version__,
         "sm": capability,
         "dtype": next(t for t in signature.values() if t.startswith("*"))[1:],  # first tensor's
         "constexprs": {k: v for k, v in constexprs.items() if k in shown},

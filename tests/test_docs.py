@@ -305,3 +305,20 @@ def test_every_command_in_the_commands_table_is_one_short_sentence_with_a_link()
         links = re.findall(r"\]\(([^)]+)\)", cell)
         inside = [link[1:] for link in links if link.startswith("#")]
         assert links and all(anchor in heads for anchor in inside), cell
+
+
+def test_make_test_compiles_the_kernels_under_the_gpu_machines_triton_that_kernels_md_names():
+    """The torch pin first (its wheel from local disk), then the pinned Triton; the test
+    file run in that venv with the pin as EXPECT_TRITON; kernels.md names that pin."""
+    import subprocess
+
+    plan = subprocess.run(["make", "-n", "-B", "test"], cwd=REPO, capture_output=True, text=True, check=True).stdout  # fmt: skip
+    venv = ".venv-gpu-triton/bin/python"
+    torch_at = plan.index(f"\n{venv} -m pip install -q torch==")
+    pin = re.search(rf"\n{venv} -m pip install -q 'triton==([\d.]+)'", plan)
+    assert pin is not None and torch_at < pin.start()
+    run = plan.split(f"\nPYTHONPATH={REPO} EXPECT_TRITON={pin[1]} {venv} ", 1)[1]
+    assert " ".join(run.split("\n", 2)[:2]).endswith("--noconftest -p no:cacheprovider tests/test_kernels_compile.py")  # fmt: skip
+    assert f"`triton=={pin[1]}`, the lent GPU machines'" in section(
+        "kernels.md", "How they are tested"
+    )

@@ -2,6 +2,11 @@
 
 tests/kernel_aot.py does the work in a subprocess without TRITON_INTERPRET;
 see its docstring for what this catches that the interpreter cannot.
+
+`make test` runs this file under two Triton releases: in .venv (the newest pip
+gives) and in .venv-gpu-triton (the lent GPU machines' release; Makefile target
+test-gpu-triton, which sets EXPECT_TRITON to it). Each test's id names the release
+it compiled under, e.g. ``[triton-3.6.0]``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+RELEASE = triton.__version__
 
 SCRIPT = Path(__file__).resolve().parent / "kernel_aot.py"
 # ~180 variants: about 2.5 CPU-minutes cold (Triton caches them for the next run)
@@ -31,15 +37,19 @@ HOPPER = {  # what runs on the lent H100/H200 beyond them: sm_90 only
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[RELEASE], ids=lambda release: f"triton-{release}")
 def results() -> list[dict]:
+    expected = os.environ.get("EXPECT_TRITON")
+    assert expected in (None, RELEASE), f"triton {RELEASE} here, {expected} expected"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence triton 3.9's notice
     proc = subprocess.run(
         [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines()]
+    compiled = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert {r["triton"] for r in compiled} == {RELEASE}  # the subprocess compiled under it too
+    return compiled
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90_within_shared_memory(results):
