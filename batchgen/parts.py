@@ -27,6 +27,9 @@ from pathlib import Path
 PARTS = ("worker", "kernels", "jobs")
 PACKAGE = Path(__file__).resolve().parent
 CHECKOUT = PACKAGE.parent
+# the folder this batchgen was imported from, its links unresolved: the checkout, or a
+# folder that links to the checkout's batchgen/ only (benchmarks/gpu_check.py's children)
+IMPORTED_FROM = Path(os.path.abspath(__file__)).parent.parent
 
 
 class PartsBeside:
@@ -63,9 +66,11 @@ def module_command(module: str) -> list[str]:
 
 def child_environ(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This process's environment (and ``extra``) for a ``module_command`` child. From a
-    source checkout the checkout goes first on the child's ``PYTHONPATH``: the child
-    imports this very batchgen, installed or not."""
+    source checkout the folder this batchgen was imported from goes first on the child's
+    ``PYTHONPATH``: the child imports this very batchgen, installed or not, and no more
+    of the checkout's root than this process has on its path."""
     env = {**os.environ, **(extra or {})}
     if laid_out_beside():
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHECKOUT), env.get("PYTHONPATH")]))
+        first = str(IMPORTED_FROM)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [first, env.get("PYTHONPATH")]))
     return env
