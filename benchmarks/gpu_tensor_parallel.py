@@ -67,11 +67,7 @@ class Shape:
     def matrices(self) -> int:
         """One layer's split weights: q, k, v, o, gate, up, down."""
         kv = self.kv_heads * self.head_dim
-        return (
-            2 * self.hidden * self.hidden
-            + 2 * self.hidden * kv
-            + 3 * self.hidden * self.intermediate
-        )
+        return self.hidden * (2 * self.hidden + 2 * kv + 3 * self.intermediate)
 
 
 LLAMA_70B = Shape("Llama-3.3-70B-shaped", 8192, 64, 8, 28672, 128256, 8192, 80, 131072,
@@ -201,14 +197,8 @@ def write_checkpoint(folder: Path, s: Shape, layers: int, device: Any, seed: int
         future.result()
     writers.shutdown()
     eos = AutoTokenizer.from_pretrained(str(folder)).convert_tokens_to_ids(EOS_TOKEN)
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }  # Llama-3.3's
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
     LlamaConfig(
         hidden_size=s.hidden, num_hidden_layers=written, num_attention_heads=s.heads,
         num_key_value_heads=s.kv_heads, intermediate_size=s.intermediate, vocab_size=s.vocab,
@@ -243,7 +233,7 @@ def run_engine(path: Path, s: Shape, ranks: int, b: Bench, dtype: str,
         t0 = time.perf_counter()
         engine.generate([prompts[0]], SamplingParams(max_tokens=2, ignore_eos=True))
         first_call_s = time.perf_counter() - t0
-        steps_before = engine.stats().num_steps
+        before = engine.stats()  # the first call's steps and graph replays are not the run's
         params = SamplingParams(max_tokens=s.new_tokens, temperature=0.0, ignore_eos=True)
         ids = [f"tp-{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts):
@@ -278,8 +268,8 @@ def run_engine(path: Path, s: Shape, ranks: int, b: Bench, dtype: str,
         "output_tokens": generated, "output_tok_s": generated / wall,
         "decode_steps": len(decode_s), "decode_step_ms": 1e3 * statistics.median(decode_s),
         "mean_kv_tokens_read": statistics.mean(contexts),
-        "steps": stats.num_steps - steps_before,
-        "cuda_graph_replays": stats.cuda_graph_replays,
+        "steps": stats.num_steps - before.num_steps,
+        "cuda_graph_replays": stats.cuda_graph_replays - before.cuda_graph_replays,
         "tokens": [tokens[rid] for rid in ids],
     }  # fmt: skip
 
