@@ -1,6 +1,6 @@
 """GPU check for the Triton kernels: correctness, decode bandwidth, fused MoE, engine tok/s.
 
-    python benchmarks/gpu_check.py --out DIR            # one GPU, < 10 minutes (or OUT=DIR)
+    python benchmarks/gpu_check.py --out DIR            # one GPU, 8 minutes at most (or OUT=DIR)
     python benchmarks/gpu_check.py --dry-run --out DIR  # CPU, Triton interpreter, tiny shapes
 
 Runs from a plain checkout, never installed, with only torch, triton and
@@ -8,16 +8,18 @@ transformers (and what they bring: safetensors, tokenizers): no Redis, rq or
 llguidance. Each section runs in a child process of its own
 (``python -P -m benchmarks.gpu_check --section NAME``) under its own time limit,
 cheapest first, so a sticky CUDA error, a crash or a hang loses that section
-only. The children import from a temporary folder that holds links to the
-checkout's ``batchgen/`` and ``benchmarks/`` and nothing else: ``batchgen``
-(``batchgen/parts.py``) finds ``kernels/``, ``worker/`` and ``jobs/`` beside
+only; on a GPU the whole run keeps within ``--budget`` (480 s): each limit is cut to
+what is left of it, and a section with under a second left is recorded as not run. The
+children import from a temporary folder that holds links to the checkout's
+``batchgen/`` and ``benchmarks/`` and nothing else: ``batchgen`` (``batchgen/parts.py``,
+which puts that folder on the path of the processes it starts) finds ``kernels/``, ``worker/`` and ``jobs/`` beside
 itself as ``batchgen.kernels`` and so on, while no folder of the checkout can
 pass for a package of its name (Hugging Face's ``kernels``, which transformers
 imports). The repository's root is on no process's ``sys.path``.
 
 As each section ends, ``DIR/<section>.json`` holds ``{"section", "ok",
 "seconds", "mode", "env", "result"}`` (``"error"`` in place of ``"result"``
-when it raised, timed out or died) and ``DIR/<section>.log`` its stderr; a
+when it raised, timed out, died or was not run) and ``DIR/<section>.log`` its stderr; a
 progress line goes to stdout. The exit code is 1 if any section failed. Sections:
 
 1. correctness: every Triton op against its reference on the device (bf16,
@@ -63,6 +65,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# the whole GPU run's time (issue 32: 8 minutes on one H100); a section's limit is cut to
+# what is left of it, so the last (dearest) sections give way when the first run long
+GPU_BUDGET_S = 480.0
 IMPORTABLE = ("batchgen", "benchmarks")  # all a child may import from the checkout
 
 
@@ -267,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         "--limit", action="append", default=[], metavar="SECTION=SECONDS",
         help="another time limit for a section (repeatable)",
     )  # fmt: skip
+    parser.add_argument(
+        "--budget", type=float, default=None, metavar="SECONDS",
+        help=f"the whole run's time: each section's limit is cut to what is left of it "
+             f"(default {GPU_BUDGET_S:g} on a GPU, none on the dry run)",
+    )  # fmt: skip
     parser.add_argument("--section", choices=SECTIONS, help="run one section in this process")
     args = parser.parse_args(argv)
     if args.out is None:
@@ -276,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not names:
         parser.error(f"--sections {args.sections!r}: the sections are {', '.join(SECTIONS)}")
     limits = parse_limits(parser, args.limit)
+    if args.budget is not None and not args.budget > 0:
+        parser.error(f"--budget {args.budget:g}: give the run's seconds, a number > 0")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.section:
         return run_section(args.section, args.dry_run, args.out)
@@ -283,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = "dry-run" if args.dry_run else "gpu"
     names = [name for name in SECTIONS if name in names]
     failed: list[str] = []
+    budget = args.budget if args.budget is not None or args.dry_run else GPU_BUDGET_S
+    deadline = None if budget is None else time.monotonic() + budget
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         env = child_environ(importable_folder(Path(tmp)), args.dry_run)
         for i, name in enumerate(names, 1):
@@ -290,8 +304,16 @@ def main(argv: list[str] | None = None) -> int:
             limit = limits.get(
                 name, section.dry_run_limit_s if args.dry_run else section.gpu_limit_s
             )
-            print(f"gpu_check [{i}/{len(names)}] {name}: running, limit {limit:g} s", flush=True)
-            record = run_child(name, args.dry_run, args.out, limit, env)
+            left = float("inf") if deadline is None else deadline - time.monotonic()
+            if left < 1:  # the sections after it are the dearer ones: none is started
+                record = {"section": name, "ok": False, "mode": mode, "seconds": 0.0,
+                          "error": f"not run: the run's budget of {budget:g} s was spent"}  # fmt: skip
+                write_record(args.out, record)
+            else:
+                limit = min(limit, round(left, 1))
+                print(f"gpu_check [{i}/{len(names)}] {name}: running, limit {limit:g} s",
+                      flush=True)  # fmt: skip
+                record = run_child(name, args.dry_run, args.out, limit, env)
             where = record.get("env", {}).get("device_name", "")
             status = "ok" if record["ok"] else f"FAILED: {record.get('error', 'a check failed')}"
             print(f"gpu_check [{i}/{len(names)}] {name}: {status} "

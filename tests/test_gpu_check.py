@@ -230,6 +230,31 @@ def test_sections_that_run_out_of_time_are_recorded_and_the_next_still_runs(mach
     )
 
 
+def test_the_runs_budget_cuts_the_limits_and_the_dearer_sections_give_way(machine, tmp_path):
+    out = tmp_path / "out"
+    proc = gpu_check(machine, "--dry-run", "--sections", "bandwidth,correctness", "--out",
+                     str(out), "--budget", "1.5", env=machine_env(machine))  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    found = records(out)
+    first, second = found["correctness"], found["bandwidth"]
+    assert first["ok"] is False and first["error"] == "timed out after 1.5 s"
+    assert second == {"section": "bandwidth", "ok": False, "mode": "dry-run", "seconds": 0.0,
+                      "error": "not run: the run's budget of 1.5 s was spent"}  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("gpu_check")]
+    assert [line.split(" (")[0] for line in lines] == [
+        "gpu_check [1/2] correctness: running, limit 1.5 s",
+        "gpu_check [1/2] correctness: FAILED: timed out after 1.5 s",
+        "gpu_check [2/2] bandwidth: FAILED: not run: the run's budget of 1.5 s was spent",
+        "gpu_check",
+    ]
+    proc = gpu_check(machine, "--dry-run", "--out", str(out), "--budget", "0",
+                     env=machine_env(machine))  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (
+        "gpu_check.py: error: --budget 0: give the run's seconds, a number > 0"
+    )
+
+
 def test_a_section_that_raises_records_the_error(machine, tmp_path):
     out = tmp_path / "out"
     proc = gpu_check(machine, "--dry-run", "--sections", "correctness", "--out", str(out),
