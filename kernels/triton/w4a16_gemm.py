@@ -19,7 +19,7 @@ once, as a tile contiguous along the packed tensor's rows, unpacked by eight
 broadcast shifts: a tile of words repeated 8 times per nibble would be laid
 out across K, and Triton 3.6 then reads the scales one 16-bit value at a
 time), each row's group scale and zero, forms (q - z) * s in the scales' dtype
-(the formats' fp16 arithmetic, as ``worker/models/quant/gptq.py`` and ``awq.py``
+(the formats' fp16 arithmetic, as ``worker/models/quant/gptq.py`` and ``worker/models/quant/awq.py``
 define the weight), casts it to x's dtype and feeds it to tl.dot with fp32
 accumulation; the weight is never dequantized whole. Output in x's dtype
 (bf16, fp16 or fp32).

@@ -54,7 +54,7 @@ def read_quantized_experts(
             f"quantization_config ({scheme.method}) quantizes some routed experts' "
             "projections but not others; batchgen reads them all quantized or all plain"
         )
-    if any(scheme.activation(name) is not None for names in experts for name in names):
+    if any(scheme.activation(store, name) is not None for names in experts for name in names):
         raise UnsupportedModelError(
             f"quantization_config ({scheme.method}) quantizes the routed experts' inputs "
             "(W8A8 or FP8 activations); batchgen runs quantized experts with weight-only "
