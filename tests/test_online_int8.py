@@ -29,7 +29,7 @@ from batchgen.worker.worker_errors import InvalidEngineConfig
 from tests.family_parity import engine_prompt_logits, random_prompts
 from tests.model_zoo import VOCAB
 from tests.quant_checkpoints import compress
-from tests.test_online_fp8 import SETTINGS, _common_prefix, _parts
+from tests.test_online_fp8 import SETTINGS, _parts
 from tests.test_quantized_models import _model_bytes, _projections, _reference_greedy
 
 # the engine's fused projections, by the checkpoint's module names (of layer i)
@@ -148,39 +148,6 @@ def test_exact_against_plain_torch(zoo_model) -> None:
     ]
     assert got == [_reference_greedy(reference, prompt, 8) for prompt in prompts]
     assert len({tuple(o) for o in got}) > 1
-
-
-# Bounds on (max |logit error|, mean |logit error|, teacher-forced top-1 agreement, greedy
-# agreement) against the unquantized model, about 2x what was measured (printed: -s) on the
-# zoo's random tiny models (logits of std 1.6): llama 0.550, 0.0600, 0.929, 0.445; qwen3
-# 0.361, 0.0504, 0.943, 0.727. FP8 e4m3's 3 mantissa bits err 5-7x more on the same models.
-BOUNDS = {"llama": (1.1, 0.12, 0.85, 0.2), "qwen3": (0.75, 0.1, 0.85, 0.35)}
-
-
-@pytest.mark.parametrize("zoo", sorted(BOUNDS))
-def test_error_against_the_unquantized_model(zoo_model, zoo: str) -> None:
-    path = zoo_model(zoo)
-    plain = Engine.from_pretrained(path, **SETTINGS)
-    int8 = Engine.from_pretrained(path, quantization="int8", **SETTINGS)
-    (tokens,) = random_prompts(VOCAB, (70,), seed=11)
-    expected, _ = engine_prompt_logits(plain, tokens)
-    logits, _ = engine_prompt_logits(int8, tokens)
-    error = (logits - expected).abs()
-    top1 = float((logits.argmax(-1) == expected.argmax(-1)).float().mean())
-    prompts = random_prompts(VOCAB, (3, 8, 15, 22, 31, 40, 52, 64), seed=12)
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    ours = [o.token_ids for o in int8.generate(prompts, params)]
-    theirs = [o.token_ids for o in plain.generate(prompts, params)]
-    shared = sum(_common_prefix(a, b) for a, b in zip(ours, theirs))
-    agreement = shared / sum(len(t) for t in theirs)
-    print(f"{zoo}: logit error max {float(error.max()):.4f} mean {float(error.mean()):.5f} "
-          f"(logit std {float(expected.std()):.3f}); teacher-forced top-1 agreement {top1:.3f}; "
-          f"greedy agreement {agreement:.3f} ({sum(a == b for a, b in zip(ours, theirs))} of "
-          f"{len(prompts)} outputs identical)")  # fmt: skip
-    max_bound, mean_bound, least_top1, least_agreement = BOUNDS[zoo]
-    assert 0 < float(error.max()) < max_bound  # quantized (not exact), and close
-    assert float(error.mean()) < mean_bound
-    assert top1 >= least_top1 and agreement >= least_agreement
 
 
 ON_CUDA = (
