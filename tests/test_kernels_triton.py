@@ -25,7 +25,7 @@ import torch
 
 from batchgen.kernels import dense
 from batchgen.kernels import reference as ref
-from batchgen.kernels.ops import CPU_OPS, select_ops
+from batchgen.kernels.ops import CPU_OPS, QuantGemms, select_ops
 from batchgen.kernels.reference import PAD_SLOT_ID
 
 pytest.importorskip("triton")
@@ -99,9 +99,14 @@ def test_select_ops_picks_triton_on_cuda_and_when_forced():
     assert TRITON_OPS.name == "triton"
 
 
-@pytest.mark.parametrize("op", [f for f in CPU_OPS.__slots__ if f != "name"])
+@pytest.mark.parametrize("op", [f for f in CPU_OPS.__slots__ if f not in ("name", "quant_gemms")])
 def test_triton_ops_have_the_cpu_signatures(op):
     assert inspect.signature(getattr(TRITON_OPS, op)) == inspect.signature(getattr(CPU_OPS, op))
+
+
+def test_only_the_triton_ops_carry_gemms_for_quantized_weights():
+    # the CPU path multiplies quantized projections itself (tile by tile, or torch._int_mm)
+    assert CPU_OPS.quant_gemms is None and isinstance(TRITON_OPS.quant_gemms, QuantGemms)
 
 
 # --------------------------------------------------------------------------- store_kv
