@@ -2,7 +2,6 @@
 
     python benchmarks/engine_bench.py                 # tiny (N=64) and small (N=32), all peers
     python benchmarks/engine_bench.py --sizes tiny --peers batchgen,hf-continuous
-    python benchmarks/engine_bench.py --sizes tiny --peers batchgen,batchgen-transformers
     python benchmarks/engine_bench.py --load 2        # 2 CPU hogs running beside every peer
     python benchmarks/engine_bench.py --sizes small --requests 16   # fewer requests, same mix
     make bench-peers && python benchmarks/engine_bench.py --arch qwen2 --sizes tiny,small,0.5b \
@@ -31,9 +30,8 @@ Sizes: tiny (~6M parameters), small (~100M) and 0.5b, Qwen2.5-0.5B's shape
 (896 hidden, 24 layers, 14 heads / 2 KV heads, 4864 intermediate, 151936
 vocab, tied; always the qwen2 architecture), all random weights written
 offline. ``--dtype`` (float32, bfloat16) is every peer's precision; a peer
-named ``peer:precision`` runs at its own (``llama.cpp:q8_0``, ``ct2:int8``, and
-``batchgen:int8`` or ``batchgen:fp8``: batchgen's ``--quantization`` at load, its
-activations in ``--dtype``).
+named ``peer:precision`` runs at its own (``llama.cpp:q8_0``, ``ct2:int8``; ``batchgen:int8``
+or ``:fp8`` is batchgen's ``--quantization`` at load, its activations in ``--dtype``).
 
 Other engines (``benchmarks/peer_engines.py``): ``vllm`` (vLLM's CPU build),
 ``llama.cpp`` (llama-cpp-python on a GGUF conversion of the same checkpoint)
@@ -73,7 +71,6 @@ sys.path.insert(0, str(REPO))
 # is imported here (batchgen sets GOMP_SPINCOUNT for its own process)
 CHILD_ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 HOG = "while True: pass"
-BATCHGEN = ("batchgen", "batchgen-transformers")  # run here; the others in their own venvs
 
 SIZES = {"tiny": 64, "small": 32, "0.5b": 16}  # requests per size
 ROUND_KEYS = ("output_tok_s", "batchgen_speedup", "floor_share", "matmul_floor_tok_s")
@@ -156,7 +153,7 @@ def run_child(
 
     name, _, precision = peer.partition(":")
     run_dtype = precision or dtype
-    if name in BATCHGEN and precision:  # batchgen's own: --dtype's floats, quantized at load
+    if name.startswith("batchgen") and precision:  # --dtype's floats, quantized at load
         engine, run_dtype = {**engine, "quantization": precision}, dtype
     common = ["--model", str(model), "--workload", workload, "--num-requests", str(n),
               "--vocab", str(vocab), "--dtype", run_dtype]  # fmt: skip
