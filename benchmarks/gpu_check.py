@@ -88,7 +88,7 @@ SECTIONS = {  # cheapest first
     "moe": Section("benchmarks.gpu_moe", 150, 120),
     "quant_gemm": Section("benchmarks.gpu_quant", 150, 120),
     "engine": Section("benchmarks.gpu_engine", 270, 240),
-    "pipeline": Section("benchmarks.gpu_pipeline", 150, 240),
+    "pipeline": Section("benchmarks.gpu_pipeline", 180, 240),
     "tensor_parallel": Section("benchmarks.gpu_tensor_parallel", 180, 180),
 }
 
