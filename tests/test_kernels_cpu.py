@@ -537,3 +537,25 @@ def test_store_kv_in_c_writes_what_the_reference_writes(monkeypatch):
         with pytest.raises(IndexError, match="outside the cache's 12 slots"):
             cpu_elementwise.store_kv(key, value, caches[2], caches[3], torch.tensor([0, 1, bad, 3]))
     assert torch.equal(caches[2], caches[0])  # a refused step writes nothing
+
+
+def test_a_new_build_keeps_the_entries_used_last_and_removes_the_rest(tmp_path):
+    wrapper, _ = _counting_compiler(tmp_path)
+    root = tmp_path / "cache" / "batchgen" / "kernels"
+    root.mkdir(parents=True)
+    old = [root / f"{i:032x}" for i in range(12)]  # entries of earlier sources or compilers
+    for i, entry in enumerate(old):
+        entry.mkdir()
+        (entry / cpu_native.LIBRARY).write_bytes(b"x")
+        os.utime(entry, (1_000_000 + i, 1_000_000 + i))  # entry 11 used last
+    (root / ".building.abc").mkdir()  # another process's build in progress: not an entry
+    _decoded(_load_in_a_process(tmp_path, wrapper))
+    kept = sorted(p.name for p in root.iterdir())
+    (new,) = set(kept) - {p.name for p in old} - {".building.abc"}
+    assert kept == sorted(
+        [new, ".building.abc", *(p.name for p in old[12 - cpu_native.KEEP + 1 :])]
+    )
+    # a load of an entry marks it used: it outlives entries used after it was built
+    os.utime(root / new, (1, 1))
+    _decoded(_load_in_a_process(tmp_path, wrapper))
+    assert (root / new).stat().st_mtime > 1_000_011

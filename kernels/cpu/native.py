@@ -24,11 +24,14 @@ key at once never see each other's half-written files (the first rename
 wins; the others load the winner's). An entry whose library does not match
 its digest (truncated, partly written by a crash) is moved aside and built
 again, never loaded. Where the cache cannot be written, the library is built
-in a temporary folder as if there were no cache.
+in a temporary folder as if there were no cache. The cache keeps the ``KEEP``
+entries used last (a load touches its entry): each new build removes the
+others, so upgrades and other compilers do not pile up libraries forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -54,6 +57,7 @@ SOURCES = ("decode_attention.c", "elementwise.c")
 HEADERS = ("exp8.h",)
 LIBRARY = "cpu_native.so"
 DIGEST = "cpu_native.so.sha256"
+KEEP = 8  # cache entries kept: the ones used last
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 # name -> (argument types, return type)
@@ -165,6 +169,7 @@ def _cached_library(cc: str) -> Path:
     root = cache_dir()
     entry = root / cache_key(cc)
     if _intact(entry):
+        _touch(entry)
         return entry / LIBRARY
     root.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
@@ -185,7 +190,28 @@ def _cached_library(cc: str) -> Path:
         shutil.rmtree(building, ignore_errors=True)
     if not _intact(entry):
         raise OSError(f"{entry} is not a whole library after it was built")
+    _prune(root, keep=entry)
     return entry / LIBRARY
+
+
+def _touch(entry: Path) -> None:
+    """Marks an entry used now (its folder's mtime), where the cache lets it."""
+    with contextlib.suppress(OSError):
+        os.utime(entry)
+
+
+def _prune(root: Path, keep: Path) -> None:
+    """Removes all but the ``KEEP`` entries used last (``keep`` among them); a library a
+    process has loaded stays mapped in it after its file is gone."""
+    used = {}
+    for p in root.iterdir():
+        try:  # another process may be removing it
+            if len(p.name) == 32 and p.is_dir() and p != keep:
+                used[p] = p.stat().st_mtime
+        except OSError:
+            continue
+    for old in sorted(used, key=used.__getitem__, reverse=True)[KEEP - 1 :]:
+        _set_aside(old, "pruned")
 
 
 def _compile(cc: str, library: Path) -> None:
@@ -224,10 +250,10 @@ def _intact(entry: Path) -> bool:
         return False
 
 
-def _set_aside(entry: Path) -> None:
-    """Moves a damaged entry out of its name first (one rename: no process finds half
-    of it), then removes it."""
-    aside = Path(tempfile.mkdtemp(prefix=f".{entry.name}.damaged.", dir=entry.parent))
+def _set_aside(entry: Path, why: str = "damaged") -> None:
+    """Moves an entry (damaged, or pruned) out of its name first (one rename: no process
+    finds half of it), then removes it."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{entry.name}.{why}.", dir=entry.parent))
     try:
         os.rename(entry, aside / "entry")
     except FileNotFoundError:
