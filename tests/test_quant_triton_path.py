@@ -73,34 +73,36 @@ def _projections(engine: Engine) -> list[QuantizedLinear]:
     return found
 
 
-def _stored(engine: Engine) -> list[tuple[torch.dtype, tuple[int, ...]]]:
-    return [
-        (t.dtype, tuple(t.shape))
-        for p in _projections(engine)
-        for q in p.parts
-        for t in q.tensors()
-    ]
+def _stored(engine: Engine) -> list[torch.dtype]:
+    return [t.dtype for p in _projections(engine) for q in p.parts for t in q.tensors()]
+
+
+# parts per projection (q/k/v, o, gate/up, down) and the GEMM launches of a 2-layer prefill
+FUSED, PER_PART = ((1, 1, 1, 1), 8), ((3, 1, 2, 1), 14)
 
 
 @pytest.mark.parametrize(
-    ("kind", "kernel", "stored", "atol"),
+    ("kind", "kernel", "stored", "launches", "atol"),
     [
         # w8a8: the Triton GEMM quantizes each token's input per group of 32 columns to e4m3
         # (DeepSeek-V3's GPU math), the CPU path runs it unquantized (transformers'
-        # dequantized model): the reference is the CPU path with quant_reference's w8a8
-        ("fp8-block", "fp8", torch.float8_e4m3fn, 2e-4),
+        # dequantized model): the reference is the CPU path with quant_reference's w8a8.
+        # q/k/v (64, 32, 32 rows) and gate/up (128 each) are whole blocks of 32: joined
+        ("fp8-block", "fp8", torch.float8_e4m3fn, FUSED, 2e-4),
         # W4A16: the GEMM forms each weight as the CPU path does, (q - z) * s in the scales'
         # dtype, so only the order of the sums differs
-        ("gptq", "w4a16", torch.int32, 2e-4),
-        ("gptq-act-order", "w4a16", torch.int32, 2e-4),
-        ("gptq-v2", "w4a16", torch.int32, 2e-4),
-        ("awq", "w4a16", torch.int32, 2e-4),
-        ("w4a16-asym", "w4a16", torch.int32, 2e-4),
+        ("gptq", "w4a16", torch.int32, FUSED, 2e-4),
+        # each module's own act-order permutation (tests/quant_checkpoints.py): q/k/v's and
+        # gate/up's g_idx differ, so they cannot join and run one GEMM per part
+        ("gptq-act-order", "w4a16", torch.int32, PER_PART, 2e-4),
+        ("gptq-v2", "w4a16", torch.int32, FUSED, 2e-4),
+        ("awq", "w4a16", torch.int32, FUSED, 2e-4),
+        ("w4a16-asym", "w4a16", torch.int32, FUSED, 2e-4),
     ],
 )
 def test_quantized_projections_run_the_triton_gemms_as_stored(
     zoo_model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, kernel: str,
-    stored: torch.dtype, atol: float,
+    stored: torch.dtype, launches: tuple[tuple[int, ...], int], atol: float,
 ) -> None:  # fmt: skip
     from batchgen.kernels.triton import fp8_gemm, w4a16_gemm
 
@@ -110,17 +112,23 @@ def test_quantized_projections_run_the_triton_gemms_as_stored(
         for use in (True, False)
     )
     assert triton.runner.model.ops.name == "triton"
-    # kept as stored on both paths: the same tensors, dtypes and shapes
-    assert _stored(triton) == _stored(cpu)
-    assert _stored(triton)[0][0] == stored
+    # kept in the checkpoint's format on both paths (the same dtypes); on the Triton ops a
+    # fused projection's parts are joined into one where they can, the same weight bit for bit
+    assert set(_stored(triton)) == set(_stored(cpu)) and _stored(triton)[0] == stored
+    parts, expected_launches = launches
+    assert [len(p.parts) for p in _projections(triton)] == list(parts) * 2
+    assert [len(p.parts) for p in _projections(cpu)] == [3, 1, 2, 1] * 2
+    for fused, plain in zip(_projections(triton), _projections(cpu), strict=True):
+        assert torch.equal(fused.dequantized(), plain.dequantized())
     assert all(p.kernels is not None for p in _projections(triton))
+    assert [len(p.kernels or ()) for p in _projections(triton)] == list(parts) * 2
     assert all(p.kernels is None for p in _projections(cpu))
 
     module, name = (fp8_gemm, "_w8a8_block_fp8_kernel") if kernel == "fp8" else (
         w4a16_gemm, "_w4a16_kernel"
     )  # fmt: skip
-    launches = Launches(getattr(module, name))
-    monkeypatch.setattr(module, name, launches)
+    counted = Launches(getattr(module, name))
+    monkeypatch.setattr(module, name, counted)
     dequantized: list[int] = []
     for part in {type(q) for p in _projections(triton) for q in p.parts}:
         assert issubclass(part, QuantizedWeight)
@@ -133,11 +141,12 @@ def test_quantized_projections_run_the_triton_gemms_as_stored(
         monkeypatch.setattr(part, "dequantize", counting)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     triton.add_request("one", list(range(40, 47)), params)
-    triton.step()  # one prefill: q, k, v, o, gate, up, down of 2 layers, one GEMM each
-    assert launches.count == 14 and dequantized == []
+    triton.step()  # one prefill: a GEMM per part of qkv, o, gate/up, down in 2 layers
+    assert counted.count == expected_launches and dequantized == []
     cpu.add_request("one", list(range(40, 47)), params)
     cpu.step()
-    assert launches.count == 14 and len(dequantized) >= 14  # the CPU path: tiles in torch
+    assert counted.count == expected_launches  # the CPU path: tiles in torch, no GEMM
+    assert len(dequantized) >= 14
     dequantized.clear()
     if kind == "fp8-block":  # the reference quantizes the input as the GEMM does
         for p in _projections(cpu):

@@ -77,6 +77,28 @@ def test_each_shard_dequantizes_to_its_slice_of_the_whole(zoo_model, tmp_path, k
             assert o.scales.shape == (1, 64) and o.qweight.shape == (4, 64)
 
 
+def test_on_the_triton_ops_each_shard_joins_its_runs_of_a_fused_projection(zoo_model, tmp_path):
+    """On the Triton ops q/k/v and gate/up are each one part joined from their modules
+    (worker/models/quant/fused_parts.py); a rank cuts its run of each module from it and
+    joins the runs again: one part and one GEMM, the CPU path's shard bit for bit."""
+    from batchgen.kernels.triton.op_set import TRITON_OPS
+
+    path = _checkpoint(zoo_model, tmp_path, "gptq")
+    model: Any = Engine.from_pretrained(path, **SETTINGS).runner.model
+    for rank in range(2):
+        apart, joined = (
+            build_sharded_model(path, model.config, torch.device("cpu"), torch.float32, ops, 64,
+                                Shard(rank, 2)).weights
+            for ops in (model.ops, TRITON_OPS)
+        )  # fmt: skip
+        for cpu_layer, layer in zip(apart.layers, joined.layers, strict=True):
+            cpu = _projections(cpu_layer)
+            assert [len(p.parts) for p in cpu.values()] == [3, 1, 2, 1]
+            for name, linear in _projections(layer).items():
+                assert len(linear.parts) == 1 and len(linear.kernels or ()) == 1
+                assert torch.equal(linear.dequantized(), cpu[name].dequantized()), (rank, name)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_two_ranks_give_one_ranks_tokens(zoo_model, tmp_path, kind):
     path = _checkpoint(zoo_model, tmp_path, kind)

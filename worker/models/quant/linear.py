@@ -8,7 +8,7 @@ tile. A tile's columns come out bit for bit as the same columns of
 dequantize-then-matmul would (a column of an fp32 product does not depend on
 the other columns of its call). Fused projections (q/k/v, gate/up) keep one
 ``QuantizedWeight`` per module, in the checkpoint's layout, and write their
-outputs side by side.
+outputs side by side (on the Triton ops they are joined, below).
 
 W8A8 int8 (int8 weights with a scale per output channel, int8 activations with a
 dynamic scale per token) skips the dequantizing on the CPU: each row of the input
@@ -21,7 +21,12 @@ On the Triton ops (``kernels/ops.py``'s ``QuantGemms``, given at load) a project
 whose every part has a GEMM for its format (``QuantizedWeight.kernel``: block FP8,
 4-bit GPTQ, AWQ and compressed-tensors pack-quantized) runs those GEMMs on the
 stored tensors instead (``kernels`` says so), its bias added after: the weights
-stay as stored on the device and no tile is dequantized in torch. Block FP8 then
+stay as stored on the device and no tile is dequantized in torch. A fused
+projection's parts are first joined along the outputs into one weight of their
+format (``worker/models/quant/fused_parts.py``), so it is one GEMM launch with no
+``torch.cat``; parts whose layouts do not join (act-order parts with different
+``g_idx``, differing groups, a width that cuts a packed word or a scale block) keep
+one GEMM each and their outputs are concatenated. Block FP8 then
 quantizes the input per token and group of bk columns (w8a8, as DeepSeek-V3 runs
 it); the 4-bit GEMMs form the weights ``dequantize`` forms, (q - z) * s in the
 scales' dtype, so only the order of their sums differs from the CPU path.
@@ -36,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchgen.worker.models.quant.compressed_tensors import ActivationArgs
+from batchgen.worker.models.quant.fused_parts import join_outputs
 from batchgen.worker.models.quant.scheme import QuantizedWeight
 from batchgen.worker.models.tensor_store import TensorStore
 from batchgen.worker.models.weights import Linear, linear
@@ -53,7 +59,9 @@ class QuantizedLinear(Linear):
     """``weight`` is a meta tensor of the (in, out) shape; ``parts`` hold the data."""
 
     parts: tuple[QuantizedWeight, ...] = field(default=(), repr=False)
-    names: tuple[str, ...] = ()  # each part's module, as the checkpoint names it (refusals)
+    # the modules fused here, as the checkpoint names them (refusals); a part each, or one
+    # part joined from them all (on the Triton ops, below)
+    names: tuple[str, ...] = ()
     # the input's dynamic quantize-dequantize (W8A8 schemes); None: the input as it is
     quantize_input: Callable[[torch.Tensor], torch.Tensor] | None = None
     # W8A8 int8: each part's int8 (out, in) weights and fp32 scale, multiplied in int32 on
@@ -64,7 +72,9 @@ class QuantizedLinear(Linear):
     # the op set's GEMMs for quantized weights (the Triton ops); None: the CPU path's products
     gemms: QuantGemms | None = field(default=None, repr=False, compare=False)
     # each part's GEMM, bound to its stored tensors, where every part has one and the input
-    # goes in as it is; None: the products above (decided from parts and gemms)
+    # goes in as it is, the parts first joined into one where their layouts allow
+    # (worker/models/quant/fused_parts.py); None: the products above (decided from parts
+    # and gemms)
     kernels: tuple[Callable[[torch.Tensor], torch.Tensor], ...] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -73,6 +83,11 @@ class QuantizedLinear(Linear):
         if self.gemms is not None and self.quantize_input is None:
             found = [p.kernel(self.gemms) for p in self.parts]
             if self.parts and all(k is not None for k in found):
+                joined = join_outputs(self.parts) if len(self.parts) > 1 else None
+                one = None if joined is None else joined.kernel(self.gemms)
+                if joined is not None and one is not None:  # one GEMM, no torch.cat
+                    self.parts = (joined,)
+                    found = [one]
                 self.kernels = tuple(k for k in found if k is not None)
         act = self.quantize_input
         if not (isinstance(act, ActivationArgs) and act.kind == "int"):

@@ -1,7 +1,7 @@
 """A quantized projection's shard on one tensor-parallel rank, cut on its format's groups.
 
-Column-parallel keeps a run of each part's output features, row-parallel a run
-of its input features (``worker/models/tensor_parallel.py`` says which
+Column-parallel keeps a run of each fused module's output features, row-parallel
+a run of its input features (``worker/models/tensor_parallel.py`` says which
 projection is which). The weights stay quantized, in the checkpoint's layout,
 and every kept value keeps its own scale, so a cut must fall on the format's
 boundaries: FP8 block-wise (``Fp8BlockWeight``) on its (bn, bk) blocks;
@@ -41,15 +41,19 @@ SPLIT_METHODS = (
 
 
 def column_shard(layer: QuantizedLinear, index: torch.Tensor) -> QuantizedLinear:
-    """The output features ``index`` (increasing; one run within each fused part)."""
+    """The output features ``index`` (increasing), each run of consecutive ones cut from
+    the part that holds it: a part joined from several modules (q/k/v on the Triton ops,
+    ``worker/models/quant/fused_parts.py``) yields a run per module, joined again as the
+    shard is built."""
     parts, offset = [], 0
     for i, part in enumerate(layer.parts):
         n = part.out_features
         mine = index[(index >= offset) & (index < offset + n)] - offset
         if mine.numel():
-            start, stop = int(mine[0]), int(mine[-1]) + 1
-            assert stop - start == mine.numel(), "a column shard keeps one run of each part"
-            parts.append(_outputs(_Cut(_name(layer, i), part, start, stop, n, "output")))
+            breaks = (torch.nonzero(mine.diff() != 1).flatten() + 1).tolist()
+            for run in torch.tensor_split(mine, breaks):
+                start, stop = int(run[0]), int(run[-1]) + 1
+                parts.append(_outputs(_Cut(_name(layer, i), part, start, stop, n, "output")))
         offset += n
     bias = None if layer.bias is None else layer.bias.index_select(0, index).contiguous()
     shape = torch.empty(layer.weight.shape[0], index.numel(), device="meta")
@@ -67,6 +71,8 @@ def row_shard(layer: QuantizedLinear, start: int, stop: int, keep_bias: bool) ->
 
 
 def _name(layer: QuantizedLinear, i: int) -> str:
+    if len(layer.parts) == 1 and len(layer.names) > 1:  # one part joined from them all
+        return " + ".join(layer.names)
     return layer.names[i] if i < len(layer.names) else "a projection"
 
 
