@@ -62,6 +62,24 @@ def test_activation_quantizer_is_bit_exact(k, group):
     assert q[2, : min(group, k)].float().abs().max().item() == qref.FP8_MAX
 
 
+def test_a_quotient_past_448_lands_on_448_without_a_clamp():
+    """The quantizer casts x / scale with no clamp to +-448 (kernels/triton/fp8_gemm.py says
+    why none is needed): where the fp32 scale amax / 448 rounds down, the largest value
+    over it comes out past 448, and rounds to e4m3's 448 (the boundary to 480 is 464),
+    bit for bit as the reference, which clamps first."""
+    c = torch.linspace(1.0, 2.0, 4097)
+    past = c[c / (c / qref.FP8_MAX) > qref.FP8_MAX][:8]  # fp32 division, as both compute it
+    assert past.numel() == 8
+    x = torch.rand(8, 16, generator=torch.Generator().manual_seed(3)) * 1.8 - 0.9  # |x| < 1
+    x[:, 5] = past * torch.tensor([1.0, -1.0]).repeat(4)  # each row's largest, signs mixed
+    q, s = per_token_group_quant_fp8(x.to(DEVICE), 16)
+    q_ref, s_ref = qref.per_token_group_quant_fp8(x, 16)
+    assert (x[:, 5].abs() / s_ref[:, 0] > qref.FP8_MAX).all()  # past 448 before the cast
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    assert q[:, 5].float().cpu().tolist() == [448.0, -448.0] * 4
+
+
 @pytest.mark.parametrize(
     "m,n,k,block,dtype",
     [

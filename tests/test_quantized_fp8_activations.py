@@ -23,7 +23,11 @@ from safetensors.torch import load_file, save_file
 from batchgen import Engine
 from batchgen.worker.models import UnsupportedModelError
 from batchgen.worker.models.quant import QuantizedLinear
-from batchgen.worker.models.quant.compressed_tensors import CompressedWeight, StaticFp8Input
+from batchgen.worker.models.quant.compressed_tensors import (
+    ActivationArgs,
+    CompressedWeight,
+    StaticFp8Input,
+)
 from batchgen.worker.models.quant.fbgemm_fp8 import RowwiseFp8Input
 from batchgen.worker.models.registry import load_model_config
 from tests.fbgemm_checkpoints import fbgemm_reference, quantize_fbgemm_fp8
@@ -73,6 +77,31 @@ def test_static_input_is_compressed_tensors_quantize_dequantize() -> None:
     assert (x.abs() > 448 * scale).any()
     mine = StaticFp8Input(float(scale), torch.float32)(x)
     assert torch.equal(mine, fake_quantize(x, scale, None, args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_dynamic_fp8_input_saturates_where_its_scale_is_subnormal(dtype: torch.dtype) -> None:
+    """FP8-dynamic's per-token input (``ActivationArgs("float")``) is quantized in x's dtype.
+    A normal scale, amax / 448, is exact to half an ulp, so amax / scale rounds to 448; a
+    subnormal one is coarser: amax = 627 subnormal ulps gives 1.4 ulps, rounded to 1, and
+    amax / scale = 627, past e4m3's range (fp16's subnormals start at 6.1e-5: a small row,
+    not an absurd one). The clamp makes it 448 as compressed-tensors' forward does, whatever
+    the cast does past 448 (torch 2.13's saturates by itself: finite overflow -> +-448)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    ulp = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # the least subnormal
+    x = torch.tensor([[627.0, -300.0, 5.0, 0.0], [-627.0, 2.0, 1.0, -1.0]]) * ulp
+    x = torch.cat((x, torch.tensor([[0.5, -3.0, 1.0, 2.0]]))).to(dtype)  # a plain row
+    act = ActivationArgs("float")
+    rounded, scale = act.quantize(x)
+    assert scale[:2].flatten().tolist() == [ulp, ulp] and (x[:2] / scale[:2]).abs().max() == 627
+    assert rounded[:2, 0].float().tolist() == [448.0, -448.0]
+    args = QuantizationArgs(num_bits=8, type="float", strategy="token", dynamic=True)
+    scale_ct, _ = compute_dynamic_scales_and_zp(x[None], args, torch.nn.Identity())
+    assert torch.equal(act(x), fake_quantize(x[None], scale_ct, None, args)[0])
+    assert act(x).isfinite().all()
 
 
 @pytest.mark.parametrize(
