@@ -20,11 +20,13 @@ layouts concatenate along the outputs:
   asymmetric zero point packed down the outputs needs whole words in every part but
   the last. A scale per tensor (one value per part) does not join.
 - block FP8 (``Fp8BlockWeight``): rows are outputs, the scale grid's rows blocks of
-  bn of them: every part but the last a whole number of blocks, the same block.
+  bn of them: every part but the last a whole number of blocks, the same block (a
+  checkpoint with one scale per tensor has a block per part: equal heights join).
 
 Parts that differ otherwise (group sizes, ``g_idx``, dtypes, a width that cuts a
 word or a block) return None: the projection keeps one GEMM per part and writes
-their outputs side by side, as before.
+their outputs side by side, as before. Projections whose input is quantized first
+(W8A8, static FP8 input scales) have no GEMM and are not joined.
 """
 
 from __future__ import annotations
