@@ -94,6 +94,8 @@ JOINED: dict[str, Parts] = {
         packed(36, 10, symmetric=True),
     ),
     "fp8-block": lambda: (fp8(64, 0), fp8(32, 10), fp8(20, 20)),
+    # one scale per tensor: each part is one block of its own height; equal heights join
+    "fp8-per-tensor": lambda: (fp8(32, 0, block=(32, K)), fp8(32, 10, block=(32, K))),
 }
 
 
@@ -123,6 +125,7 @@ APART: dict[str, Parts] = {
     "pack-quantized-symmetry": lambda: (packed(64), packed(32, 10, symmetric=True)),
     "fp8-block-cut": lambda: (fp8(48), fp8(32, 10)),  # 48 rows: 1.5 blocks of 32
     "fp8-blocks": lambda: (fp8(64), fp8(64, 10, block=(64, 32))),
+    "fp8-per-tensor": lambda: (fp8(64, block=(64, K)), fp8(32, 10, block=(32, K))),
     "formats": lambda: (gptq(64), awq(64)),
 }
 
