@@ -85,6 +85,8 @@ class Fp8BlockExpertWeights:
     down_scale_inv: torch.Tensor  # (num_experts, ceil(hidden / bn), ceil(inter / bk))
     block: tuple[int, int]  # (bn, bk): weight_block_size
     activation: ClampedSwiGLU | None = None
+    # each expert's (gate, up, down) modules as the checkpoint names them (refusals)
+    names: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def num_experts(self) -> int:
@@ -123,6 +125,7 @@ class QuantizedExpertWeights:
     up: tuple[ExpertProjection, ...]
     down: tuple[ExpertProjection, ...]  # (hidden, inter)
     activation: ClampedSwiGLU | None = None
+    names: tuple[tuple[str, str, str], ...] = ()  # as Fp8BlockExpertWeights.names
 
     @property
     def num_experts(self) -> int:

@@ -5,6 +5,7 @@ The zoo Llama (hidden 64: 4 heads, 2 KV heads of 16; MLP 128) cut for 2 ranks: q
 outputs at 32 and 16, o's inputs at 32, gate/up's outputs and down's inputs at 64
 (worker/models/quant/sharding.py cuts them). GPTQ with groups of 64 cuts o inside a group,
 which its g_idx carries; act-order GPTQ shuffles every projection's groups over its inputs.
+Quantized routed experts: tests/test_tensor_parallel_quant_moe.py.
 """
 
 from __future__ import annotations
@@ -178,14 +179,4 @@ def test_a_format_the_split_does_not_cut_is_refused_by_name(zoo_model, tmp_path)
     path = quantize_mxfp4(zoo_model("gpt_oss"), tmp_path / "mxfp4")
     with pytest.raises(UnsupportedModelError, match="mxfp4-quantized; tensor parallelism splits "
                        "fp8, compressed-tensors, gptq, awq weights only"):  # fmt: skip
-        Engine.from_pretrained(path, **SETTINGS, tensor_parallel_size=2)
-
-
-def test_quantized_experts_are_refused_by_name(zoo_model, tmp_path):
-    from tests.test_quantized_moe import MOE_PROJECTION
-
-    path = quantize_fp8_block(zoo_model("qwen3_moe"), tmp_path / "fp8", (8, 8),
-                              projections=MOE_PROJECTION)  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism does not split "
-                       "Fp8BlockExpertWeights experts yet"):  # fmt: skip
         Engine.from_pretrained(path, **SETTINGS, tensor_parallel_size=2)

@@ -42,7 +42,12 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.kernels.batch import StepAttention
-from batchgen.kernels.experts import ExpertWeights
+from batchgen.kernels.experts import (
+    ExpertWeights,
+    Fp8BlockExpertWeights,
+    QuantizedExpertWeights,
+    RoutedExperts,
+)
 from batchgen.kernels.ops import KernelOps
 from batchgen.worker.models.decoder import Decoder, DecoderLayer, DecoderWeights
 from batchgen.worker.models.layers.latent_attention import LatentAttention
@@ -54,7 +59,7 @@ from batchgen.worker.models.layers.sparse_moe import SparseMoe
 from batchgen.worker.models.loader import read_checkpoint
 from batchgen.worker.models.model_config import ModelConfig
 from batchgen.worker.models.quant.linear import QuantizedLinear
-from batchgen.worker.models.quant.sharding import column_shard, row_shard
+from batchgen.worker.models.quant.sharding import column_shard, experts_shard, row_shard
 from batchgen.worker.models.tensor_shard import HeadSplit, Shard, check_shardable, split_heads
 from batchgen.worker.models.weights import Linear
 from batchgen.worker.worker_errors import UnsupportedModelError
@@ -299,8 +304,12 @@ def _shard_dense_mlp(block: DenseMlp, shard: Shard) -> DenseMlp:
     return DenseMlp(spec, _column_linear(block.up, cols), _row_linear(block.down, *span, shard))
 
 
-def _shard_experts(experts: object, shard: Shard) -> ExpertWeights:
-    """Plain experts; quantized ones (block-wise FP8's; MXFP4's are refused earlier) by name."""
+def _shard_experts(experts: object, shard: Shard) -> RoutedExperts:
+    """Plain experts; block FP8, GPTQ, AWQ and compressed-tensors ones on their blocks,
+    groups and words (worker/models/quant/sharding.py); others (MXFP4's, refused earlier
+    by their method) by name."""
+    if isinstance(experts, (Fp8BlockExpertWeights, QuantizedExpertWeights)):
+        return experts_shard(experts, shard.span)
     if not isinstance(experts, ExpertWeights):
         raise UnsupportedModelError(
             f"tensor parallelism does not split {type(experts).__name__} experts yet; run it "

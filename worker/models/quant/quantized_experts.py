@@ -71,6 +71,7 @@ def read_quantized_experts(
             f"quantization_config ({scheme.method}) stores the routed experts in more than "
             "one format; batchgen reads them in one"
         )
+    stored.names = tuple(experts)  # each expert's modules, for refusals (a TP cut's)
     if store.device.type == "cpu" or isinstance(stored, Fp8BlockExpertWeights):
         return stored
     plain = dequantize_experts(stored)

@@ -15,15 +15,24 @@ group boundary: a shard keeps the groups its inputs read (with act-order,
 ``desc_act``, that is most of them, as vLLM keeps them all) and its inputs'
 ``g_idx`` renumbered into them. A cut inside a group or a word is refused,
 naming the module and the sizes.
+
+Routed experts are cut the same way, inside each expert (``experts_shard``): each
+expert's gate and up keep a run of their output features, its down the same run of its
+input features. Block FP8 experts (``Fp8BlockExpertWeights``, stacked) are cut expert by
+expert as the dense ``Fp8BlockWeight`` is, gate and up each on its own block grid; GPTQ,
+AWQ and compressed-tensors experts (``QuantizedExpertWeights``) hold one
+``QuantizedWeight`` per projection, each cut as a dense part is.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
+from batchgen.kernels.experts import Fp8BlockExpertWeights, QuantizedExpertWeights
 from batchgen.worker.models.quant.awq import AwqWeight
 from batchgen.worker.models.quant.compressed_tensors import CompressedWeight
 from batchgen.worker.models.quant.fp8 import Fp8BlockWeight
@@ -68,6 +77,52 @@ def row_shard(layer: QuantizedLinear, start: int, stop: int, keep_bias: bool) ->
         for i, part in enumerate(layer.parts)
     )
     return replace(layer, weight=shape, bias=layer.bias if keep_bias else None, parts=parts)
+
+
+def experts_shard(
+    experts: Fp8BlockExpertWeights | QuantizedExpertWeights,
+    span: Callable[[int], tuple[int, int]],
+) -> Fp8BlockExpertWeights | QuantizedExpertWeights:
+    """Every expert's intermediate features [start, stop) = ``span(inter)``: gate's and up's
+    outputs, down's inputs."""
+    start, stop = span(_expert(experts, 0)[0].out_features)
+    cuts = []
+    for e in range(experts.num_experts):
+        gate, up, down = _expert(experts, e)
+        names = experts.names[e] if experts.names else _unnamed(e)
+        cuts.append((_outputs(_Cut(names[0], gate, start, stop, gate.out_features, "output")),
+                     _outputs(_Cut(names[1], up, start, stop, up.out_features, "output")),
+                     _inputs(_Cut(names[2], down, start, stop, down.in_features, "input"))))  # fmt: skip
+    gates, ups, downs = (tuple(p) for p in zip(*cuts))
+    if isinstance(experts, QuantizedExpertWeights):
+        return replace(experts, gate=gates, up=ups, down=downs)
+    gate_up = [torch.cat((_fp8(g).weight, _fp8(u).weight)) for g, u in zip(gates, ups)]
+    scale = [torch.cat((_fp8(g).scale_inv, _fp8(u).scale_inv)) for g, u in zip(gates, ups)]
+    return replace(experts, gate_up=torch.stack(gate_up), gate_up_scale_inv=torch.stack(scale),
+                   down=torch.stack([_fp8(d).weight for d in downs]),
+                   down_scale_inv=torch.stack([_fp8(d).scale_inv for d in downs]))  # fmt: skip
+
+
+def _expert(
+    experts: Fp8BlockExpertWeights | QuantizedExpertWeights, e: int
+) -> tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight]:
+    """Expert e's gate, up and down; a stacked FP8 expert's each on its own block grid."""
+    if isinstance(experts, QuantizedExpertWeights):
+        return experts.gate[e], experts.up[e], experts.down[e]  # type: ignore[return-value]
+    inter, rows = experts.gate_up.shape[1] // 2, experts.gate_up_scale_inv.shape[1] // 2
+    weight, scale, block = experts.gate_up[e], experts.gate_up_scale_inv[e], experts.block
+    return (Fp8BlockWeight(weight[:inter], scale[:rows], block),
+            Fp8BlockWeight(weight[inter:], scale[rows:], block),
+            Fp8BlockWeight(experts.down[e], experts.down_scale_inv[e], block))  # fmt: skip
+
+
+def _unnamed(e: int) -> tuple[str, str, str]:
+    return (f"expert {e}'s gate", f"expert {e}'s up", f"expert {e}'s down")
+
+
+def _fp8(part: QuantizedWeight) -> Fp8BlockWeight:
+    assert isinstance(part, Fp8BlockWeight)
+    return part
 
 
 def _name(layer: QuantizedLinear, i: int) -> str:
