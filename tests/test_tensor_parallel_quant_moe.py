@@ -129,3 +129,24 @@ def test_an_fp8_expert_cut_inside_a_block_is_refused_by_module(zoo_model, tmp_pa
                        r"0\.gate_proj \(Fp8BlockWeight\) at output features \[0, 16\) of 32, "
                        r"inside its groups of 32; use a tensor_parallel_size"):  # fmt: skip
         Engine.from_pretrained(path, **SETTINGS, tensor_parallel_size=2)
+
+
+def test_a_gpu_ranks_int_experts_are_dequantized_once_after_the_cut(zoo_model, tmp_path):
+    """Off the CPU a rank's GPTQ experts, cut on the CPU, become its slice in the model's
+    dtype once, as one GPU's loader makes them (the Triton fused-MoE kernel has no GEMM for
+    them, and would dequantize every expert on every call); the step is told a GPU here
+    (no GPU on this machine) and run on the CPU-built shard."""
+    from batchgen.kernels.experts import ExpertWeights
+    from batchgen.worker.models.tensor_parallel import _experts_on_device
+
+    path = _checkpoint(zoo_model, tmp_path, "gptq")
+    model: Any = Engine.from_pretrained(path, **SETTINGS).runner.model
+    local = build_sharded_model(path, model.config, torch.device("cpu"), torch.float32,
+                                model.ops, 64, Shard(1, 2)).weights  # fmt: skip
+    cut = dequantize_experts(_experts(local.layers[1]))
+    _experts_on_device(local, torch.device("cuda"), torch.bfloat16)
+    plain = _experts(local.layers[1])
+    assert isinstance(plain, ExpertWeights)
+    assert plain.w13.dtype == plain.w2.dtype == torch.bfloat16
+    assert torch.equal(plain.w13, cut.w13.to(torch.bfloat16))
+    assert torch.equal(plain.w2, cut.w2.to(torch.bfloat16)) and plain.w2.shape == (8, 16, 64)

@@ -59,6 +59,7 @@ from batchgen.worker.models.layers.sparse_moe import SparseMoe
 from batchgen.worker.models.loader import read_checkpoint
 from batchgen.worker.models.model_config import ModelConfig
 from batchgen.worker.models.quant.linear import QuantizedLinear
+from batchgen.worker.models.quant.quantized_experts import on_device
 from batchgen.worker.models.quant.sharding import column_shard, experts_shard, row_shard
 from batchgen.worker.models.tensor_shard import HeadSplit, Shard, check_shardable, split_heads
 from batchgen.worker.models.weights import Linear
@@ -194,6 +195,7 @@ def build_sharded_model(
     store.check_all_taken(family.name)
     local_config, local, vocab, vocab_per_rank = _shard_vocab(config, weights, shard, heads)
     local = _to_device(local, device)
+    _experts_on_device(local, device, dtype)
     return ShardedDecoder(local_config, local, ops, max_positions, device, shard, vocab,
                           vocab_per_rank)  # fmt: skip
 
@@ -325,6 +327,17 @@ def _shard_experts(experts: object, shard: Shard) -> RoutedExperts:
         b13=None if experts.b13 is None else _cols(experts.b13, cols),
         b2=experts.b2 if shard.rank == 0 else None,
     )
+
+
+def _experts_on_device(weights: DecoderWeights, device: torch.device, dtype: torch.dtype) -> None:
+    """Off the CPU, GPTQ / AWQ / compressed-tensors experts dequantized once after the cut,
+    as one GPU's loader does (``quantized_experts.on_device``)."""
+    if device.type == "cpu":
+        return
+    for layer in weights.layers:
+        moe = layer.mlp.block if isinstance(layer.mlp, ReducedMlp) else layer.mlp
+        if isinstance(moe, SparseMoe) and isinstance(moe.experts, QuantizedExpertWeights):
+            moe.experts = on_device(moe.experts, dtype)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

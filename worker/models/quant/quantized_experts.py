@@ -72,10 +72,19 @@ def read_quantized_experts(
             "one format; batchgen reads them in one"
         )
     stored.names = tuple(experts)  # each expert's modules, for refusals (a TP cut's)
-    if store.device.type == "cpu" or isinstance(stored, Fp8BlockExpertWeights):
+    return stored if store.device.type == "cpu" else on_device(stored, store.dtype)
+
+
+def on_device(
+    stored: Fp8BlockExpertWeights | QuantizedExpertWeights, dtype: torch.dtype
+) -> Fp8BlockExpertWeights | ExpertWeights:
+    """The experts a loader keeps off the CPU: block FP8 as stored, GPTQ / AWQ /
+    compressed-tensors dequantized once to ``dtype`` (the Triton fused-MoE kernel has no
+    GEMM for them). A tensor-parallel rank's, cut on the CPU, are given here once moved."""
+    if isinstance(stored, Fp8BlockExpertWeights):
         return stored
     plain = dequantize_experts(stored)
-    return ExpertWeights(plain.w13.to(store.dtype), plain.w2.to(store.dtype))
+    return ExpertWeights(plain.w13.to(dtype), plain.w2.to(dtype), activation=plain.activation)
 
 
 def _weights(scheme: Scheme, parts: list[tuple[QuantizedWeight, ...]]) -> QuantizedExpertWeights:
