@@ -4,11 +4,12 @@ of the whole expert; 2 CPU ranks give 1 rank's tokens.
 
 The zoo Qwen3-MoE (layer 1 sparse: 8 experts of hidden 64, inter 32; layers 0 and 2 dense,
 MLP 96) cut for 2 ranks: every expert's gate/up outputs and down inputs at 16, the dense
-MLPs' at 48 (worker/models/quant/sharding.py's ``experts_shard``). Block FP8 of (16, 16);
+MLPs' at 48 (worker/models/quant/sharding.py's ``experts_shard``). Block FP8 of (16, 16),
+on it and on the zoo DeepSeek-V3 (the same experts, MLA and a shared expert around them);
 GPTQ with groups of 32 (down's cut at 16 falls inside a group, which its g_idx carries) and
 act-order GPTQ with groups of 16 (a rank's 16 inputs read groups shuffled over all 32); AWQ
 and compressed-tensors asymmetric W4A16 with groups of 16 (its zero points packed eight
-outputs a word).
+outputs a word); compressed-tensors W8A16 (a scale per output, four values a word).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from batchgen.worker.models import UnsupportedModelError
 from batchgen.worker.models.quant.awq import AwqWeight
 from batchgen.worker.models.quant.compressed_tensors import CompressedWeight
 from batchgen.worker.models.quant.gptq import GptqWeight
+from batchgen.worker.models.quant.sharding import experts_shard
 from batchgen.worker.models.tensor_parallel import build_sharded_model
 from batchgen.worker.models.tensor_shard import Shard
 from tests.model_zoo import VOCAB
@@ -35,17 +37,18 @@ from tests.test_quantized_moe import MOE_PROJECTION
 from tests.test_quantized_moe_int import PROJECTIONS, ROUTER_IGNORED
 from tests.test_tensor_parallel import SETTINGS, _greedy
 
-KINDS = ["fp8-block", "gptq", "gptq-act-order", "awq", "w4a16"]
+KINDS = ["fp8-block", "deepseek-fp8-block", "gptq", "gptq-act-order", "awq", "w4a16", "w8a16"]
 PART = {"gptq": GptqWeight, "gptq-act-order": GptqWeight, "awq": AwqWeight,
-        "w4a16": CompressedWeight}  # fmt: skip
+        "w4a16": CompressedWeight, "w8a16": CompressedWeight}  # fmt: skip
 
 
 def _checkpoint(zoo_model, tmp_path: Path, kind: str) -> Path:
-    src, out, ref = zoo_model("qwen3_moe"), tmp_path / kind, tmp_path / f"{kind}-plain"
-    if kind == "fp8-block":
+    zoo = "deepseek_v3" if kind.startswith("deepseek") else "qwen3_moe"
+    src, out, ref = zoo_model(zoo), tmp_path / kind, tmp_path / f"{kind}-plain"
+    if kind.endswith("fp8-block"):
         return quantize_fp8_block(src, out, (16, 16), projections=MOE_PROJECTION)
-    if kind == "w4a16":
-        return compress_moe(src, out, "w4a16-asym", ROUTER_IGNORED)
+    if kind.startswith("w"):
+        return compress_moe(src, out, "w4a16-asym" if kind == "w4a16" else kind, ROUTER_IGNORED)
     if kind == "awq":
         return quantize_awq(src, out, ref, group=16, projections=PROJECTIONS, skip=("gate",))[0]
     act_order = kind == "gptq-act-order"
@@ -61,7 +64,7 @@ def _experts(layer: Any) -> Fp8BlockExpertWeights | QuantizedExpertWeights:
 
 def _check_layout(experts: Any, kind: str, inter: int) -> None:
     """Still as the checkpoint stores it: FP8 bytes and scale grids, or packed parts."""
-    if kind == "fp8-block":
+    if kind.endswith("fp8-block"):
         assert isinstance(experts, Fp8BlockExpertWeights)
         assert experts.gate_up.dtype == experts.down.dtype == torch.float8_e4m3fn
         assert experts.gate_up.shape == (8, 2 * inter, 64) and experts.down.shape == (8, 64, inter)
@@ -129,6 +132,26 @@ def test_an_fp8_expert_cut_inside_a_block_is_refused_by_module(zoo_model, tmp_pa
                        r"0\.gate_proj \(Fp8BlockWeight\) at output features \[0, 16\) of 32, "
                        r"inside its groups of 32; use a tensor_parallel_size"):  # fmt: skip
         Engine.from_pretrained(path, **SETTINGS, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    ("kind", "span", "refused"),
+    [
+        ("gptq", (4, 16), r"experts\.0\.gate_proj \(GptqWeight\) at output features \[4, 16\) "
+         r"of 32, inside its int32 words of 8 packed values"),
+        ("awq", (0, 8), r"experts\.0\.down_proj \(AwqWeight\) at input features \[0, 8\) of "
+         r"32, inside its groups of 16"),
+    ],
+)  # fmt: skip
+def test_an_int_expert_cut_inside_a_word_or_group_is_refused_by_module(
+    zoo_model, tmp_path, kind, span, refused
+):
+    """GPTQ's zero points pack 8 of gate's outputs a word; AWQ's down has groups of 16
+    inputs (its gate and up cut at 8 keep whole words)."""
+    engine = Engine.from_pretrained(_checkpoint(zoo_model, tmp_path, kind), **SETTINGS)
+    experts = _experts(engine.runner.model.weights.layers[1])  # type: ignore[attr-defined]
+    with pytest.raises(UnsupportedModelError, match=r"would cut model\.layers\.1\.mlp\." + refused):
+        experts_shard(experts, lambda inter: span)
 
 
 def test_a_gpu_ranks_int_experts_are_dequantized_once_after_the_cut(zoo_model, tmp_path):
