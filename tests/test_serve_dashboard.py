@@ -1,7 +1,8 @@
 """The dashboard in a real headless browser (Debian's ``chromium``; ``.ci/run`` installs it):
 log in, watch a running job's progress bar move and reach 100%, click its id as a person
 does (its detail, output and tok/s agree with `batchgen status` and the chart), cancel a
-waiting job with its button, no console error; the outage line while Redis refuses writes."""
+waiting job with its button, no console error; the outage line while Redis refuses writes;
+a job the live worker refused reads refused, with its reason."""
 
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ import pytest
 import redis
 from openai import OpenAI
 
+from batchgen.jobs.ops.submission import submit
+from batchgen.jobs.schema.sampling import DEFAULTS
 from tests.cdp import Browser, find_chromium
 from tests.serve_stack import KEY, Stack
+from tests.test_refused_job import KEYS, refuse
+from tests.test_refused_job import model as model  # fixture
 
 CHROMIUM = find_chromium()
 pytestmark = pytest.mark.skipif(
@@ -56,6 +61,15 @@ def shown_detail(page) -> dict[str, str]:
                          ".map(dt => [dt.textContent, dt.nextElementSibling.textContent]))")  # fmt: skip
 
 
+def log_in(page, stack: Stack) -> None:
+    """The login form filled with the key and sent, as a person does; the jobs page up."""
+    page.send("Page.navigate", url=stack.base + "/")
+    page.wait_for("document.readyState === 'complete' && !!document.getElementById('login')")
+    page.evaluate(f"document.getElementById('key').value = {json.dumps(KEY)};"
+                  "document.getElementById('login').submit()")  # fmt: skip
+    page.wait_for("!!document.querySelector('#jobs') && document.readyState === 'complete'")
+
+
 def status_of(stack: Stack, job_id: str) -> dict:
     """What `batchgen status JOB --json` says."""
     out = subprocess.run([sys.executable, "-m", "batchgen", "status", job_id, "--json", "--redis",
@@ -67,11 +81,7 @@ def test_dashboard_shows_a_job_progress_to_100_percent(stack, browser, toy_model
     page = browser.page
     for domain in ("Runtime", "Log", "Page"):
         page.send(f"{domain}.enable")
-    page.send("Page.navigate", url=stack.base + "/")
-    page.wait_for("document.readyState === 'complete' && !!document.getElementById('login')")
-    page.evaluate(f"document.getElementById('key').value = {json.dumps(KEY)};"
-                  "document.getElementById('login').submit()")  # fmt: skip
-    page.wait_for("!!document.querySelector('#jobs') && document.readyState === 'complete'")
+    log_in(page, stack)
     cookie = page.send("Network.getCookies")["cookies"][0]
     assert (cookie["name"], cookie["httpOnly"], cookie["sameSite"]) == (
         "batchgen_session", True, "Strict")  # fmt: skip
@@ -172,11 +182,7 @@ def test_the_page_says_when_redis_refuses_writes(private_redis, browser, tmp_pat
         (tmp_path / "keys.txt").write_text(f"{KEY} ops admin\n")
         stack.serve("--keys-file", str(tmp_path / "keys.txt"), "--refresh", "0.3")
         page = browser.page
-        page.send("Page.navigate", url=stack.base + "/")
-        page.wait_for("document.readyState === 'complete' && !!document.getElementById('login')")
-        page.evaluate(f"document.getElementById('key').value = {json.dumps(KEY)};"
-                      "document.getElementById('login').submit()")  # fmt: skip
-        page.wait_for("!!document.querySelector('#jobs') && document.readyState === 'complete'")
+        log_in(page, stack)
         assert page.evaluate("document.getElementById('outage').hidden") is True
         admin.config_set("maxmemory", 1)
         try:
@@ -187,5 +193,33 @@ def test_the_page_says_when_redis_refuses_writes(private_redis, browser, tmp_pat
         assert shown.startswith("Redis refuses writes (OOM: command not allowed when used "
                                 "memory > 'maxmemory'.); workers and serve wait")  # fmt: skip
         page.wait_for("document.getElementById('outage').hidden")
+    finally:
+        stack.stop()
+
+
+def test_the_page_says_a_refused_job_is_refused(redis_url, browser, tmp_path, model):
+    """A job the live worker refused (it holds other weights under the model's name:
+    tests/test_refused_job.py) reads refused in the table's ETA and in its detail, with
+    the worker's reason, as `batchgen status` says it. No engine needed."""
+    stack = Stack(redis_url, tmp_path)
+    conn = redis.Redis.from_url(redis_url)
+    try:
+        (tmp_path / "keys.txt").write_text(f"{KEY} ops admin\n")
+        stack.serve("--keys-file", str(tmp_path / "keys.txt"), "--refresh", "0.3")
+        (tmp_path / "p.jsonl").write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(4)))
+        submit(conn, KEYS, source_path=str(tmp_path / "p.jsonl"), model=str(model),
+               output=str(tmp_path / "out"), defaults=dict(DEFAULTS), job_id="fp")  # fmt: skip
+        reason = refuse(conn, model, "fp")
+        page = browser.page
+        log_in(page, stack)
+        row = "document.querySelector('[data-job=\"fp\"]')"
+        page.wait_for(f"!!{row}")
+        cells = page.evaluate(f"[...{row}.children].map(td => td.textContent)")
+        assert (cells[2], cells[9]) == ("running", "refused")  # state, ETA
+        page.click('[data-job="fp"] td')
+        page.wait_for("document.getElementById('detail').textContent.includes('Job fp')")
+        detail = shown_detail(page)
+        assert (detail["state"], detail["ETA"], detail["refused"]) == (
+            "running", "– (refused by the live workers: see refused)", reason)  # fmt: skip
     finally:
         stack.stop()

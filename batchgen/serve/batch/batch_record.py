@@ -98,6 +98,17 @@ def status(record: BatchRecord, job: JobRecord | None) -> str:
     return "cancelling"
 
 
+def _errors(record: BatchRecord, job: JobRecord | None) -> list[dict[str, Any]]:
+    """The batch's own errors, and while its job waits refused by a worker that holds
+    other weights under the model's name (worker/loop/job_book.py) that worker's reason:
+    the batch stays in_progress, as the job stays live, until a worker holding the weights
+    it was submitted for takes it (the reason then goes) or its window ends."""
+    if job is None or not record.state.has_job or not job.state.live or not job.refused:
+        return record.errors
+    refused = {"code": "refused_by_worker", "message": job.refused, "param": None, "line": None}
+    return [*record.errors, refused]
+
+
 def to_openai(record: BatchRecord, job: JobRecord | None) -> dict[str, Any]:
     source: BatchRecord | JobRecord = record if record.state.final or job is None else job
     if isinstance(source, JobRecord):
@@ -115,6 +126,7 @@ def to_openai(record: BatchRecord, job: JobRecord | None) -> dict[str, Any]:
         "failed_input_tokens": source.failed_prompt_tokens,
     }
     metadata = dict(record.metadata or {})
+    errors = _errors(record, job)
     if record.output:
         metadata["batchgen_job_id"] = record.id
         metadata["batchgen_result"] = redact_uri(f"{record.output.rstrip('/')}/{RESULT}")
@@ -123,7 +135,7 @@ def to_openai(record: BatchRecord, job: JobRecord | None) -> dict[str, Any]:
         "object": "batch",
         "endpoint": record.endpoint,
         "model": record.model or None,
-        "errors": {"object": "list", "data": record.errors} if record.errors else None,
+        "errors": {"object": "list", "data": errors} if errors else None,
         "input_file_id": record.input_file_id,
         "completion_window": record.completion_window,
         "status": status(record, job),

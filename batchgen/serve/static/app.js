@@ -52,7 +52,8 @@ function setBar(bar, job) {
 const JOB_CELLS = [
   (j) => j.job_id, (j) => shortModel(j.model), (j) => j.state, null, (j) => j.done,
   (j) => j.failed, (j) => j.cancelled, (j) => j.total, (j) => j.tokens_per_s.toFixed(1),
-  (j) => j.unserved ? "no worker" : fmtDuration(j.eta_s), (j) => fmtTime(j.created_at)];
+  (j) => j.unserved ? "no worker" : j.refused_now ? "refused" : fmtDuration(j.eta_s),
+  (j) => fmtTime(j.created_at)];
 const JOB_CLASSES = ["", "", "state", "progress", "num", "num", "num", "num", "num", "num", ""];
 
 function jobRow(jobId) {
@@ -196,9 +197,11 @@ async function renderDetail() {
     ["queued", d.queued],
     ["prompt tokens", d.prompt_tokens], ["completion tokens", d.completion_tokens],
     ["cached tokens", d.cached_tokens], ["tok/s", d.tokens_per_s],
-    ["ETA", d.unserved ? "– (no live worker serves the model)" : fmtDuration(d.eta_s)],
+    ["ETA", d.unserved ? "– (no live worker serves the model)"
+      : d.refused_now ? "– (refused by the live workers: see refused)" : fmtDuration(d.eta_s)],
     ["output", d.output], ["started", fmtTime(d.started_at)], ["finished", fmtTime(d.finished_at)],
     ["error", d.error || d.storage_error || "–"]];
+  if (d.refused) fields.push(["refused", d.refused]);  // a worker holding other weights
   const dl = el("dl");
   for (const [k, v] of fields) dl.append(el("dt", {}, k), el("dd", {}, v === null ? "–" : v));
   const parts = [el("h2", {}, "Job " + d.job_id), dl];
