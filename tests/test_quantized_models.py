@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from batchgen import Engine, SamplingParams
 from batchgen.worker.models import UnsupportedModelError
@@ -31,6 +32,7 @@ from batchgen.worker.models.quant.gptq import GptqWeight
 from batchgen.worker.models.registry import load_model_config
 from batchgen.worker.models.weights import Linear, linear
 from tests.family_parity import engine_prompt_logits, random_prompts
+from tests.fbgemm_checkpoints import quantize_fbgemm_fp8
 from tests.hf_reference import hf_model
 from tests.model_zoo import VOCAB
 from tests.quant_checkpoints import (
@@ -345,3 +347,43 @@ def test_plain_tensors_under_a_quantized_config_are_refused(zoo_model, tmp_path:
     with pytest.raises(UnsupportedModelError) as refused:
         Engine.from_pretrained(path, num_kv_blocks=16)
     assert "lacks tensor 'model.layers.0.self_attn.q_proj.weight_scale_inv'" in str(refused.value)
+
+
+# q_proj is (64, 64); its scale is cut one row short
+SHAPE_ERRORS = {
+    "fp8": "torch.float32 (1, 2), not the (2, 2) fp8 holds for (64, 64) in blocks of (32, 32)",
+    "fbgemm_fp8": "torch.float32 (63, 1), not the (64, 1) fbgemm_fp8 holds for 64 output channels",
+    "gptq": "torch.float16 (1, 64), not the (2, 64) gptq holds for 64 inputs in groups of 32",
+    "awq": "torch.float16 (1, 64), not the (2, 64) awq holds for 64 inputs in groups of 32",
+    "compressed-tensors": "torch.float32 (63, 2), not the (64, 2) compressed-tensors holds for "
+    "64 outputs by 2 groups of inputs",
+}
+SCALES = {"fp8": "weight_scale_inv", "fbgemm_fp8": "weight_scale", "gptq": "scales",
+          "awq": "scales", "compressed-tensors": "weight_scale"}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(SCALES))
+def test_a_scale_of_another_shape_is_refused_in_one_wording(
+    zoo_model, tmp_path: Path, kind: str
+) -> None:
+    """Every reader checks its scales' shape with the one helper (``check_shape`` in
+    worker/models/quant/scheme.py): a scale one row short is refused naming the tensor,
+    its dtype and shape, and the shape the layout needs and why."""
+    src, out = zoo_model("llama"), tmp_path / kind
+    if kind == "fp8":
+        path = quantize_fp8_block(src, out, (32, 32))
+    elif kind == "fbgemm_fp8":
+        path = quantize_fbgemm_fp8(src, out)
+    elif kind == "gptq":
+        path, _ = quantize_gptq(src, out, tmp_path / "plain")
+    elif kind == "compressed-tensors":
+        path = compress(src, out, "w4a16")
+    else:
+        path, _ = quantize_awq(src, out, tmp_path / "plain")
+    tensors = load_file(str(path / "model.safetensors"))
+    name = f"model.layers.0.self_attn.q_proj.{SCALES[kind]}"
+    tensors[name] = tensors[name][:-1].contiguous()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError) as refused:
+        Engine.from_pretrained(path, num_kv_blocks=16)
+    assert str(refused.value) == f"checkpoint {path}: tensor {name!r}: {SHAPE_ERRORS[kind]}"

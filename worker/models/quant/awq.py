@@ -83,14 +83,12 @@ class AwqScheme(Scheme):
         qweight = store.take_stored(f"{module}.qweight")
         qzeros = store.take_stored(f"{module}.qzeros")
         scales = store.take_stored(f"{module}.scales")
-        k, n = qweight.shape[0], qweight.shape[1] * 8
-        if k % self.group_size or tuple(scales.shape) != (k // self.group_size, n):
-            store.refuse(
-                f"{module}.scales",
-                f"{tuple(scales.shape)} for {k} inputs in groups of {self.group_size}",
-            )
-        if tuple(qzeros.shape) != (k // self.group_size, n // 8):
-            store.refuse(f"{module}.qzeros", f"{tuple(qzeros.shape)}")
+        k, n, group = qweight.shape[0], qweight.shape[1] * 8, self.group_size
+        groups = f"{k} inputs in groups of {group}"
+        if k % group:
+            store.refuse(f"{module}.scales", f"{groups}: the last group is partial")
+        self.check_shape(store, f"{module}.scales", scales, (k // group, n), groups)
+        self.check_shape(store, f"{module}.qzeros", qzeros, (k // group, n // 8), groups)
         return AwqWeight(qweight, qzeros, scales, self.group_size)
 
 

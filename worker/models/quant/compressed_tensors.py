@@ -216,8 +216,9 @@ class CompressedTensorsScheme(Scheme):
         if args.group_size is not None and k % args.group_size:
             store.refuse(f"{module}.weight_scale", f"{k} inputs in groups of {args.group_size}")
         groups = 1 if args.group_size is None else k // args.group_size
-        if scale.numel() != 1 and tuple(scale.shape) != (n, groups):
-            store.refuse(f"{module}.weight_scale", f"{tuple(scale.shape)}, not ({n}, {groups})")
+        if scale.numel() != 1:  # else one scale for the whole tensor
+            of = f"{n} outputs by {groups} groups of inputs"
+            self.check_shape(store, f"{module}.weight_scale", scale, (n, groups), of)
         return CompressedWeight(values, scale, zero_point, args, (n, k), packed)
 
     def activation(

@@ -65,10 +65,9 @@ class FbgemmFp8Scheme(Scheme):
         if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
             store.refuse(f"{module}.weight", f"fbgemm_fp8 holds {weight.dtype} {weight.dim()}-d")
         n, k = weight.shape
-        if tuple(scale.shape) != (n, 1) or not scale.is_floating_point():
-            store.refuse(
-                f"{module}.weight_scale", f"{scale.dtype} {tuple(scale.shape)}, not ({n}, 1)"
-            )
+        self.check_shape(store, f"{module}.weight_scale", scale, (n, 1), f"{n} output channels")
+        if not scale.is_floating_point():
+            store.refuse(f"{module}.weight_scale", f"{scale.dtype}, not a float scale")
         return CompressedWeight(weight, scale, None, FP8_CHANNEL, (n, k), packed=False)
 
     def activation(

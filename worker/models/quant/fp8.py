@@ -99,8 +99,9 @@ class Fp8BlockScheme(Scheme):
         grid = (math.ceil(n / block[0]), math.ceil(k / block[1]))
         if self.block is None and scale.numel() == 1:
             scale = scale.reshape(grid)  # one scale: stored as a scalar or (1,)
-        if tuple(scale.shape) != grid:
-            store.refuse(f"{module}.weight_scale_inv", f"{tuple(scale.shape)}, not the {grid} grid")
+        self.check_shape(
+            store, f"{module}.weight_scale_inv", scale, grid, f"({n}, {k}) in blocks of {block}"
+        )
         return Fp8BlockWeight(weight, scale, block)
 
 

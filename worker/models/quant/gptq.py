@@ -110,10 +110,10 @@ class GptqScheme(Scheme):
         group = k if self.group_size == -1 else self.group_size
         groups = -(-k // group)
         n = qweight.shape[1]
-        if tuple(scales.shape) != (groups, n) or g_idx.shape != (k,):
-            store.refuse(
-                f"{module}.scales", f"{tuple(scales.shape)} for {k} inputs in groups of {group}"
-            )
+        self.check_shape(
+            store, f"{module}.scales", scales, (groups, n), f"{k} inputs in groups of {group}"
+        )
+        self.check_shape(store, f"{module}.g_idx", g_idx, (k,), f"{k} inputs")
         if qzeros.shape[0] != groups or int(g_idx.max()) >= groups or int(g_idx.min()) < 0:
             store.refuse(f"{module}.g_idx", f"groups outside the {groups} that scales hold")
         return GptqWeight(qweight, qzeros, scales, g_idx, self.bits, self.zero_offset)

@@ -76,6 +76,16 @@ class Scheme(abc.ABC):
     def read(self, store: TensorStore, module: str) -> QuantizedWeight:
         """The module's quantized tensors, taken from the store."""
 
+    def check_shape(
+        self, store: TensorStore, name: str, tensor: torch.Tensor, shape: tuple[int, ...], of: str
+    ) -> None:
+        """Refuse the checkpoint, naming tensor ``name``, unless ``tensor`` has ``shape``: every
+        format's ``read`` says so in these words, ``of`` saying what makes that shape
+        (``"1216 inputs in groups of 128"``)."""
+        if tuple(tensor.shape) != shape:
+            got = f"{tensor.dtype} {tuple(tensor.shape)}"
+            store.refuse(name, f"{got}, not the {shape} {self.method} holds for {of}")
+
     def activation(
         self, store: TensorStore, module: str
     ) -> Callable[[torch.Tensor], torch.Tensor] | None:
