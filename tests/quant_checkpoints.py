@@ -150,9 +150,15 @@ def _input_ranges(model: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return seen
 
 
-def compress(src: Path, out: Path, scheme: str, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
-    """``src`` quantized and saved by the compressed-tensors library itself: its scales from
-    each channel's or group's min/max (``calculate_qparams``), its compressor, its config."""
+def ct_quantize(
+    model: torch.nn.Module, spec: dict[str, Any], ignore: tuple[str, ...],
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> Any:  # fmt: skip
+    """``model``'s Linears quantized in place by the compressed-tensors library as ``spec`` (a
+    CT_SCHEMES entry) says, but those ``ignore`` names: its scales from each channel's or
+    group's min/max (``calculate_qparams``), a static input scale from the calibration
+    ranges ``seen``, then its compressor; that compressor (its ``update_config`` writes
+    the config)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -161,20 +167,17 @@ def compress(src: Path, out: Path, scheme: str, ignore: tuple[str, ...] = ("lm_h
         apply_quantization_config,
     )
     from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import AutoModelForCausalLM
 
-    spec = CT_SCHEMES[scheme]
     weights = QuantizationArgs(**spec["weights"])
     acts = spec.get("input_activations")
     group = QuantizationScheme(
         targets=["Linear"], weights=weights,
         input_activations=None if acts is None else QuantizationArgs(**acts),
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    seen = _input_ranges(model) if acts is not None and not acts["dynamic"] else {}
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": group}, ignore=list(ignore))
     )
+    seen = seen or {}
     with torch.no_grad():
         for name, module in model.named_modules():
             if getattr(module, "quantization_scheme", None) is None:
@@ -194,6 +197,19 @@ def compress(src: Path, out: Path, scheme: str, ignore: tuple[str, ...] = ("lm_h
                 module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=spec["format"])
     compressor.compress_model(model)
+    return compressor
+
+
+def compress(src: Path, out: Path, scheme: str, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+    """``src`` quantized and saved by the compressed-tensors library itself (``ct_quantize``):
+    its scales, its compressor, its config."""
+    from transformers import AutoModelForCausalLM
+
+    spec = CT_SCHEMES[scheme]
+    acts = spec.get("input_activations")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    seen = _input_ranges(model) if acts is not None and not acts["dynamic"] else {}
+    compressor = ct_quantize(model, spec, ignore, seen)
     model.save_pretrained(out)
     compressor.update_config(str(out))
     for file in src.iterdir():

@@ -18,16 +18,15 @@ computes each group's scale from its min/max (``calculate_qparams``), packs
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.quant_checkpoints import CT_SCHEMES
+from tests.quant_checkpoints import CT_SCHEMES, _rewrite, ct_quantize
 
 LINEAR = re.compile(
     r"(lm_head|model\.layers\.\d+\.(self_attn|mlp|block_sparse_moe)\.(experts\.\d+\.)?\w+)\.weight$"
@@ -61,40 +60,10 @@ def _module_tree(tensors: dict[str, torch.Tensor]) -> tuple[torch.nn.Module, dic
 
 def compress_moe(src: Path, out: Path, scheme: str, ignore: tuple[str, ...]) -> Path:
     """The plain MoE checkpoint ``src`` quantized by the compressed-tensors library in the
-    releases' per-expert layout; ``ignore`` as llm-compressor's recipes write it."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    spec = SCHEMES[scheme]
-    weights = QuantizationArgs(**spec["weights"])
-    acts = spec.get("input_activations")
-    group = QuantizationScheme(
-        targets=["Linear"], weights=weights,
-        input_activations=None if acts is None else QuantizationArgs(**acts),
-    )  # fmt: skip
+    releases' per-expert layout (``ct_quantize``); ``ignore`` as llm-compressor's recipes
+    write it."""
     root, rest = _module_tree(load_file(str(src / "model.safetensors")))
-    config = QuantizationConfig(config_groups={"group_0": group}, ignore=list(ignore))
-    apply_quantization_config(root, config)
-    with torch.no_grad():
-        for module in root.modules():
-            if getattr(module, "quantization_scheme", None) is None:
-                continue
-            module = cast(Any, module)  # a Linear with the scheme's parameters added
-            w = module.weight
-            if weights.group_size is not None:
-                w = w.unflatten(-1, (-1, weights.group_size))
-            scale, zero_point = calculate_qparams(w.amin(-1), w.amax(-1), weights)
-            module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
-            if hasattr(module, "weight_zero_point"):
-                module.weight_zero_point.copy_(zero_point.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(root, quantization_format=spec["format"])
-    compressor.compress_model(root)
+    compressor = ct_quantize(root, SCHEMES[scheme], ignore)
     out.mkdir(parents=True, exist_ok=True)
     for file in src.iterdir():
         if file.suffix != ".safetensors":
@@ -126,23 +95,17 @@ def ct_dequantized(src: Path, out: Path) -> Path:
     from batchgen.kernels.quant_reference import dequantize_pack_quantized
 
     tensors = load_file(str(src / "model.safetensors"))
-    plain: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
+
+    def convert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         module, _, field = name.rpartition(".")
         if field == "weight_packed":
             zero_point = tensors.get(f"{module}.weight_zero_point")
             weight = dequantize_pack_quantized(
                 tensor, tensors[f"{module}.weight_scale"], zero_point
             )
-            plain[f"{module}.weight"] = weight.t().contiguous()
-        elif field not in ("weight_scale", "weight_zero_point", "weight_shape"):
-            plain[name] = tensor
-    out.mkdir(parents=True, exist_ok=True)
-    for file in src.iterdir():
-        if file.suffix != ".safetensors" and file.name != "config.json":
-            shutil.copy(file, out / file.name)
-    config = json.loads((src / "config.json").read_text())
-    del config["quantization_config"]
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(plain, str(out / "model.safetensors"))
-    return out
+            return {f"{module}.weight": weight.t().contiguous()}
+        if field in ("weight_scale", "weight_zero_point", "weight_shape"):
+            return {}
+        return {name: tensor}
+
+    return _rewrite(src, out, convert, None)
