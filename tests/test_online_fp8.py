@@ -44,33 +44,51 @@ def _parts(engine: Engine) -> list[CompressedWeight]:
     return [q for p in projections for q in p.parts]  # type: ignore[attr-defined]
 
 
-def test_weights_are_fp8_as_compressed_tensors_writes_them(zoo_model, tmp_path: Path) -> None:
-    plain_path = zoo_model("llama")
-    fp8 = Engine.from_pretrained(plain_path, quantization="fp8", **SETTINGS)
-    parts = _parts(fp8)
+def held_quantized(
+    plain_path: Path, quantization: str, dtype: torch.dtype
+) -> tuple[Engine, Engine, list[CompressedWeight]]:
+    """The checkpoint quantized at load and as it is, and the quantized one's projections:
+    ``dtype`` values with an fp32 scale per output channel and no zero point, in the fp32
+    model's bytes less 3 of every projection weight's 4, plus the scales."""
+    quantized = Engine.from_pretrained(plain_path, quantization=quantization, **SETTINGS)
+    parts = _parts(quantized)
     assert len(parts) == 14  # q, k, v, o, gate, up, down of 2 layers
     for q in parts:
-        assert q.values.dtype == torch.float8_e4m3fn and q.values.shape == q.shape
+        assert q.values.dtype == dtype and q.values.shape == q.shape
         assert q.scale.dtype == torch.float32 and q.scale.shape == (q.out_features, 1)
         assert q.zero_point is None
-    # resident bytes: the fp32 model less 3 of every projection weight's 4 bytes, plus scales
     plain = Engine.from_pretrained(plain_path, **SETTINGS)
     elements = sum(q.values.numel() for q in parts)
     scales = sum(q.scale.nbytes for q in parts)
-    assert _model_bytes(fp8) == _model_bytes(plain) - 3 * elements + scales
-    held = sum(q.nbytes for q in parts)
-    assert held < 0.55 * 2 * elements  # about half of bf16
+    assert _model_bytes(quantized) == _model_bytes(plain) - 3 * elements + scales
+    return quantized, plain, parts
 
-    # the compressed-tensors library's FP8-dynamic quantization of the same weights
-    ct = Engine.from_pretrained(compress(plain_path, tmp_path / "ct", "fp8-dynamic"), **SETTINGS)
+
+def as_compressed_tensors_writes_them(
+    quantized: Engine, plain: Engine, parts: list[CompressedWeight], ct_path: Path
+) -> None:
+    """The compressed-tensors library's quantization of the same checkpoint (``ct_path``)
+    holds the same bytes and scales and gives the same logits, which are not the
+    unquantized model's (quantization happened)."""
+    ct = Engine.from_pretrained(ct_path, **SETTINGS)
     for ours, theirs in zip(parts, _parts(ct), strict=True):
+        assert ours.values.dtype == theirs.values.dtype
         assert torch.equal(ours.values.view(torch.uint8), theirs.values.view(torch.uint8))
         assert torch.equal(ours.scale, theirs.scale.float())
     (tokens,) = random_prompts(VOCAB, (70,), seed=11)
-    logits, _ = engine_prompt_logits(fp8, tokens)
+    logits, _ = engine_prompt_logits(quantized, tokens)
     assert torch.equal(logits, engine_prompt_logits(ct, tokens)[0])
-    # quantization happened: not the unquantized model's logits
     assert not torch.equal(logits, engine_prompt_logits(plain, tokens)[0])
+
+
+def test_weights_are_fp8_as_compressed_tensors_writes_them(zoo_model, tmp_path: Path) -> None:
+    plain_path = zoo_model("llama")
+    fp8, plain, parts = held_quantized(plain_path, "fp8", torch.float8_e4m3fn)
+    elements = sum(q.values.numel() for q in parts)
+    assert sum(q.nbytes for q in parts) < 0.55 * 2 * elements  # about half of bf16
+    # the compressed-tensors library's FP8-dynamic quantization of the same weights
+    ct_path = compress(plain_path, tmp_path / "ct", "fp8-dynamic")
+    as_compressed_tensors_writes_them(fp8, plain, parts, ct_path)
 
 
 # Bounds on (max |logit error|, mean |logit error|, teacher-forced top-1 agreement, greedy

@@ -26,11 +26,11 @@ from batchgen import Engine, SamplingParams
 from batchgen.worker.engine_config import EngineConfig
 from batchgen.worker.models import UnsupportedModelError
 from batchgen.worker.worker_errors import InvalidEngineConfig
-from tests.family_parity import engine_prompt_logits, random_prompts
+from tests.family_parity import random_prompts
 from tests.model_zoo import VOCAB
 from tests.quant_checkpoints import compress
-from tests.test_online_fp8 import SETTINGS, _parts
-from tests.test_quantized_models import _model_bytes, _projections, _reference_greedy
+from tests.test_online_fp8 import SETTINGS, as_compressed_tensors_writes_them, held_quantized
+from tests.test_quantized_models import _projections, _reference_greedy
 
 # the engine's fused projections, by the checkpoint's module names (of layer i)
 FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
@@ -61,18 +61,7 @@ def test_weights_are_int8_and_the_product_is_integer(
     zoo_model, tmp_path: Path, monkeypatch
 ) -> None:
     plain_path = zoo_model("llama")
-    int8 = Engine.from_pretrained(plain_path, quantization="int8", **SETTINGS)
-    parts = _parts(int8)
-    assert len(parts) == 14  # q, k, v, o, gate, up, down of 2 layers
-    for q in parts:
-        assert q.values.dtype == torch.int8 and q.values.shape == q.shape
-        assert q.scale.dtype == torch.float32 and q.scale.shape == (q.out_features, 1)
-        assert q.zero_point is None
-    # resident bytes: the fp32 model less 3 of every projection weight's 4 bytes, plus scales
-    plain = Engine.from_pretrained(plain_path, **SETTINGS)
-    elements = sum(q.values.numel() for q in parts)
-    scales = sum(q.scale.nbytes for q in parts)
-    assert _model_bytes(int8) == _model_bytes(plain) - 3 * elements + scales
+    int8, plain, parts = held_quantized(plain_path, "int8", torch.int8)
     # every projection multiplies the stored int8 weights themselves (no copy) in int32
     projections = _projections(int8)
     for p in projections:
@@ -95,15 +84,8 @@ def test_weights_are_int8_and_the_product_is_integer(
     monkeypatch.undo()
 
     # the compressed-tensors library's W8A8 int8 quantization of the same weights
-    ct = Engine.from_pretrained(compress(plain_path, tmp_path / "ct", "w8a8-int8"), **SETTINGS)
-    for ours, theirs in zip(parts, _parts(ct), strict=True):
-        assert torch.equal(ours.values, theirs.values)
-        assert torch.equal(ours.scale, theirs.scale.float())
-    (tokens,) = random_prompts(VOCAB, (70,), seed=11)
-    logits, _ = engine_prompt_logits(int8, tokens)
-    assert torch.equal(logits, engine_prompt_logits(ct, tokens)[0])
-    # quantization happened: not the unquantized model's logits
-    assert not torch.equal(logits, engine_prompt_logits(plain, tokens)[0])
+    ct_path = compress(plain_path, tmp_path / "ct", "w8a8-int8")
+    as_compressed_tensors_writes_them(int8, plain, parts, ct_path)
 
 
 def _reference(path: Path) -> Any:
