@@ -333,11 +333,16 @@ FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size
 def test_quantization_config_refused_by_name(
     zoo_model, tmp_path: Path, config: dict, message: str
 ) -> None:
-    path = _with_quantization(tmp_path, zoo_model("llama"), config)
+    assert message in config_refusal(tmp_path, zoo_model("llama"), config)
+
+
+def config_refusal(tmp_path: Path, src: Path, config: dict) -> str:
+    """The error reading ``src``'s config under ``config`` as its quantization_config gives
+    (one line)."""
     with pytest.raises(UnsupportedModelError) as refused:
-        load_model_config(path)
-    assert message in str(refused.value)
+        load_model_config(_with_quantization(tmp_path, src, config))
     assert "\n" not in str(refused.value)
+    return str(refused.value)
 
 
 def test_plain_tensors_under_a_quantized_config_are_refused(zoo_model, tmp_path: Path) -> None:
