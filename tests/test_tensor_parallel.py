@@ -200,10 +200,10 @@ def test_a_rank_cuts_each_layer_before_it_reads_the_next(toy_model, monkeypatch)
     events: list[tuple[str, int]] = []
     read, cut = loader._read, tensor_parallel._shard_layer
 
-    def reading(file, name, entry):
+    def reading(file, name, entry, *rest):
         layer = re.match(r"model\.layers\.(\d+)\.", name)
         events.append(("read", -1 if layer is None else int(layer[1])))
-        return read(file, name, entry)
+        return read(file, name, entry, *rest)
 
     def cutting(layer, **kwargs):
         events.append(("cut", sum(kind == "cut" for kind, _ in events)))

@@ -4,7 +4,10 @@ A family says where its tensors are (``CheckpointLayout``: names, and how its
 fused or transposed tensors are laid out) and its ``ModelConfig`` says which
 exist (biases, norms, q/k norms); ``read_dense`` takes exactly those from the
 store, so a tensor the config does not account for stays behind and the load
-is refused (``TensorStore.check_all_taken``).
+is refused (``TensorStore.check_all_taken``). On a tensor-parallel rank it asks
+for the projections, embedding and LM head as their ``Split``s, so the store
+reads only this rank's slice of each (worker/models/tensor_shard.py says which,
+and which tensors are read whole).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from batchgen.worker.models.model_config import (
     QKNormScope,
 )
 from batchgen.worker.models.quant import read_quantized
-from batchgen.worker.models.tensor_store import TensorStore
+from batchgen.worker.models.tensor_shard import Split
+from batchgen.worker.models.tensor_store import Slice, TensorStore
 from batchgen.worker.models.weights import Linear, fuse
 
 
@@ -86,7 +90,7 @@ def read_dense(
         cut(reader.layer(f"{layout.prefix}{layout.layers}.{i}.", i))
         for i in range(config.num_layers)
     ]
-    embed = store.take(f"{layout.prefix}{layout.embed}.weight")
+    embed = store.take(f"{layout.prefix}{layout.embed}.weight", part=reader.part(Split.VOCAB))
     position_embed = None
     if config.learned_positions and layout.position_embed is not None:
         position_embed = store.take(f"{layout.prefix}{layout.position_embed}.weight")
@@ -111,17 +115,32 @@ class _Reader:
     mlp_reader: BlockReader | None = None
     attention_reader: BlockReader | None = None
 
-    def linear(self, name: str, bias: bool) -> Linear:
-        return self.fused([name], bias)
+    def part(self, split: Split | None, weight: bool = False) -> Slice | None:
+        """This rank's part of a ``split`` tensor (None: all of it); a weight's as stored."""
+        if split is None or self.store.slices is None:
+            return None
+        part = self.store.slices.of(split)
+        return part.transposed() if weight and self.layout.transposed else part
 
-    def fused(self, names: list[str], bias: bool) -> Linear:
+    def linear(self, name: str, bias: bool, split: Split | None = None) -> Linear:
+        return self.fused([name], bias, [split])
+
+    def fused(
+        self, names: list[str], bias: bool, splits: list[Split | None] | None = None
+    ) -> Linear:
+        """The projections ``names`` side by side; on a rank, ``splits`` their parts."""
         quantized = read_quantized(self.store, names, bias, self.layout)
         if quantized is not None:
             return quantized
-        weights = self.store.take_all(f"{n}.weight" for n in names)
+        splits = splits or [None] * len(names)
+        take = self.store.take
+        weights = [take(f"{n}.weight", part=self.part(s, True)) for n, s in zip(names, splits)]
         if self.layout.transposed:
             weights = [w.t() for w in weights]
-        biases = self.store.take_all(f"{n}.bias" for n in names) if bias else []
+        biases = []
+        for n, s in zip(names, splits) if bias else ():
+            part = self.part(s)  # a column-parallel bias is split like its rows; else whole
+            biases.append(take(f"{n}.bias", part=part if part and part.dim == 0 else None))
         return fuse(weights, biases)
 
     def norm(self, name: str, spec: NormSpec) -> Norm:
@@ -153,7 +172,7 @@ class _Reader:
 
     def self_attention(self, p: str) -> SelfAttention:
         a, lay = self.config.attention, self.layout
-        attention = SelfAttention(a, self.qkv(p), self.linear(p + lay.o, a.o_bias))
+        attention = SelfAttention(a, self.qkv(p), self.linear(p + lay.o, a.o_bias, Split.OUT))
         if a.qk_norm is not None:
             attention.q_norm = self.qk_norm(p + lay.q_norm, a.num_heads)
             attention.k_norm = self.qk_norm(p + lay.k_norm, a.num_kv_heads)
@@ -164,19 +183,21 @@ class _Reader:
     def dense_mlp(self, p: str) -> DenseMlp:
         m, lay = self.config.mlp, self.layout
         if m.gated and lay.gate_up is not None:
-            up = self.linear(p + lay.gate_up, m.bias)
+            up = self.linear(p + lay.gate_up, m.bias, Split.GATE_UP)
         elif m.gated:
-            up = self.fused([p + lay.gate, p + lay.up], m.bias)
+            up = self.fused([p + lay.gate, p + lay.up], m.bias, [Split.INTER, Split.INTER])
         else:
-            up = self.linear(p + lay.up, m.bias)
-        return DenseMlp(m, up, self.linear(p + lay.down, m.bias))
+            up = self.linear(p + lay.up, m.bias, Split.INTER)
+        return DenseMlp(m, up, self.linear(p + lay.down, m.bias, Split.DOWN))
 
     def qkv(self, p: str) -> Linear:
         a, lay = self.config.attention, self.layout
+        whole = lay.qkv_per_head or lay.rope_interleaved  # reordered at load: read whole
         if lay.qkv is None:
-            qkv = self.fused([p + lay.q, p + lay.k, p + lay.v], a.qkv_bias)
+            splits: list[Split | None] | None = None if whole else [Split.Q, Split.KV, Split.KV]
+            qkv = self.fused([p + lay.q, p + lay.k, p + lay.v], a.qkv_bias, splits)
         else:
-            qkv = self.linear(p + lay.qkv, a.qkv_bias)
+            qkv = self.linear(p + lay.qkv, a.qkv_bias, None if whole else Split.QKV)
             if lay.qkv_per_head:
                 qkv = _heads_to_blocks(qkv, a.num_heads, a.head_dim)
         if lay.rope_interleaved:
@@ -206,10 +227,11 @@ class _Reader:
     def lm_head(self, embed: torch.Tensor) -> Linear:
         cfg, name = self.config, self.layout.lm_head
         bias = self.store.take_if(cfg.head.bias, f"{name}.bias")
+        part = self.part(Split.VOCAB)
         if not cfg.tie_word_embeddings:
-            return Linear(self.store.take(f"{name}.weight").t().contiguous(), bias)
+            return Linear(self.store.take(f"{name}.weight", part=part).t().contiguous(), bias)
         if self.store.has(f"{name}.weight") and not torch.equal(
-            self.store.take(f"{name}.weight"), embed
+            self.store.take(f"{name}.weight", part=part), embed
         ):
             self.store.refuse(f"{name}.weight", "tie_word_embeddings is set, yet it differs")
         # a copy is worth its memory on the CPU; CUDA's matmuls take the transposed view as fast

@@ -25,9 +25,13 @@ and the block needs the same one all-reduce as a dense MLP (expert
 parallelism needs an all-to-all to send tokens to their experts' ranks and
 leaves a rank idle while a popular expert's rank works).
 
-Sharding happens after the family's reader produced the whole model's
-modules, so the readers (and what they learn about checkpoints) are the
-same for one rank and many.
+The readers read each plain projection, the embedding and the LM head as this
+rank's slice only (worker/models/tensor_shard.py's ``RankSlices`` says which,
+worker/models/loader.py reads just those bytes); what they read whole is cut
+here after each layer is read, so the readers (and what they learn about
+checkpoints) are the same for one rank and many. A tensor that already has
+its shard's size was read as that shard: the cut keeps it (a cut the size of
+the whole tensor keeps all of it in order, so this never mistakes a whole one).
 """
 
 from __future__ import annotations
@@ -61,16 +65,28 @@ from batchgen.worker.models.model_config import ModelConfig
 from batchgen.worker.models.quant.linear import QuantizedLinear
 from batchgen.worker.models.quant.quantized_experts import on_device
 from batchgen.worker.models.quant.sharding import column_shard, experts_shard, row_shard
-from batchgen.worker.models.tensor_shard import HeadSplit, Shard, check_shardable, split_heads
+from batchgen.worker.models.tensor_shard import (
+    HeadSplit,
+    Shard,
+    check_shardable,
+    rank_slices,
+    split_heads,
+    vocab_span,
+)
+from batchgen.worker.models.tensor_store import ReadCount
 from batchgen.worker.models.weights import Linear
 from batchgen.worker.worker_errors import UnsupportedModelError
 
 
 def _cols(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    if t.shape[-1] == index.numel():  # read as this rank's slice
+        return t
     return t.index_select(-1, index.to(t.device)).contiguous()
 
 
 def _rows(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    if t.shape[0] == end - start:  # read as this rank's slice
+        return t
     return t[start:end].contiguous()
 
 
@@ -149,11 +165,13 @@ class ShardedDecoder(Decoder):
         shard: Shard,
         vocab: tuple[int, int],
         vocab_per_rank: int,
+        reads: ReadCount,
     ) -> None:
         super().__init__(config, weights, ops, max_positions, device)
         self.shard = shard
         self.vocab = vocab  # this rank's rows of the embedding, columns of the LM head
         self.vocab_per_rank = vocab_per_rank  # the widest rank's; narrower ones pad to it
+        self.reads = reads  # what building it read from the checkpoint's files
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         start, end = self.vocab
@@ -179,8 +197,9 @@ def build_sharded_model(
     shard: Shard,
 ) -> ShardedDecoder:
     """``registry.build_model`` for one rank: the checkpoint read on the CPU a layer at a
-    time, each layer cut to this rank's shard as soon as it is read (so the rank holds
-    one whole layer at most), and only the shard moved to ``device``."""
+    time, its split tensors read as this rank's slices and the rest of each layer cut to
+    its shard as soon as it is read, and only the shard moved to ``device``; the
+    decoder's ``reads`` says what the rank read from the checkpoint's files."""
     from batchgen.worker.models.registry import BY_NAME
 
     family = BY_NAME[config.family]
@@ -189,6 +208,7 @@ def build_sharded_model(
     store.quantization = config.quantization
     a = config.attention
     heads = split_heads(a.num_heads, a.num_kv_heads, shard, config.family)
+    store.slices = rank_slices(config, heads, shard)
     store.cut_layer = functools.partial(_shard_layer, config=config, heads=heads, shard=shard)
     store.gemms = ops.quant_gemms
     weights = family.read_weights(store, config)
@@ -197,7 +217,7 @@ def build_sharded_model(
     local = _to_device(local, device)
     _experts_on_device(local, device, dtype)
     return ShardedDecoder(local_config, local, ops, max_positions, device, shard, vocab,
-                          vocab_per_rank)  # fmt: skip
+                          vocab_per_rank, store.reads)  # fmt: skip
 
 
 def _shard_vocab(
@@ -206,9 +226,7 @@ def _shard_vocab(
     """This rank's config (its heads and KV heads), weights (the layers already cut),
     vocabulary span and the widest span's size."""
     a = config.attention
-    per_rank = -(-config.vocab_size // shard.world)
-    vocab = (min(shard.rank * per_rank, config.vocab_size),
-             min((shard.rank + 1) * per_rank, config.vocab_size))  # fmt: skip
+    vocab, per_rank = vocab_span(config.vocab_size, shard)
     lm_head = _column_linear(weights.lm_head, torch.arange(*vocab))
     local = DecoderWeights(
         embed=_rows(weights.embed, *vocab),

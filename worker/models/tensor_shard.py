@@ -1,11 +1,27 @@
 """A rank's place in a tensor-parallel group: its collectives (``Shard``), the query and KV
-heads it computes (``split_heads``), and what the split refuses before any weight loads
-(``check_shardable``). worker/models/tensor_parallel.py cuts the weights by them."""
+heads it computes (``split_heads``), its vocabulary (``vocab_span``), the part of each split
+tensor it reads (``RankSlices``), and what the split refuses before any weight loads
+(``check_shardable``). worker/models/tensor_parallel.py cuts the weights by them.
+
+``RankSlices`` says which ``Slice`` of a plain (unquantized) projection, embedding or LM
+head is this rank's, so worker/models/loader.py reads only those bytes: a column-parallel
+projection (q, k, v, gate, up; HF (out, in)) its rows, one byte range per run; a
+row-parallel one (o, down) its columns, one range per row; the embedding and LM head
+their vocabulary rows; KV heads shared by several ranks (ranks outnumbering them) the one
+head each rank reads. The reader (worker/models/dense_weights.py) asks for these; what it
+takes without a slice is read whole and cut after (tensor_parallel.py): norms, the biases
+of row-parallel projections, per-head q/k norms, sinks, learned positions, every
+quantized projection (GPTQ/AWQ packed values, scales, zero points, g_idx, FP8 blocks,
+compressed-tensors, online-quantized ones), MoE experts and routers, MLA attention
+(DeepSeek), and projections a family reorders at load (GPT-NeoX's head-major q/k/v,
+interleaved rotary: Cohere, GLM).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from typing import Any
 
 import torch
@@ -14,6 +30,7 @@ from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed doe
 
 from batchgen.worker.models.model_config import ModelConfig, QKNormScope
 from batchgen.worker.models.quant.sharding import SPLIT_METHODS
+from batchgen.worker.models.tensor_store import Slice
 from batchgen.worker.worker_errors import UnsupportedModelError
 
 
@@ -86,6 +103,63 @@ def split_heads(num_heads: int, num_kv_heads: int, shard: Shard, name: str) -> H
         )
     head = rank * num_kv_heads // world
     return HeadSplit(q, (head, head + 1))
+
+
+def vocab_span(vocab_size: int, shard: Shard) -> tuple[tuple[int, int], int]:
+    """This rank's [start, end) of the vocabulary, and the widest rank's size."""
+    per_rank = -(-vocab_size // shard.world)
+    start = min(shard.rank * per_rank, vocab_size)
+    return (start, min(start + per_rank, vocab_size)), per_rank
+
+
+class Split(Enum):
+    """How a reader's tensor is split over the ranks (the HF (out, in) weight's runs)."""
+
+    Q = "q"  # rows: this rank's query heads
+    KV = "kv"  # rows: its KV heads (k and v each)
+    QKV = "qkv"  # rows of one fused q | k | v projection: its heads of each
+    INTER = "inter"  # rows: its span of the MLP's intermediate width (gate, up, fc1)
+    GATE_UP = "gate_up"  # rows of one fused gate | up projection: its span of each
+    OUT = "o"  # columns: its query heads' outputs
+    DOWN = "down"  # columns: its span of the intermediate width
+    VOCAB = "vocab"  # rows of the embedding or LM head: its vocabulary
+
+
+@dataclass(frozen=True, slots=True)
+class RankSlices:
+    """The part of each ``Split`` tensor one rank reads; the same parts
+    worker/models/tensor_parallel.py keeps when it cuts a tensor read whole."""
+
+    heads: HeadSplit
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    inter: tuple[int, int]  # [start, end) of the intermediate width
+    inter_size: int
+    vocab: tuple[int, int]
+
+    def of(self, split: Split) -> Slice:
+        d, (q0, q1), (k0, k1) = self.head_dim, self.heads.q, self.heads.kv
+        q, kv = (q0 * d, q1 * d), (k0 * d, k1 * d)
+        s0, s1 = self.inter
+        k_at, v_at = self.num_heads * d, (self.num_heads + self.num_kv_heads) * d
+        runs = {
+            Split.Q: (q,),
+            Split.KV: (kv,),
+            Split.QKV: (q, (k_at + kv[0], k_at + kv[1]), (v_at + kv[0], v_at + kv[1])),
+            Split.INTER: (self.inter,),
+            Split.GATE_UP: (self.inter, (self.inter_size + s0, self.inter_size + s1)),
+            Split.OUT: (q,),
+            Split.DOWN: (self.inter,),
+            Split.VOCAB: (self.vocab,),
+        }[split]
+        return Slice(1 if split in (Split.OUT, Split.DOWN) else 0, runs)
+
+
+def rank_slices(config: ModelConfig, heads: HeadSplit, shard: Shard) -> RankSlices:
+    a, inter = config.attention, config.mlp.intermediate_size
+    return RankSlices(heads, a.head_dim, a.num_heads, a.num_kv_heads, shard.span(inter), inter,
+                      vocab_span(config.vocab_size, shard)[0])  # fmt: skip
 
 
 def check_shardable(config: ModelConfig, world: int) -> None:
