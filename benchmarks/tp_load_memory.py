@@ -6,8 +6,9 @@
 Writes the toy llama (``batchgen.toy``), then for 1 rank and each rank of 2 starts a
 fresh process that builds that rank's model on the CPU
 (``worker/models/tensor_parallel.py``'s ``build_sharded_model``, no group needed) and
-prints its peak RSS (``ru_maxrss``) less its RSS before the build, and the bytes its
-layers' projections hold.
+prints its peak RSS (``ru_maxrss``) less its RSS before the build, the bytes its
+layers' projections hold, and the bytes it read from the checkpoint's files (a rank
+reads only its slices of the split tensors: worker/models/tensor_shard.py).
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def _one_rank(path: Path, world: int, rank: int) -> None:
         for linear in (layer.attention.block.qkv, layer.attention.block.o)
         + (layer.mlp.block.up, layer.mlp.block.down)
     )
+    reads = model.reads
     print(f"ranks {world}, rank {rank}: peak RSS - RSS before the build {peak - before} MiB; "
-          f"layer projections held {held >> 20} MiB")  # fmt: skip
+          f"layer projections held {held >> 20} MiB; read {reads.bytes} bytes of the "
+          f"checkpoint in {reads.calls} reads")  # fmt: skip
 
 
 def main() -> None:
