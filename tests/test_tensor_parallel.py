@@ -12,6 +12,7 @@ import os
 import signal
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -45,6 +46,20 @@ def _greedy(engine: Engine, vocab: int) -> list[list[int]]:
     prompts = [[t % vocab for t in p] for p in PROMPTS]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     return [list(o.token_ids) for o in engine.generate(prompts, params)]
+
+
+def one_and_two_ranks(
+    path, vocab: int, look: Callable[[Any], None] = lambda weights: None
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy ids of one rank and of two ranks; ``look`` sees the two ranks' rank-0 weights
+    (their shard's shapes) before the two generate."""
+    expected = _greedy(Engine.from_pretrained(path, **SETTINGS), vocab)
+    two = Engine.from_pretrained(path, **SETTINGS, tensor_parallel_size=2)
+    try:
+        look(two.runner.model.weights)  # type: ignore[attr-defined]
+        return expected, _greedy(two, vocab)
+    finally:
+        two.close()
 
 
 def _same_or_tie(path, vocab: int, one: list[list[int]], two: list[list[int]]) -> None:

@@ -26,7 +26,7 @@ from batchgen.worker.models.tensor_parallel import build_sharded_model
 from batchgen.worker.models.tensor_shard import Shard
 from tests.model_zoo import VOCAB
 from tests.quant_checkpoints import compress, quantize_awq, quantize_fp8_block, quantize_gptq
-from tests.test_tensor_parallel import SETTINGS, _greedy, _same_or_tie
+from tests.test_tensor_parallel import SETTINGS, _same_or_tie, one_and_two_ranks
 
 KINDS = ["gptq", "gptq-act-order", "gptq-g64", "awq"]
 
@@ -103,15 +103,13 @@ def test_on_the_triton_ops_each_shard_joins_its_runs_of_a_fused_projection(zoo_m
 @pytest.mark.parametrize("kind", KINDS)
 def test_two_ranks_give_one_ranks_tokens(zoo_model, tmp_path, kind):
     path = _checkpoint(zoo_model, tmp_path, kind)
-    expected = _greedy(Engine.from_pretrained(path, **SETTINGS), VOCAB)
-    two = Engine.from_pretrained(path, **SETTINGS, tensor_parallel_size=2)
-    try:
-        layer = two.runner.model.weights.layers[0]  # type: ignore[attr-defined]
-        shapes = {k: [(p.out_features, p.in_features) for p in v.parts]
-                  for k, v in _projections(layer).items()}  # fmt: skip
-        got = _greedy(two, VOCAB)
-    finally:
-        two.close()
+    shapes = {}
+
+    def look(weights) -> None:
+        shapes.update({k: [(p.out_features, p.in_features) for p in v.parts]
+                       for k, v in _projections(weights.layers[0]).items()})  # fmt: skip
+
+    expected, got = one_and_two_ranks(path, VOCAB, look)
     assert shapes == {"qkv": [(32, 64), (16, 64), (16, 64)], "o": [(64, 32)],
                       "up": [(64, 64), (64, 64)], "down": [(64, 64)]}  # fmt: skip
     assert got == expected
@@ -147,10 +145,9 @@ def test_fp8_and_compressed_weights_split_on_their_groups(zoo_model, tmp_path, k
         if kind == "fp8-block"
         else compress(src, out, "w4a16")
     )
-    two = Engine.from_pretrained(path, **SETTINGS, tensor_parallel_size=2)
-    try:
-        layer = two.runner.model.weights.layers[0]  # type: ignore[attr-defined]
-        qkv, down = layer.attention.block.qkv, layer.mlp.block.down
+
+    def look(weights) -> None:
+        qkv, down = weights.layers[0].attention.block.qkv, weights.layers[0].mlp.block.down
         assert isinstance(qkv, QuantizedLinear) and isinstance(down, QuantizedLinear)
         assert [(p.out_features, p.in_features) for p in qkv.parts] == [
             (32, 64),
@@ -158,10 +155,8 @@ def test_fp8_and_compressed_weights_split_on_their_groups(zoo_model, tmp_path, k
             (16, 64),
         ]
         assert [(p.out_features, p.in_features) for p in down.parts] == [(64, 64)]
-        got = _greedy(two, VOCAB)
-    finally:
-        two.close()
-    expected = _greedy(Engine.from_pretrained(path, **SETTINGS), VOCAB)
+
+    expected, got = one_and_two_ranks(path, VOCAB, look)
     _same_or_tie(path, VOCAB, expected, got)
 
 

@@ -35,7 +35,7 @@ from tests.quant_checkpoints import quantize_awq, quantize_fp8_block, quantize_g
 from tests.quant_moe_checkpoints import compress_moe
 from tests.test_quantized_moe import MOE_PROJECTION
 from tests.test_quantized_moe_int import PROJECTIONS, ROUTER_IGNORED
-from tests.test_tensor_parallel import SETTINGS, _greedy
+from tests.test_tensor_parallel import SETTINGS, one_and_two_ranks
 
 KINDS = ["fp8-block", "deepseek-fp8-block", "gptq", "gptq-act-order", "awq", "w4a16", "w8a16"]
 PART = {"gptq": GptqWeight, "gptq-act-order": GptqWeight, "awq": AwqWeight,
@@ -111,13 +111,9 @@ def test_each_expert_shard_dequantizes_to_its_slice_of_the_whole(zoo_model, tmp_
 @pytest.mark.parametrize("kind", KINDS)
 def test_two_ranks_give_one_ranks_tokens(zoo_model, tmp_path, kind):
     path = _checkpoint(zoo_model, tmp_path, kind)
-    expected = _greedy(Engine.from_pretrained(path, **SETTINGS), VOCAB)
-    two = Engine.from_pretrained(path, **SETTINGS, tensor_parallel_size=2)
-    try:
-        _check_layout(_experts(two.runner.model.weights.layers[1]), kind, 16)  # type: ignore[attr-defined]
-        got = _greedy(two, VOCAB)
-    finally:
-        two.close()
+    expected, got = one_and_two_ranks(
+        path, VOCAB, lambda weights: _check_layout(_experts(weights.layers[1]), kind, 16)
+    )
     assert got == expected
 
 
