@@ -3,6 +3,7 @@ taken, bit for bit what safetensors itself reads, and a damaged file refused in 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -40,11 +41,22 @@ def test_every_tensor_reads_as_safetensors_reads_it(tmp_path: Path) -> None:
     store.check_all_taken("none")
 
 
-def test_a_truncated_file_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+def test_a_truncated_file_is_refused_when_its_header_is_read(tmp_path: Path) -> None:
     save_file({"a": torch.zeros(4), "b": torch.ones(64)}, str(tmp_path / "model.safetensors"))
     file = tmp_path / "model.safetensors"
-    file.write_bytes(file.read_bytes()[:-8])
+    whole = file.read_bytes()
+    file.write_bytes(whole[:-8])
+    with pytest.raises(UnsupportedModelError, match=re.escape(
+        f"{file}: {len(whole) - 8} bytes, but its header places tensor 'b' up to byte "
+        f"{len(whole)} (a truncated checkpoint: copy it again)")):  # fmt: skip
+        read_checkpoint(tmp_path, CPU, torch.float32)
+
+
+def test_a_file_cut_after_its_header_was_read_is_refused_naming_the_tensor(tmp_path: Path):
+    save_file({"a": torch.zeros(4), "b": torch.ones(64)}, str(tmp_path / "model.safetensors"))
+    file = tmp_path / "model.safetensors"
     store = read_checkpoint(tmp_path, CPU, torch.float32)  # headers only: no tensor read yet
+    file.write_bytes(file.read_bytes()[:-8])
     assert torch.equal(store.take("a"), torch.zeros(4))
     with pytest.raises(UnsupportedModelError, match=r"tensor 'b' of 256 bytes .* ends after "
                        r"248 \(a truncated or damaged checkpoint\)"):  # fmt: skip

@@ -136,14 +136,17 @@ def test_each_rank_reads_its_shard_and_the_norms_and_nothing_else(toy_model, arc
     assert read[0] + read[1] == sum(nbytes.values()) + norms
 
 
-def test_a_truncated_file_is_refused_naming_it_where_a_slice_reaches_the_cut(tmp_path: Path):
+def test_a_file_cut_after_its_header_was_read_is_refused_where_a_slice_reaches_the_cut(
+    tmp_path: Path,
+):
+    """(A file short before the load is refused by every rank at its header:
+    tests/test_checkpoint_reads.py.)"""
     whole = torch.arange(8 * 16, dtype=torch.float32).view(8, 16)
     file = tmp_path / "model.safetensors"
     save_file({"w": whole}, str(file))
+    first, store = (read_checkpoint(tmp_path, CPU, torch.float32) for _ in range(2))
     file.write_bytes(file.read_bytes()[:-8])  # the last two values of row 7
-    store = read_checkpoint(tmp_path, CPU, torch.float32)
-    assert torch.equal(store.take("w", part=Slice(1, ((0, 12),))), whole[:, :12])
-    store = read_checkpoint(tmp_path, CPU, torch.float32)
+    assert torch.equal(first.take("w", part=Slice(1, ((0, 12),))), whole[:, :12])
     with pytest.raises(UnsupportedModelError, match=rf"^{file}: tensor 'w' of 512 bytes for "
                        r"\(8, 16\) torch.float32 ends after 504 \(a truncated or damaged "
                        r"checkpoint\)$"):  # fmt: skip

@@ -57,6 +57,7 @@ def _header(file: Path) -> dict[str, _Entry]:
         with file.open("rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
+            file_size = os.fstat(f.fileno()).st_size
         header.pop("__metadata__", None)
         base = 8 + size
         entries = {}
@@ -66,11 +67,18 @@ def _header(file: Path) -> dict[str, _Entry]:
                 raise ValueError(f"tensor {name!r}: dtype {e['dtype']} (not in this torch)")
             start, stop = (base + o for o in e["data_offsets"])
             entries[name] = _Entry(dtype, tuple(e["shape"]), start, stop)
-        return entries
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise UnsupportedModelError(
             f"{file} is not a safetensors file batchgen reads ({exc!r})"
         ) from None
+    # every rank refuses a short file at once, not only the one whose slice reaches the cut
+    last = max(entries, key=lambda n: entries[n].stop, default=None)
+    if last is not None and entries[last].stop > file_size:
+        raise UnsupportedModelError(
+            f"{file}: {file_size} bytes, but its header places tensor {last!r} up to byte "
+            f"{entries[last].stop} (a truncated checkpoint: copy it again)"
+        )
+    return entries
 
 
 def _read(
