@@ -2,7 +2,8 @@
 
 A step multiplies its tokens by each layer's four weight matrices (fused
 q/k/v, o_proj, fused gate/up, down) and its sampled rows by the LM head.
-Timed alone (the engine's own ``linear`` on its own weights), at every
+Timed alone (the engine's own ``Linear`` projections: fp32 and bf16 ones
+packed for oneDNN as the run left them, worker/models/weights.py), at every
 (tokens, sampled rows) shape the run used, as often as it used it, they add
 up to the least time the run could take; output tokens over that time is its
 floor in tok/s, and the floor's time over the run's wall time is the share

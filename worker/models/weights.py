@@ -6,18 +6,23 @@ step is, run 10-30% faster with the weight in that layout than as a
 transposed operand. Projections that read the same input are fused into one
 matrix (q/k/v, gate/up) when read.
 
-On the CPU, an fp32 projection is packed at its first call into oneDNN's
-blocked layout (``torch.ops.mkldnn``, what torch.compile's CPU freezing
-uses) and multiplied from there: torch.mm copies the whole weight into
-MKL's panel layout on every call, which at decode's few rows takes as long
-as the arithmetic; packed once, the product takes 0.1-0.8x the time
-(``benchmarks/linear_bench.py``). Below ``PACK_MIN_FLOATS`` a oneDNN
-call's fixed cost (~15 us) outweighs the copy and torch.mm stays. A row's
-result does not depend on the other rows of the call nor on the thread
-count. The dense weight is then dropped (a ``meta`` tensor keeps its
-shape): the packed copy is the only one. Whether to pack is decided once,
-at the first call; where oneDNN cannot pack (a torch without it, another
-CPU) that projection and every later one stay with torch.mm.
+On the CPU, an fp32 or bf16 projection is packed at its first call into
+oneDNN's blocked layout (``torch.ops.mkldnn``, what torch.compile's CPU
+freezing uses) and multiplied from there: torch.mm copies the whole weight
+into the BLAS's panel layout on every call, which at decode's few rows takes
+as long as the arithmetic; packed once, the product takes 0.1-0.8x the time
+in fp32, and in bf16 0.2-0.9x torch.mm's bf16 time and 0.5-0.9x the fp32
+packed one (AVX512-BF16, 1-16 rows: ``benchmarks/linear_bench.py``), where
+torch.mm in bf16 gained little over fp32. Both sum in fp32 and round once.
+Below ``PACK_MIN`` elements (measured for each dtype) a oneDNN call's fixed
+cost (~15 us) outweighs the copy and torch.mm stays. bf16 is
+packed only on a CPU with AVX512-BF16 (which AMX CPUs have too): elsewhere
+oneDNN would emulate it, unmeasured. A row's result does not depend on the
+other rows of the call nor on the thread count. The dense weight is then
+dropped (a ``meta`` tensor keeps its shape): the packed copy is the only
+one. Whether to pack is decided once, at the first call; where oneDNN
+cannot pack (a torch without it, another CPU) that projection and every
+later one stay with torch.mm.
 """
 
 from __future__ import annotations
@@ -38,12 +43,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @functools.cache
-def _onednn() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def _onednn(dtype: torch.dtype) -> bool:
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    if dtype == torch.bfloat16:  # measured where the CPU multiplies bf16 itself; elsewhere
+        # oneDNN would emulate it, unmeasured, so bf16 stays with torch.mm there
+        native = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+        return bool(native is not None and native())
+    return dtype == torch.float32
 
 
-# Weights smaller than this many floats stay with torch.mm (256 x 256: oneDNN 1.4-3x slower)
-PACK_MIN_FLOATS = 1 << 17
+# Weights with fewer elements stay with torch.mm: there a oneDNN call's fixed cost outweighs
+# torch.mm's copy (fp32 256 x 256: packed 1.4-3x slower; bf16 64 x 64: 3.7x slower at one
+# row, while from 128 x 128 up packed bf16 is 0.7-0.9x torch.mm's time)
+PACK_MIN = {torch.float32: 1 << 17, torch.bfloat16: 1 << 14}
 _refused: list[str] = []  # why oneDNN could not pack a weight, once it could not
 
 
@@ -51,11 +66,11 @@ def packable(weight: torch.Tensor) -> bool:
     """Whether a projection with this (in, out) weight is packed for oneDNN at first call."""
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
         and weight.dim() == 2
-        and weight.numel() >= PACK_MIN_FLOATS
+        and weight.dtype in PACK_MIN
+        and weight.numel() >= PACK_MIN[weight.dtype]
         and bool(torch.backends.mkldnn.enabled)
-        and _onednn()
+        and _onednn(weight.dtype)
         and not _refused
     )
 
