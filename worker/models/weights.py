@@ -11,9 +11,12 @@ oneDNN's blocked layout (``torch.ops.mkldnn``, what torch.compile's CPU
 freezing uses) and multiplied from there: torch.mm copies the whole weight
 into the BLAS's panel layout on every call, which at decode's few rows takes
 as long as the arithmetic; packed once, the product takes 0.1-0.8x the time
-in fp32, and in bf16 0.2-0.9x torch.mm's bf16 time and 0.5-0.9x the fp32
-packed one (AVX512-BF16, 1-16 rows: ``benchmarks/linear_bench.py``), where
-torch.mm in bf16 gained little over fp32. Both sum in fp32 and round once.
+in fp32 (at two threads; at one, a one-row product is faster on torch.mm),
+and in bf16 0.24-0.88x torch.mm's bf16 time and 0.25-0.8x the fp32 packed
+one (AVX512-BF16, 1-16 rows, one thread or two: ``benchmarks/linear_bench.py``),
+where torch.mm in bf16 gained little over fp32. A bf16 product is summed in
+fp32 and rounded once (``tests/test_packed_linear.py`` holds it to that
+bound; measured, bit for bit torch.mm's).
 Below ``PACK_MIN`` elements (measured for each dtype) a oneDNN call's fixed
 cost (~15 us) outweighs the copy and torch.mm stays. bf16 is
 packed only on a CPU with AVX512-BF16 (which AMX CPUs have too): elsewhere
@@ -57,7 +60,7 @@ def _onednn(dtype: torch.dtype) -> bool:
 
 # Weights with fewer elements stay with torch.mm: there a oneDNN call's fixed cost outweighs
 # torch.mm's copy (fp32 256 x 256: packed 1.4-3x slower; bf16 64 x 64: 3.7x slower at one
-# row, while from 128 x 128 up packed bf16 is 0.7-0.9x torch.mm's time)
+# row, while from 128 x 128 up packed bf16 is 0.8-0.95x torch.mm's time)
 PACK_MIN = {torch.float32: 1 << 17, torch.bfloat16: 1 << 14}
 _refused: list[str] = []  # why oneDNN could not pack a weight, once it could not
 
