@@ -46,7 +46,7 @@ def test_wheel_has_only_batchgen_at_the_top(tmp_path: Path):
         assert "http://" not in path.read_text() and "https://" not in path.read_text()
     # and the CPU path's C sources, which it compiles where it runs
     c_sources = sorted(p.name for p in (REPO / "kernels" / "cpu").glob("*.[ch]"))
-    assert c_sources == ["decode_attention.c", "elementwise.c", "exp8.h"]
+    assert c_sources == ["bf16.h", "decode_attention.c", "elementwise.c", "exp8.h"]
     for name in c_sources:
         assert f"batchgen/kernels/cpu/{name}" in names
 

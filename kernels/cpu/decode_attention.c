@@ -28,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "exp8.h"
+#include "bf16.h"
 
 /* q (S, H, D) fp32 with row/head strides, unit stride in D; k/v caches contiguous
    (num_blocks, BS, HK, D), fp32 or bf16 (kv_bf16: the upper 16 bits of an fp32, as
@@ -56,15 +56,9 @@ static inline void prefetch(const char *at, int64_t n)
 }
 
 /* Element d of a K/V row as fp32: a bf16 is the upper half of its fp32. */
-static inline float kv_at(const void *row, int64_t d, const int bf16)
+static inline float kv_at(const void *row, int64_t d, const int is_bf16)
 {
-    if (bf16) {
-        const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
-    return ((const float *)row)[d];
+    return is_bf16 ? bf16_load(((const bf16_t *)row)[d]) : ((const float *)row)[d];
 }
 
 /* out[0 .. V_CHUNK) = sum over p in [lo, n) of w[p] * V[p][at .. at + V_CHUNK), in p's

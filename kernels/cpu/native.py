@@ -4,14 +4,18 @@
 - RMSNorm with an optional residual add, neox rotary, SiLU-and-multiply and
   the K/V store into their cache slots: ``elementwise.c``;
 - ``exp8``, e^x eight floats at a time, which the attention's softmax and
-  SiLU share: ``exp8.h``.
+  SiLU share: ``exp8.h``; bf16 to and from fp32 (round to nearest even, as
+  torch): ``bf16.h``.
 
-The C files ship beside this module (package data). fp32 throughout, but for
-the decode attention's K/V cache, which may be bf16 (its sums in fp32); the
-callers (``decode_native.py``, ``elementwise.py``) check what the C code
-trusts. The two files are compiled into one library with the machine's C
-compiler (``$CC``, else cc, gcc or clang; well under a second) and called
-through ctypes, which releases the GIL. Where there is no compiler, or the
+The C files ship beside this module (package data). The attention is fp32
+with a K/V cache of fp32 or bf16 (its sums in fp32); ``elementwise.c`` has
+each function for fp32 (``_f32``) and for bf16 (``_bf16``: bf16 tensors but
+for the rotary's fp32 cos/sin, computed in fp32 and rounded to bf16 where
+``reference.py``'s bf16 path rounds). The callers (``decode_native.py``,
+``elementwise.py``) check what the C code trusts. The two files are compiled
+into one library with the machine's C compiler (``$CC``, else cc, gcc or
+clang; well under a second) and called through ctypes, which releases the
+GIL. Where there is no compiler, or the
 build fails, ``load()`` returns None and the callers keep to torch.
 
 The library is kept in ``$XDG_CACHE_HOME/batchgen/kernels`` (else
@@ -52,9 +56,9 @@ from batchgen.kernels.kernel_errors import BuildFailed
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-# compiled together into one library; exp8.h is included by both
+# compiled together into one library; bf16.h (which includes exp8.h) by both
 SOURCES = ("decode_attention.c", "elementwise.c")
-HEADERS = ("exp8.h",)
+HEADERS = ("exp8.h", "bf16.h")
 LIBRARY = "cpu_native.so"
 DIGEST = "cpu_native.so.sha256"
 KEEP = 8  # cache entries kept: the ones used last
@@ -66,16 +70,22 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
         [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
          _I64, _F32, _I64, _I64, _F32, _PTR, _I64], ctypes.c_int,
     ),
-    "add_rms_norm_f32": ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None),
-    "rotary_f32": (
-        [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64],
-        ctypes.c_int,
-    ),
-    "silu_and_mul_f32": ([_PTR, _I64, _PTR, _I64, _I64], None),
-    "store_kv_f32": (
-        [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
-        ctypes.c_int,
-    ),
+    **{
+        f"{name}_{dtype}": signature
+        for dtype in ("f32", "bf16")
+        for name, signature in (
+            ("add_rms_norm", ([_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _F32], None)),
+            ("rotary", (
+                [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64,
+                 _I64, _I64], ctypes.c_int,
+            )),
+            ("silu_and_mul", ([_PTR, _I64, _PTR, _I64, _I64], None)),
+            ("store_kv", (
+                [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+                ctypes.c_int,
+            )),
+        )
+    },
 }  # fmt: skip
 # -march=native where the compiler knows it; -fopenmp-simd vectorises the
 # reductions without OpenMP's runtime (torch has its own thread pool).
@@ -137,6 +147,10 @@ class Native:
     rotary_f32: Any
     silu_and_mul_f32: Any
     store_kv_f32: Any
+    add_rms_norm_bf16: Any
+    rotary_bf16: Any
+    silu_and_mul_bf16: Any
+    store_kv_bf16: Any
 
 
 @functools.cache
