@@ -199,7 +199,9 @@ NO_FMA int rotary_bf16(
 /* silu_and_mul_f32 for bf16 x and out, as reference.py's bf16 path: out = bf16(bf16(silu(g))
    * u), silu in fp32. e^-g is exp8's (within 2 ulp) where torch's is Sleef's (within 1),
    so silu(g) may differ from torch's in its last fp32 bits, and an output by one bf16
-   step where that moves a rounding. */
+   step where that moves a rounding; a gate under -87 (e^-g clamped, as in fp32) gives
+   silu(g) of magnitude under 1e-36 where torch's is 0, and silu(-inf) is -inf
+   where torch's is NaN. */
 void silu_and_mul_bf16(const bf16_t *x, int64_t x_stride, bf16_t *out, int64_t T, int64_t N)
 {
     bf16_t silu[8];
