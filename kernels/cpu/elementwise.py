@@ -25,9 +25,9 @@ from batchgen.kernels.cpu.native import Native, load
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def _kernel(native: Native | None, name: str, dtype: torch.dtype) -> Any:
-    """The C function ``name`` for ``dtype`` (a key of ``_SUFFIX``), or None."""
-    return None if native is None else getattr(native, f"{name}_{_SUFFIX[dtype]}")
+def _kernel(native: Native, name: str, dtype: torch.dtype) -> Any:
+    """The C function ``name`` for ``dtype`` (a key of ``_SUFFIX``)."""
+    return getattr(native, f"{name}_{_SUFFIX[dtype]}")
 
 
 def _rows(*tensors: torch.Tensor) -> bool:
